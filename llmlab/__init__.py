@@ -1,0 +1,12 @@
+"""llmlab: a Jupyter-first course on distributed LLM inference with vLLM.
+
+``client, model = llmlab.connect()`` is the one way a notebook reaches a server (see
+``llmlab.connection``); the topic modules (memory, kvcache, sampling, ...) hold the course's code.
+"""
+
+from llmlab import check
+from llmlab.connection import AuthenticationFailed, Connection, ServerError, ServerUnavailable, connect
+
+__version__ = "0.1.0"
+__all__ = ["connect", "Connection", "ServerError", "ServerUnavailable", "AuthenticationFailed", "check",
+           "__version__"]

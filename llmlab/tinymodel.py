@@ -1,0 +1,262 @@
+"""Build the course's tiny Llama from a registry-packaged corpus: ``python -m llmlab.tinymodel``.
+
+Why a model of our own: the notebooks must run on a laptop and in CI, where nothing may be downloaded
+from a model hub.  So the project trains a real (if small) ``LlamaForCausalLM`` once, deterministically,
+and ships it in ``llmlab/models/llmlab-tiny``.  Nobody needs to run this module to take the course; it
+exists so that the shipped weights can be rebuilt and audited.
+
+Corpus: the World English Bible (2015 revision, public domain) from Debian's ``sword-text-web``
+package -- the cleanest modern English text that a package registry provides (see the model README).
+The script needs ``apt-get download`` (Debian/Ubuntu) or ``--sword-dir`` pointing at an unpacked module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import struct
+import subprocess
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+MODEL_DIR = Path(__file__).parent / "models" / "llmlab-tiny"
+SWORD_MODULE = "usr/share/sword/modules/texts/ztext/engWEB2015eb"
+
+# The architecture: small enough to train in ~25 minutes on 2 CPU cores, with grouped-query attention
+# (8 query heads share 2 KV heads) so that the KV-cache arithmetic of notebooks 01/02 is not trivial.
+ARCH = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=640,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+)
+TRAIN = dict(seed=1234, steps=1400, batch=8, context=512, lr=3e-3, warmup=100, weight_decay=0.1,
+             clip=1.0, val_fraction=0.02, threads=2)
+SPECIALS = ["<s>", "</s>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] | trim }}\n"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+# --------------------------------------------------------------------------------------------- corpus
+def fetch_sword_module(workdir: Path) -> Path:
+    """Download and unpack Debian's ``sword-text-web`` (no root needed) and return the module dir."""
+    subprocess.run(["apt-get", "download", "sword-text-web"], cwd=workdir, check=True)
+    deb = next(workdir.glob("sword-text-web_*.deb"))
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(workdir / "root")], check=True)
+    return workdir / "root" / SWORD_MODULE
+
+
+def read_ztext(module_dir: Path, testament: str) -> list[str]:
+    """Return the raw OSIS text of every verse of one testament ("ot"/"nt") of a SWORD zText module.
+
+    Format: ``.bzs`` holds 12-byte records (offset, size, uncompressed size) of zlib blocks in ``.bzz``;
+    ``.bzv`` holds 10-byte records (block, offset, size) of each verse inside its decompressed block.
+    """
+    bzs = (module_dir / f"{testament}.bzs").read_bytes()
+    bzz = (module_dir / f"{testament}.bzz").read_bytes()
+    bzv = (module_dir / f"{testament}.bzv").read_bytes()
+    blocks = []
+    for i in range(0, len(bzs), 12):
+        offset, size, _ = struct.unpack_from("<III", bzs, i)
+        blocks.append(zlib.decompress(bzz[offset:offset + size]))
+    verses = []
+    for i in range(0, len(bzv), 10):
+        block, offset, size = struct.unpack_from("<IIH", bzv, i)
+        if size:
+            verses.append(blocks[block][offset:offset + size].decode("utf-8"))
+    return verses
+
+
+_DROP = re.compile(r"<(note|title)\b[^>]*>.*?</\1>", re.S)
+_PARAGRAPH = re.compile(r'<div[^>]*sID="[^"]*"[^>]*type="x-p"[^>]*/>|<chapter\b[^>]*sID=[^>]*/>')
+_TAG = re.compile(r"<[^>]+>")
+
+
+def paragraphs(osis_verses: list[str]) -> list[str]:
+    """Turn OSIS verses into plain-text paragraphs (footnotes and headings dropped)."""
+    text = " ".join(osis_verses)
+    text = _DROP.sub("", text)
+    text = _PARAGRAPH.sub("\n", text)
+    text = _TAG.sub("", text)
+    paras = [re.sub(r"\s+", " ", p).strip() for p in text.split("\n")]
+    return [re.sub(r" ([,.;:?!])", r"\1", p) for p in paras if len(p) > 20]
+
+
+def load_corpus(sword_dir: Path | None) -> list[str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        module = sword_dir or fetch_sword_module(Path(tmp))
+        return paragraphs(read_ztext(module, "ot")) + paragraphs(read_ztext(module, "nt"))
+
+
+# ------------------------------------------------------------------------------------------ tokenizer
+def train_tokenizer(paras: list[str], out_dir: Path):
+    """Byte-level BPE that adds BOS like Llama's tokenizer, saved as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=ARCH["vocab_size"], special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(paras, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", model_max_length=ARCH["max_position_embeddings"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+# ------------------------------------------------------------------------------------------- training
+def encode(fast, paras: list[str]):
+    """One token stream: ``<s> paragraph </s>`` repeated, so the model learns to end a paragraph."""
+    import torch
+
+    ids = []
+    for batch_start in range(0, len(paras), 1000):
+        for row in fast(paras[batch_start:batch_start + 1000])["input_ids"]:
+            ids.extend(row + [fast.eos_token_id])
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def lr_at(step: int) -> float:
+    """Linear warm-up, then cosine decay to 10 % of the peak."""
+    if step < TRAIN["warmup"]:
+        return TRAIN["lr"] * (step + 1) / TRAIN["warmup"]
+    progress = (step - TRAIN["warmup"]) / max(1, TRAIN["steps"] - TRAIN["warmup"])
+    return TRAIN["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batches(data, gen):
+    import torch
+
+    n, ctx = TRAIN["batch"], TRAIN["context"]
+    starts = torch.randint(0, len(data) - ctx - 1, (n,), generator=gen)
+    x = torch.stack([data[s:s + ctx] for s in starts])
+    y = torch.stack([data[s + 1:s + ctx + 1] for s in starts])
+    return x, y
+
+
+def lm_loss(model, x, y):
+    """Mean next-token cross-entropy; ``y`` is ``x`` shifted by one, so no shifting happens here."""
+    import torch
+
+    logits = model(input_ids=x).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def evaluate(model, data, n_batches: int = 20) -> float:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    model.eval()
+    with torch.no_grad():
+        losses = [lm_loss(model, *batches(data, gen)) for _ in range(n_batches)]
+    model.train()
+    return float(sum(losses) / len(losses))
+
+
+def train(out_dir: Path, sword_dir: Path | None, steps: int | None = None) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if steps:
+        TRAIN["steps"] = steps
+    torch.manual_seed(TRAIN["seed"])
+    torch.set_num_threads(TRAIN["threads"])
+    t0 = time.time()
+    paras = load_corpus(sword_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast = train_tokenizer(paras, out_dir)
+    data = encode(fast, paras)
+    n_val = int(len(data) * TRAIN["val_fraction"])
+    train_data, val_data = data[:-n_val], data[-n_val:]
+    print(f"corpus: {len(paras)} paragraphs, {sum(map(len, paras)) / 1e6:.1f} M characters, "
+          f"{len(data) / 1e6:.2f} M tokens ({time.time() - t0:.0f} s)", flush=True)
+
+    config = LlamaConfig(**ARCH, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                         pad_token_id=fast.pad_token_id)
+    model = LlamaForCausalLM(config)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": TRAIN["weight_decay"]},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=TRAIN["lr"], betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(TRAIN["seed"])
+    t_train = time.time()
+    for step in range(TRAIN["steps"]):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        x, y = batches(train_data, gen)
+        loss = lm_loss(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN["clip"])
+        opt.step()
+        if step % 50 == 0 or step == TRAIN["steps"] - 1:
+            rate = (step + 1) * TRAIN["batch"] * TRAIN["context"] / (time.time() - t_train)
+            print(f"step {step:5d}  loss {loss.item():.3f}  lr {lr_at(step):.2e}  {rate:,.0f} tok/s", flush=True)
+    train_minutes = (time.time() - t_train) / 60
+    stats = {"train_loss": round(evaluate(model, train_data), 3), "val_loss": round(evaluate(model, val_data), 3),
+             "train_minutes": round(train_minutes, 1),
+             "tokens_seen": TRAIN["steps"] * TRAIN["batch"] * TRAIN["context"],
+             "corpus_tokens": len(data), "parameters": sum(p.numel() for p in model.parameters()),
+             "recipe": TRAIN}
+    model.generation_config.pad_token_id = fast.pad_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
+    print(json.dumps(stats, indent=2))
+    return stats
+
+
+def samples(model_dir: Path, prompt: str = "In the beginning", max_new_tokens: int = 60) -> dict:
+    """Greedy and T=0.8 continuations, for the model README."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = {}
+    for temperature in (0.0, 0.8):
+        torch.manual_seed(0)
+        kwargs = {"do_sample": True, "temperature": temperature} if temperature else {"do_sample": False}
+        gen = model.generate(ids, max_new_tokens=max_new_tokens, **kwargs)
+        out[temperature] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=MODEL_DIR)
+    parser.add_argument("--sword-dir", type=Path, help="an unpacked engWEB2015eb module (default: apt-get download)")
+    parser.add_argument("--steps", type=int, help=f"training steps (default {TRAIN['steps']})")
+    args = parser.parse_args(argv)
+    tmp_out = Path(tempfile.mkdtemp(prefix="llmlab-tiny-"))
+    train(tmp_out, args.sword_dir, args.steps)
+    for name in ("training.json", "config.json", "generation_config.json", "model.safetensors",
+                 "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (tmp_out / name).exists():
+            args.out.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(tmp_out / name, args.out / name)
+    for t, text in samples(args.out).items():
+        print(f"--- temperature {t}:\n{text}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""connect()'s search order and its errors, without a server where none is needed."""
+
+import json
+import os
+import stat
+
+import pytest
+
+import llmlab
+from llmlab import connection
+from llmlab.server import free_port
+
+
+@pytest.fixture
+def slurm_file(tmp_path):
+    """A SLURM job's connection file pointing at a closed port; removed afterwards, as the job's trap does."""
+    key = connection.write_private(tmp_path / "job.key", "secret-key\n")
+    path = connection.servers_dir() / "4242.json"
+    connection.write_connection_file(path, kind="slurm", host="127.0.0.1", port=free_port(), model="llama3.1-70b",
+                                     api_key_file=key, job_id="4242", nodes=2)
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def test_connection_file_roundtrip_is_private(slurm_file):
+    assert stat.S_IMODE(os.stat(slurm_file).st_mode) == 0o600
+    info = connection.read_connection_file(slurm_file)
+    assert info["model"] == "llama3.1-70b" and info["job_id"] == "4242" and info["nodes"] == 2
+    assert "secret-key" not in slurm_file.read_text()  # the file names the key file, never the key
+
+
+def test_malformed_connection_file_names_the_field(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"host": "n1", "port": 1}))
+    with pytest.raises(llmlab.ServerError, match="model, api_key_file"):
+        connection.read_connection_file(bad)
+    bad.write_text("{not json")
+    with pytest.raises(llmlab.ServerError, match="not valid JSON"):
+        connection.read_connection_file(bad)
+
+
+def test_slurm_connection_file_wins_over_embedded_and_down_server_is_one_sentence(slurm_file):
+    with pytest.raises(llmlab.ServerUnavailable) as err:
+        llmlab.connect()
+    message = str(err.value)
+    assert "SLURM job 4242" in message and "squeue" in message and "\n" not in message
+
+
+def test_env_url_to_closed_port_says_how_to_fix(monkeypatch):
+    monkeypatch.setenv("LLMLAB_BASE_URL", f"http://127.0.0.1:{free_port()}/v1")
+    with pytest.raises(llmlab.ServerUnavailable, match="unset it to use the embedded server"):
+        llmlab.connect()
+
+
+def test_missing_key_file_is_explained(tmp_path):
+    with pytest.raises(llmlab.AuthenticationFailed, match="Cannot read the API key file"):
+        connection.read_key(tmp_path / "nope.key")
+
+
+def test_connection_file_that_vanished(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(tmp_path / "gone.json"))
+    with pytest.raises(llmlab.ServerUnavailable, match="job that wrote it has ended"):
+        llmlab.connect()

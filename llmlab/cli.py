@@ -80,6 +80,44 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def cmd_memory(args) -> int:
+    """Weights, KV cache and GPUs for one model, from its config.json (logic in ``llmlab.memory``)."""
+    from llmlab import memory
+
+    try:
+        report = memory.memory_report(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, tokens=args.tokens,
+                                      concurrency=args.concurrency, gpu_name=args.gpu,
+                                      gpus_per_node=args.gpus_per_node, utilization=args.gpu_memory_utilization,
+                                      overhead_gib=args.overhead_gib)
+    except (ValueError, KeyError) as e:
+        print(f"llmlab memory: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    gib = memory.GiB
+    plan = report["plan"]
+    lines = [
+        f"model            {report['model']} ({report['architecture']})",
+        f"parameters       {report['params']:,}",
+        f"weights          {report['weight_bytes'] / 1e9:,.2f} GB = {report['weight_bytes'] / gib:,.2f} GiB "
+        f"({report['dtype']})",
+        f"KV per token     {report['kv_bytes_per_token']:,} bytes (kv dtype {report['kv_dtype']})",
+        f"KV cache         {report['kv_cache_bytes'] / gib:,.2f} GiB for {report['concurrency']} x "
+        f"{report['tokens']:,} tokens",
+        f"GPUs ({report['gpu']})  {report['gpus_needed_weights']} for the weights, {report['gpus_needed']} with the "
+        f"KV cache (usable {report['usable_bytes_per_gpu'] / gib:.2f} GiB each)",
+    ]
+    if plan:
+        lines += [f"plan             TP={plan['tp']} x PP={plan['pp']} on {plan['nodes']} node(s): "
+                  f"{plan['kv_tokens']:,} KV tokens, max concurrency {plan['max_concurrency']:.2f}x",
+                  f"                 {plan['command']}"]
+    else:
+        lines.append(f"plan             none: {report['plan_error']}")
+    print("\n".join(lines))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmlab", description="The tools of llmlab, a course on LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="what this environment has and which server connect() would use")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("memory", help="weights, KV cache and GPUs needed for a model, from its config.json")
+    p.add_argument("model", help="a shipped name (llama3.1-8b, ..., llmlab-tiny) or a path to a config.json")
+    p.add_argument("--dtype", help="weight dtype: float32, bfloat16, float16, fp8, int8, int4 (default: checkpoint)")
+    p.add_argument("--kv-dtype", default="auto", help="KV cache dtype: auto, bfloat16, float16, fp8 (default: auto)")
+    p.add_argument("--tokens", type=int, help="tokens per request (default: the model's full context)")
+    p.add_argument("--concurrency", type=int, default=1, help="requests held in the KV cache at once")
+    p.add_argument("--gpu", default="H100-80", help="A100-40, A100-80, H100-80, H200-141, MI300X-192 or custom:<GiB>")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--overhead-gib", type=float, default=2.0, help="per-GPU allowance for activations")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_memory)
     return parser
 
 

@@ -15,8 +15,9 @@ The order, as read in vLLM 0.32 (``vllm/v1/sample/``), for one decoding step of 
    ``BUILTIN_LOGITS_PROCESSORS`` (``logits_processor/__init__.py``), implemented in ``logits_processor/builtin.py``:
 
    a. ``MinTokensLogitsProcessor.apply``: while fewer than ``min_tokens`` tokens have been generated, every
-      stop token id (``stop_token_ids`` plus the EOS id, which the engine adds even with ``ignore_eos``) gets
-      ``-inf``. Stop *strings* are matched on the decoded text later, so ``min_tokens`` cannot block them.
+      stop token id gets ``-inf``: ``stop_token_ids`` plus the EOS id(s) of the tokenizer and generation config,
+      which the engine adds even with ``ignore_eos`` (``SamplingParams.update_from_generation_config``).
+      Stop *strings* are matched on the decoded text later, so ``min_tokens`` cannot block them.
    b. ``LogitBiasLogitsProcessor.apply``: adds ``logit_bias[token]`` (clamped to [-100, 100] when the request
       is parsed, ``SamplingParams.from_optional``).
 3. Penalties, ``Sampler.apply_penalties`` -> ``ops/penalties.py: apply_all_penalties`` ->
@@ -34,9 +35,10 @@ The order, as read in vLLM 0.32 (``vllm/v1/sample/``), for one decoding step of 
 6. The argmax-invariant processors: ``MinPLogitsProcessor.apply`` computes the softmax of the *temperature-scaled*
    logits and removes every token whose probability is below ``min_p * max_probability``.
 7. ``TopKTopPSampler`` -> ``apply_top_k_top_p`` (``ops/topk_topp_sampler.py``; on CPU the pytorch variants
-   ``apply_top_k_only`` / ``apply_top_k_top_p_pytorch``): top-k keeps the tokens whose logit is at least the
-   k-th largest (ties survive), *then* top-p computes the softmax of what is left, sorts it ascending and drops
-   the tokens whose cumulative probability is ``<= 1 - top_p`` (the most likely token always survives).
+   ``apply_top_k_only`` / ``apply_top_k_top_p_pytorch``, on GPU a Triton or FlashInfer kernel for the same rule):
+   top-k keeps the tokens whose logit is at least the k-th largest (ties survive), *then* top-p computes the
+   softmax of what is left, sorts it ascending and drops the tokens whose cumulative probability, summed from
+   the least likely up, is ``<= 1 - top_p`` (the most likely token always survives).
 8. Softmax and a random draw (``random_sample``: the argmax of ``probs / q`` with ``q ~ Exponential(1)``, which is
    a draw from ``probs``; the CPU build fuses the same idea as Gumbel-max).
 

@@ -241,6 +241,55 @@ def samples(model_dir: Path, prompt: str = "In the beginning", max_new_tokens: i
     return out
 
 
+README = """# llmlab-tiny
+
+A {params:,}-parameter `LlamaForCausalLM` trained for the llmlab course, so that the real vLLM engine has a
+real model to serve on a laptop or in CI, with no download.  Not useful for anything but teaching.
+
+- architecture: {layers} layers, hidden {hidden}, MLP {inter}, {heads} query heads sharing {kv} KV heads
+  (grouped-query attention), context {ctx} tokens, tied input/output embeddings
+- tokenizer: byte-level BPE with {vocab:,} tokens; adds `<s>`; paragraphs end with `</s>`, so the model
+  stops by itself; a plain `Role: content` chat template in `chat_template.jinja`
+- weights: float32 safetensors (serve with `--dtype float32` to match transformers exactly)
+- corpus: the World English Bible, 2015 revision (public domain), from Debian's `sword-text-web`
+  package: {paras:,} paragraphs, {corpus_tokens:,} tokens, the last 2 % held out
+- training: `python -m llmlab.tinymodel` (seed {seed}): {steps} steps of {batch} x {context} tokens
+  ({tokens_seen:,} tokens, {epochs:.1f} epochs), AdamW, peak lr {lr} with warm-up and cosine decay
+- time: {minutes} minutes on 2 CPU cores
+- final loss (cross-entropy, nats per token): train {train_loss}, held-out {val_loss}
+
+Why this corpus: it is the largest clean, modern, freely licensed English text that a package registry
+ships (Debian `sword-text-web`); no registry package bundles a neutral narrative corpus of that size.
+Expect Bible-flavoured English with correct spelling and punctuation but no lasting meaning.
+
+## Samples (prompt "In the beginning", 60 new tokens, transformers)
+
+Temperature 0 (greedy; note how it loops):
+
+> {greedy}
+
+Temperature 0.8 (seed 0):
+
+> {warm}
+"""
+
+
+def write_readme(out_dir: Path, paras: int, sample: dict) -> None:
+    stats = json.loads((out_dir / "training.json").read_text())
+    config = json.loads((out_dir / "config.json").read_text())
+    recipe = stats["recipe"]
+    text = README.format(
+        params=stats["parameters"], layers=config["num_hidden_layers"], hidden=config["hidden_size"],
+        inter=config["intermediate_size"], heads=config["num_attention_heads"], kv=config["num_key_value_heads"],
+        ctx=config["max_position_embeddings"], vocab=config["vocab_size"], paras=paras,
+        corpus_tokens=stats["corpus_tokens"], seed=recipe["seed"], steps=recipe["steps"], batch=recipe["batch"],
+        context=recipe["context"], tokens_seen=stats["tokens_seen"], lr=recipe["lr"],
+        epochs=stats["tokens_seen"] / stats["corpus_tokens"], minutes=stats["train_minutes"],
+        train_loss=stats["train_loss"], val_loss=stats["val_loss"],
+        greedy=sample[0.0].strip().replace("\n", " "), warm=sample[0.8].strip().replace("\n", " "))
+    (out_dir / "README.md").write_text(text)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=MODEL_DIR)
@@ -254,7 +303,9 @@ def main(argv: list[str] | None = None) -> None:
         if (tmp_out / name).exists():
             args.out.mkdir(parents=True, exist_ok=True)
             shutil.copy2(tmp_out / name, args.out / name)
-    for t, text in samples(args.out).items():
+    sample = samples(args.out)
+    write_readme(args.out, len(load_corpus(args.sword_dir)), sample)
+    for t, text in sample.items():
         print(f"--- temperature {t}:\n{text}")
 
 

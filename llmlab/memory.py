@@ -59,11 +59,12 @@ DEFAULT_UTILIZATION = 0.9
 
 # Per-GPU allowance for what vLLM measures at start-up and subtracts before sizing the KV cache: the
 # peak activation of a profiling forward pass (one chunk of max_num_batched_tokens, so it hardly grows
-# with context length thanks to chunked prefill) plus non-torch memory (CUDA context, NCCL buffers).
-# Measured: Llama 3.1 8B on one H100, 1.1 + 0.22 GiB; on two H200s (TP=2), 0.71 + 0.07 GiB per GPU.
-# 2 GiB covers those with a margin for larger hidden sizes.  CUDA graphs (~1 GiB) are not in vLLM's
-# budget: they live in the (1 - utilization) share left over, which is why utilization stays < 1.
-DEFAULT_OVERHEAD_GIB = 2.0
+# with context length thanks to chunked prefill), non-torch memory (CUDA context, NCCL buffers), and an
+# estimate of the CUDA graphs' memory (subtracted by default in vLLM 0.32's source,
+# VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1; vLLM 0.26 left the graphs to the 1 - utilization share).
+# Measured, Llama 3.1 8B: one H100, 1.1 + 0.22 + 0.98 (graphs) GiB; two H200s (TP=2), 0.71 + 0.07 + 0.72
+# GiB per GPU.  3 GiB covers those with a margin for larger hidden sizes.
+DEFAULT_OVERHEAD_GIB = 3.0
 
 
 class ConfigError(ValueError):
@@ -701,11 +702,12 @@ def max_concurrency(budget_bytes: int, bytes_per_token: int, tokens_per_request:
     return kv_capacity(budget_bytes, bytes_per_token, block_size, tokens_per_request).max_concurrency
 
 
-def kv_budget(gpu_bytes: int, weights: int, activation: int, non_torch: int = 0,
+def kv_budget(gpu_bytes: int, weights: int, activation: int, non_torch: int = 0, cuda_graphs: int = 0,
               utilization: float = DEFAULT_UTILIZATION) -> int:
-    """The KV budget vLLM (0.26+) computes on a GPU: utilization x total memory minus the weights, the
-    profiled peak activation and non-torch memory.  Give the figures from its log for an exact result."""
-    return int(utilization * gpu_bytes) - weights - activation - non_torch
+    """The KV budget vLLM computes on one GPU: utilization x total memory, minus the weights, the profiled
+    peak activation, non-torch memory and (vLLM 0.32 by default; not 0.26) its CUDA-graph estimate.
+    With the figures from its start-up log the result is exact up to their rounding."""
+    return int(utilization * gpu_bytes) - weights - activation - non_torch - cuda_graphs
 
 
 KV_LOG = re.compile(r"(?P<device>\w+(?: \+ host)?) KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency "

@@ -49,10 +49,15 @@ def cmd_lab(args) -> int:
     """Start (or reuse) the embedded server, run JupyterLab on the notebooks; Ctrl-C stops both."""
     started = server.embedded_status() is None
     server.ensure_embedded(timeout=args.timeout)
-    cmd = [sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={args.dir}", *args.jupyter_args]
+    lab = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={args.dir}", *args.jupyter_args])
     try:
-        return subprocess.call(cmd)
+        return lab.wait()
     except KeyboardInterrupt:
+        lab.terminate()  # JupyterLab shuts down cleanly on SIGTERM (no "are you sure?" prompt)
+        try:
+            lab.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            lab.kill()
         return 0
     finally:
         if started:

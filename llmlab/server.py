@@ -112,6 +112,9 @@ class EmbeddedServer:
     def __init__(self, model: Path = TINY_MODEL, name: str = TINY_NAME, *, port: int | None = None,
                  host: str = "127.0.0.1", kv_cache_gib: float = 1.0, max_model_len: int | None = None,
                  extra_args: list[str] = (), log_path: Path | None = None, publish: bool = False):
+        if kv_cache_gib != int(kv_cache_gib) or kv_cache_gib < 1:
+            raise ValueError(f"kv_cache_gib={kv_cache_gib}: vLLM's CPU engine takes its KV space "
+                             "(VLLM_CPU_KVCACHE_SPACE) in whole GiB; use 1, 2, ...")
         self.model, self.name, self.host = Path(model), name, host
         self.port = port or free_port(host)
         self.kv_cache_gib, self.max_model_len, self.extra_args = kv_cache_gib, max_model_len, list(extra_args)

@@ -39,7 +39,7 @@ exercises: install
 # One pytest session: unit tests + every notebook and solution under nbval, against one embedded server.
 test: install lint
 	$(BIN)/llmlab exercises --check
-	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax
+	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env
 
 clean-venv:
 	rm -rf $(VENV)

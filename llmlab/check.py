@@ -125,3 +125,132 @@ def embedded_kv_tokens(tokens) -> None:
     require(n == expected, "bytes per token = 4 layers x 2 x 2 KV heads x 32 x 4 bytes (float32); blocks of 128 "
             "tokens; concurrency = blocks / ceil(500 / 128); tokens = int(concurrency x 500).")
     right(f"{n:,} tokens, 2048.00x: the line the server will log.")
+
+
+def ended_by_model(response, at_least: int) -> None:
+    """03: the model ended the text itself (EOS, not a stop string), after at least ``at_least`` tokens."""
+    choice = response.choices[0]
+    n = response.usage.completion_tokens
+    require(choice.finish_reason == "stop", f"finish_reason is {choice.finish_reason!r}: raise max_tokens so the "
+            "model has room to end the text itself.")
+    require(choice.stop_reason is None, f"it stopped at your stop string {choice.stop_reason!r}; leave `stop` out.")
+    require(n >= at_least, f"only {n} tokens: ask the server to mask the end-of-text token until {at_least} "
+            "tokens with extra_body={'min_tokens': ...}.")
+    right(f"{n} tokens, then the model's own end-of-text token (finish_reason 'stop', stop_reason None).")
+
+
+def stopped_at(response, stop: str) -> None:
+    """03: generation ended at the stop string ``stop`` (which is not part of the text)."""
+    choice = response.choices[0]
+    require(choice.stop_reason == stop, f"stop_reason is {choice.stop_reason!r}; pass stop=[{stop!r}].")
+    require(stop not in choice.text, "the stop string should not appear in the text.")
+    right(f"finish_reason {choice.finish_reason!r}, stop_reason {choice.stop_reason!r}: cut before the first {stop!r}.")
+
+
+def same_text(a: str, b: str) -> None:
+    """04: two generations that must be identical."""
+    require(isinstance(a, str) and isinstance(b, str), "store the generated *text* (choices[0].text) in both.")
+    require(len(a) > 0, "the text is empty: did you set max_tokens?")
+    require(a == b, f"they differ:\n  {a!r}\n  {b!r}\nOnly greedy decoding (temperature 0, or top_k=1) is "
+            "deterministic without a seed.")
+    right("identical: with only one candidate left at each step, sampling has nothing to choose from.")
+
+
+def survivors(answer: int, client, model: str, prompt: str, **params) -> None:
+    """04: how many of the top-20 next tokens survive the given sampling parameters."""
+    import numpy as np
+
+    from llmlab import sampling
+
+    top = sampling.next_token_distribution(client, model, prompt, k=20)
+    expected = int(np.count_nonzero(sampling.probabilities(
+        sampling.apply_processors(top.logits, sampling.SamplingParams(**params)))))
+    require(answer == expected, f"{answer} is not what the processors leave; apply temperature first, then top_p "
+            "(sampling.apply_processors does both, in vLLM's order), and count the non-zero probabilities.")
+    right(f"{expected} tokens survive {params}.")
+
+
+def prompt_rank(answer: int, client, model: str, text: str, token: str) -> None:
+    """05: the rank of ``token`` inside ``text``'s prompt logprobs."""
+    from llmlab import logprobs
+
+    table = logprobs.score_text(client, model, text)
+    expected = int(table.loc[table["token"] == token, "rank"].iloc[0])
+    require(answer == expected, f"{answer} is not the rank the server reports. Request "
+            "extra_body={'prompt_logprobs': 1} and read the 'rank' of that position (logprobs.score_text does).")
+    right(f"{token!r} ranks {expected} among the model's candidates at its position.")
+
+
+def best_choice(answer: str, client, model: str, prompt: str, options: list[str]) -> None:
+    """05: the option with the highest summed logprob after ``prompt``."""
+    from llmlab import logprobs
+
+    expected = logprobs.score_choices(client, model, prompt, options).loc[0, "option"]
+    require(answer in options, f"{answer!r} is not one of {options} (keep the leading space).")
+    require(answer == expected, f"{answer!r} is not the most likely: sum the logprobs of each option's tokens "
+            "after the prompt and take the largest.")
+    right(f"{expected!r} has the highest summed log-probability.")
+
+
+# --- 02_kv_caching --------------------------------------------------------------------------------
+
+def tiny_kv_bytes_per_token(per_token) -> None:
+    """02: KV bytes per token of the tiny model (float32), by hand from its config."""
+    from llmlab import memory
+
+    spec = memory.model_spec("llmlab-tiny")
+    expected = memory.kv_bytes_per_token(spec)
+    n = _whole(per_token, "bytes per token")
+    require(n != expected // 2, "that is half: count both K and V (each token leaves a key AND a value per layer), "
+            "at 4 bytes per value (float32, not bf16).")
+    require(n != expected * spec.num_heads // spec.num_kv_heads,
+            f"that uses the {spec.num_heads} query heads; K and V exist only for the {spec.num_kv_heads} KV heads "
+            "(grouped-query attention).")
+    require(n == expected, f"use layers ({spec.num_layers}) x 2 (K and V) x KV heads ({spec.num_kv_heads}) x "
+            f"head_dim ({spec.head_dim}) x 4 bytes (float32).")
+    right(f"{n:,} bytes per token: a 512-token context holds {512 * n / 2**20:.0f} MiB of keys and values.")
+
+
+def cache_matches_arithmetic(measured_bytes, cached_tokens, per_token) -> None:
+    """02: bytes of the real cached K/V tensors = cached tokens x the bytes per token computed by hand."""
+    from llmlab import memory
+
+    expected = memory.kv_bytes_per_token("llmlab-tiny")
+    tokens = _whole(cached_tokens, "the number of cached tokens")
+    measured = _whole(measured_bytes, "the measured bytes")
+    require(_whole(per_token, "bytes per token") == expected, "first get the bytes per token right (exercise 1).")
+    require(measured % expected == 0, "sum numel() x element_size() over the keys AND values of every layer.")
+    require(measured != tokens * expected // memory.model_spec("llmlab-tiny").num_layers,
+            "that is one layer's share: add up all layers (len(kvcache.cache_tensors(past))).")
+    require(measured // expected == tokens, f"the tensors hold {measured // expected} tokens' worth, not {tokens}: "
+            "count the tokens that went through the model (shape[2] of a cached tensor).")
+    right(f"{measured:,} bytes = {tokens} tokens x {expected:,}: the tensors hold exactly what the arithmetic says.")
+
+
+def request_blocks(gpu_blocks, cpu_blocks, cpu_unused) -> None:
+    """02: blocks of a request of 1,000 prompt + 200 output tokens, with GPU (16) and CPU (128) blocks."""
+    from llmlab import kvcache, memory
+
+    tokens = 1_200
+    g, c, u = (_whole(x, what) for x, what in ((gpu_blocks, "gpu_blocks"), (cpu_blocks, "cpu_blocks"),
+                                                 (cpu_unused, "cpu_unused")))
+    require(g != kvcache.blocks_for(1_000, 16), "the request holds its output tokens too: 1,000 + 200.")
+    require(g == kvcache.blocks_for(tokens, memory.GPU_BLOCK_SIZE), "divide 1,200 by 16 and round UP: vLLM "
+            "never gives a request part of a block.")
+    require(c == kvcache.blocks_for(tokens, memory.CPU_BLOCK_SIZE), "divide 1,200 by 128 and round up.")
+    require(u == c * memory.CPU_BLOCK_SIZE - tokens, "unused slots = blocks x 128 - 1,200.")
+    right(f"{g} blocks of 16 (all full) or {c} blocks of 128 with {u} slots unused in the last one.")
+
+
+def prefix_hits(gpu_hit, cpu_hit) -> None:
+    """02: tokens the prefix cache serves for the second of two requests sharing a 300-token prefix (320 in all)."""
+    from llmlab import kvcache, memory
+
+    g, c = _whole(gpu_hit, "gpu_hit"), _whole(cpu_hit, "cpu_hit")
+    require(g != 300 and c != 300, "the cache stores whole blocks only: round the shared 300 tokens down to a "
+            "multiple of the block size.")
+    require(g == kvcache.prefix_cache_hit_tokens(320, 300, memory.GPU_BLOCK_SIZE),
+            "with blocks of 16: how many whole blocks fit in the 300 shared tokens, times 16?")
+    require(c == kvcache.prefix_cache_hit_tokens(320, 300, memory.CPU_BLOCK_SIZE),
+            "with blocks of 128: whole blocks in 300 tokens, times 128.")
+    right(f"{g} tokens on a GPU, {c} on vLLM-CPU: smaller blocks reuse more of a shared prefix.")

@@ -227,3 +227,33 @@ def top1_guesses(source: Any, prompt_token_ids: Sequence[int] | None = None, cho
     A quick measure of how predictable a prompt is: a famous quotation is mostly ``True`` after a few tokens.
     """
     return [None if pd.isna(v) else bool(v) for v in prompt_table(source, prompt_token_ids, choice)["is_top1"]]
+
+
+# --------------------------------------------------------------------------------------------- the live server
+
+
+def score_text(client, model: str, text: str, k: int = 1) -> pd.DataFrame:
+    """``prompt_table`` of ``text`` as scored by the server (one request, one generated token, ``prompt_logprobs``).
+
+    vLLM also returns the prompt's token ids (``return_token_ids``), so every row names the right token.
+    """
+    response = client.completions.create(model=model, prompt=text, max_tokens=1, temperature=0,
+                                         extra_body={"prompt_logprobs": k, "return_token_ids": True})
+    return prompt_table(response)
+
+
+def score_choices(client, model: str, prompt: str, options: Sequence[str]) -> pd.DataFrame:
+    """Score multiple-choice answers by the summed log-probability of their tokens after ``prompt``.
+
+    The sum favours short answers (every token costs probability), so the mean per token is given too.
+    Each option should start with the space that separates it from the prompt (" earth", not "earth"),
+    or the tokens at the boundary will not be the ones the model would write.
+    """
+    start = len(score_text(client, model, prompt))
+    rows = []
+    for option in options:
+        table = score_text(client, model, prompt + option)
+        own = table.iloc[start:]
+        rows.append({"option": option, "tokens": len(own), "logprob_sum": float(own["logprob"].sum()),
+                     "logprob_mean": float(own["logprob"].mean())})
+    return pd.DataFrame(rows).sort_values("logprob_sum", ascending=False, ignore_index=True)

@@ -355,3 +355,32 @@ def test_greedy_tokens_match_vllms_sampler(vllm_sampler):
     ours = [int(np.argmax(S.apply_processors(logits[i], p, pr, out, eos_id=0))) for i, (p, pr, out) in enumerate(cases)]
     assert ours == sampled.tolist()
     assert len(set(ours)) > 1  # the cases really did change the choice
+
+
+# --------------------------------------------------------------------------------------------- the live server
+
+
+def test_server_draws_follow_the_predicted_distribution(embedded):
+    """500 seeded one-token draws from the real server at T=0.8, top_k=5 vs llmlab's prediction from logprobs.
+
+    top_k=5 confines the draw to tokens the 20 logprobs list, so the prediction is exact and the observed
+    total variation must stay under the distribution-free 99.9 % bound (a fixed seed keeps it reproducible).
+    """
+    import llmlab
+    from llmlab import sampling as S
+
+    client, model = llmlab.connect(quiet=True)
+    prompt = "And the king said to"
+    top = S.next_token_distribution(client, model, prompt, k=20)
+    params = S.SamplingParams(temperature=0.8, top_k=5)
+    counts = S.sample_next_tokens(client, model, prompt, params, n=500, seed=1)
+    expected = S.predicted(top, params)
+    assert sum(counts.values()) == 500 and set(counts) <= set(expected)
+    assert S.total_variation(counts, expected) < S.tv_bound(len(expected), 500)
+    # ...and the test can fail: the same draws are far from the distribution at another temperature.
+    wrong = S.predicted(top, S.SamplingParams(temperature=2.0, top_k=5))
+    assert S.total_variation(counts, wrong) > S.total_variation(counts, expected)
+
+
+def test_tv_bound_shrinks_with_samples():
+    assert S.tv_bound(5, 5000) < S.tv_bound(5, 500) < S.tv_bound(5, 50)

@@ -224,6 +224,22 @@ def train(out_dir: Path, sword_dir: Path | None, steps: int | None = None) -> di
     return stats
 
 
+def make_portable(out_dir: Path) -> None:
+    """Let transformers 4.x (clusters' conda envs) read what transformers 5 wrote.
+
+    transformers 5 names the tokenizer class ``TokenizersBackend`` and nests ``rope_theta`` under
+    ``rope_parameters``; older releases know neither, so both spellings are written.
+    """
+    tok_path, cfg_path = out_dir / "tokenizer_config.json", out_dir / "config.json"
+    tok = json.loads(tok_path.read_text())
+    tok["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_path.write_text(json.dumps(tok, indent=2) + "\n")
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", ARCH["rope_theta"]))
+    cfg.setdefault("torch_dtype", cfg.get("dtype", "float32"))
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def samples(model_dir: Path, prompt: str = "In the beginning", max_new_tokens: int = 60) -> dict:
     """Greedy and T=0.8 continuations, for the model README."""
     import torch
@@ -303,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         if (tmp_out / name).exists():
             args.out.mkdir(parents=True, exist_ok=True)
             shutil.copy2(tmp_out / name, args.out / name)
+    make_portable(args.out)
     sample = samples(args.out)
     write_readme(args.out, len(load_corpus(args.sword_dir)), sample)
     for t, text in sample.items():

@@ -133,6 +133,8 @@ def logprob_table(response: Any, choice: int = 0) -> pd.DataFrame:
 def _logprob_values(source: Any) -> np.ndarray:
     if isinstance(source, pd.DataFrame):
         values = source["logprob"].to_numpy(dtype=float)
+    elif isinstance(source, pd.Series):
+        values = source.to_numpy(dtype=float)
     elif isinstance(source, np.ndarray) or (isinstance(source, Sequence) and not isinstance(source, str | bytes)):
         values = np.array([math.nan if v is None else float(v) for v in source], dtype=float)
     else:

@@ -1,0 +1,561 @@
+"""KV caching made visible: on the tiny model, in a few lines of numpy, in vLLM's blocks, on the live server.
+
+Why: "the server keeps the keys and values of earlier tokens" is easy to say and hard to believe until
+one sees it: the same greedy tokens with and without the cache, the per-token time that grows without
+it, the cached tensors whose bytes ``llmlab.memory`` predicts, the blocks vLLM allocates instead of one
+max-length slab per request, and the prefix-cache hit counters that the server itself exports.
+
+The layers, pure first (as everywhere in llmlab):
+
+1. :func:`attend`, :func:`decode_uncached`, :func:`decode_cached`: one attention head in numpy, where
+   the cache is just two growing matrices;
+2. paged KV memory in numbers: :func:`blocks_for`, :class:`BlockAllocator` (block tables),
+   :func:`allocation_table` and :func:`waste_summary` (max-length pre-allocation vs paging), and
+   :func:`prefix_cache_hit_tokens` (what vLLM's prefix cache can reuse);
+3. Prometheus text: :func:`parse_prometheus` and :class:`Metrics`, a small tested parser for vLLM's
+   ``/metrics`` (no extra dependency), and :func:`kv_snapshot` with the cache figures a lesson needs;
+4. at the edges, I/O: :func:`greedy` (transformers, on CPU), :func:`fetch_metrics` and
+   :func:`timed_completion` (HTTP to a vLLM server).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmlab.memory import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE
+
+TINY_MODEL = Path(__file__).parent / "models" / "llmlab-tiny"
+
+# The metrics vLLM 0.32 exports that concern the KV cache (vllm/v1/metrics/loggers.py).  Counters are
+# exported with a ``_total`` suffix (prometheus_client's rule), histograms as ``_sum``/``_count``/``_bucket``.
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"   # prompt tokens looked up in the prefix cache
+PREFIX_HITS = "vllm:prefix_cache_hits_total"         # of those, tokens found there (never computed again)
+KV_USAGE = "vllm:kv_cache_usage_perc"                # share of KV blocks held by running requests, 0..1
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+TTFT = "vllm:time_to_first_token_seconds"            # histogram, measured inside the server
+PREFILL_COMPUTED = "vllm:request_prefill_kv_computed_tokens"  # histogram: prompt tokens really computed
+CACHE_CONFIG = "vllm:cache_config_info"              # a gauge = 1 whose labels are the cache config
+FINISHED = "vllm:request_success_total"              # finished requests, by finish reason
+
+__all__ = [
+    "attend", "decode_uncached", "decode_cached",
+    "blocks_for", "BlockAllocator", "allocation_table", "waste_summary", "requests_that_fit", "prefix_cache_hit_tokens",
+    "Sample", "Metrics", "parse_prometheus", "metrics_url", "fetch_metrics", "kv_snapshot", "snapshot_delta",
+    "wait_for_request", "blocks_in_use", "usage_while_running",
+    "load_model", "Generation", "greedy", "cache_tensors", "cache_bytes", "tokens_processed", "timed_completion",
+    "GPU_BLOCK_SIZE", "CPU_BLOCK_SIZE",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. One attention head, with and without a cache (numpy)
+# --------------------------------------------------------------------------------------------------
+
+def attend(q, k, v):
+    """Causal scaled dot-product attention of one head: ``softmax(q k^T / sqrt(d)) v``.
+
+    ``q`` holds the last ``t`` positions' queries (t x d), ``k`` and ``v`` all ``s`` positions' keys and
+    values (s x d); query ``i`` may look at keys ``0 .. s - t + i`` and no later one.  With ``t == s``
+    this is a whole prompt; with ``t == 1`` it is one decoding step against a cache.
+    """
+    import numpy as np
+
+    t, s = q.shape[0], k.shape[0]
+    scores = q @ k.T / math.sqrt(q.shape[1])
+    future = np.arange(s)[None, :] > (s - t + np.arange(t))[:, None]
+    scores = np.where(future, -np.inf, scores)
+    weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return (weights / weights.sum(axis=1, keepdims=True)) @ v
+
+
+def decode_uncached(x, wq, wk, wv):
+    """Attention output at every position, the way a model without a cache produces it while generating:
+    at step ``t`` it recomputes the keys and values of *all* ``t`` tokens so far.
+
+    Returns ``(outputs, projections)``: one row per position, and how many token projections (x @ W)
+    it computed: 3 x (1 + 2 + ... + n), quadratic in n.
+    """
+    import numpy as np
+
+    outputs, projections = [], 0
+    for t in range(1, len(x) + 1):
+        q, k, v = x[:t] @ wq, x[:t] @ wk, x[:t] @ wv  # everything again, for every new token
+        projections += 3 * t
+        outputs.append(attend(q, k, v)[-1])
+    return np.stack(outputs), projections
+
+
+def decode_cached(x, wq, wk, wv):
+    """The same outputs with a KV cache: each step projects only the new token and appends its key and
+    value to the cache; the new query attends over the cached rows.
+
+    Returns ``(outputs, projections, (k_cache, v_cache))``: projections are 3 x n, linear in n.
+    """
+    import numpy as np
+
+    d = wk.shape[1]
+    k_cache, v_cache = np.empty((0, d)), np.empty((0, d))
+    outputs = []
+    for t in range(len(x)):
+        new = x[t:t + 1]                                 # only the newest token
+        k_cache = np.vstack([k_cache, new @ wk])         # the cache grows by one row per token
+        v_cache = np.vstack([v_cache, new @ wv])
+        outputs.append(attend(new @ wq, k_cache, v_cache)[0])
+    return np.stack(outputs), 3 * len(x), (k_cache, v_cache)
+
+
+def tokens_processed(prompt_tokens: int, new_tokens: int, use_cache: bool) -> int:
+    """Token positions the model runs through to generate ``new_tokens`` after a prompt.
+
+    With the cache: the prompt once, then one token per step (the last generated token needs no pass).
+    Without: the whole sequence again at every step, so the total grows with the square of the length.
+    """
+    if prompt_tokens < 1 or new_tokens < 0:
+        raise ValueError("a generation needs a prompt of at least 1 token and new_tokens >= 0")
+    if new_tokens == 0:
+        return 0
+    if use_cache:
+        return prompt_tokens + new_tokens - 1
+    return sum(prompt_tokens + i for i in range(new_tokens))
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Paged KV memory: blocks, block tables, waste, prefix reuse
+# --------------------------------------------------------------------------------------------------
+
+def blocks_for(tokens: int, block_size: int = GPU_BLOCK_SIZE) -> int:
+    """Blocks a request of ``tokens`` tokens holds: vLLM allocates whole blocks, so this rounds up."""
+    if tokens < 0 or block_size <= 0:
+        raise ValueError(f"tokens must be >= 0 and block_size > 0, got {tokens} and {block_size}")
+    return -(-tokens // block_size)
+
+
+class BlockAllocator:
+    """A toy version of vLLM's block manager: a pool of numbered physical blocks, handed out one at a
+    time as each request's tokens fill them, and a **block table** per request that maps its logical
+    blocks (0, 1, 2, ...) to physical ones, which need not be adjacent.
+
+    Why: this is all PagedAttention needs to stop reserving a maximum-length slab per request; the
+    attention kernel reads a request's keys and values through its block table.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = GPU_BLOCK_SIZE):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free = list(range(num_blocks))     # physical block ids not held by any request
+        self.tables: dict[str, list[int]] = {}  # request -> its physical blocks, in logical order
+        self.lengths: dict[str, int] = {}       # request -> tokens it holds
+
+    def append(self, request: str, tokens: int = 1) -> list[int]:
+        """Add ``tokens`` tokens to a request (a prompt, or one generated token); take new blocks only when
+        the last one is full.  Returns the request's block table.  A full pool raises ``MemoryError``:
+        a real server would then pause (preempt) a request instead."""
+        table = self.tables.setdefault(request, [])
+        length = self.lengths.get(request, 0) + tokens
+        need = blocks_for(length, self.block_size) - len(table)
+        if need > len(self.free):
+            raise MemoryError(f"{request}: needs {need} more blocks, {len(self.free)} free of {self.num_blocks}")
+        table += [self.free.pop(0) for _ in range(need)]
+        self.lengths[request] = length
+        return table
+
+    def release(self, request: str) -> None:
+        """A finished request gives all its blocks back to the pool."""
+        self.free += self.tables.pop(request)
+        self.lengths.pop(request)
+
+    def slot(self, request: str, position: int) -> tuple[int, int]:
+        """Where token ``position`` of a request lives: (physical block, offset inside it)."""
+        if not 0 <= position < self.lengths[request]:
+            raise IndexError(f"{request} holds {self.lengths[request]} tokens, not position {position}")
+        return self.tables[request][position // self.block_size], position % self.block_size
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks in use, what vLLM exports as ``vllm:kv_cache_usage_perc`` (0..1)."""
+        return self.used_blocks / self.num_blocks
+
+
+def allocation_table(lengths, max_len: int, block_size: int = GPU_BLOCK_SIZE):
+    """Per request, KV token slots: used, reserved by a naive server, and held in vLLM's blocks.
+
+    A naive server pre-allocates ``max_len`` slots per request because it cannot know how long the
+    answer will be; paging holds ``blocks_for(length) x block_size`` slots, so it wastes at most
+    ``block_size - 1`` slots per request.  Returns a pandas DataFrame, one row per request.
+    """
+    import pandas as pd
+
+    rows = []
+    for i, n in enumerate(lengths):
+        if not 0 < n <= max_len:
+            raise ValueError(f"request {i}: length {n} is not within 1..max_len={max_len}")
+        paged = blocks_for(n, block_size) * block_size
+        rows.append({"request": i, "used": n, "naive reserved": max_len, "naive waste": max_len - n,
+                     "blocks": paged // block_size, "paged reserved": paged, "paged waste": paged - n})
+    return pd.DataFrame(rows).set_index("request")
+
+
+def waste_summary(lengths, max_len: int, block_size: int = GPU_BLOCK_SIZE) -> dict:
+    """Totals of :func:`allocation_table`: slots used, reserved either way, and the wasted share of each."""
+    t = allocation_table(lengths, max_len, block_size)
+    used, naive, paged = int(t["used"].sum()), int(t["naive reserved"].sum()), int(t["paged reserved"].sum())
+    return {"requests": len(t), "used": used, "naive_reserved": naive, "paged_reserved": paged,
+            "naive_waste": 1 - used / naive, "paged_waste": 1 - used / paged}
+
+
+def requests_that_fit(pool_tokens: int, lengths, max_len: int, block_size: int = GPU_BLOCK_SIZE) -> tuple[int, int]:
+    """How many of these requests (in order) a KV pool of ``pool_tokens`` slots holds at once:
+    ``(naive, paged)``.  Naive reserves ``max_len`` each; paging holds each request's whole blocks."""
+    naive = min(len(lengths), pool_tokens // max_len)
+    paged, held = 0, 0
+    for n in lengths:
+        held += blocks_for(n, block_size) * block_size
+        if held > pool_tokens:
+            break
+        paged += 1
+    return naive, paged
+
+
+def prefix_cache_hit_tokens(prompt_tokens: int, shared_tokens: int, block_size: int = CPU_BLOCK_SIZE) -> int:
+    """Prompt tokens vLLM's prefix cache can serve when an earlier prompt shared the first ``shared_tokens``.
+
+    vLLM caches only *full* blocks, each identified by a hash of its tokens chained to the previous
+    block's hash, so a hit covers whole blocks of the shared prefix.  And it always recomputes at least
+    the last prompt token (its logits give the first output token), so even an identical prompt hits at
+    most ``prompt_tokens - 1`` tokens, rounded down to a block (``kv_cache_manager.get_computed_blocks``).
+    """
+    if prompt_tokens < 1 or not 0 <= shared_tokens <= prompt_tokens or block_size <= 0:
+        raise ValueError("need prompt_tokens >= 1, 0 <= shared_tokens <= prompt_tokens, block_size > 0")
+    usable = min(shared_tokens, prompt_tokens - 1)
+    return usable // block_size * block_size
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Prometheus text format (what vLLM's /metrics returns)
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sample:
+    """One line of a Prometheus exposition: a metric name, its labels and a value."""
+
+    name: str
+    labels: dict = field(default_factory=dict)
+    value: float = 0.0
+
+
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_SAMPLE = re.compile(rf"^(?P<name>{_NAME})(?:\{{(?P<labels>.*)\}})?\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$")
+_LABEL = re.compile(rf'\s*(?P<key>{_NAME})\s*=\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*(?:,|$)')
+_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r'\\[\\"n]', lambda m: _ESCAPES[m.group(0)], value)
+
+
+def _labels(text: str, line: str) -> dict:
+    labels, pos = {}, 0
+    text = text.strip()
+    while pos < len(text):
+        m = _LABEL.match(text, pos)
+        if not m:
+            raise ValueError(f"cannot read the labels of this metrics line: {line!r}")
+        labels[m["key"]] = _unescape(m["value"])
+        pos = m.end()
+    return labels
+
+
+def parse_prometheus(text: str) -> Metrics:
+    """Parse Prometheus' text exposition format (version 0.0.4) into :class:`Metrics`.
+
+    Why a parser of our own: about 30 lines, no dependency, and it shows what the format is: one
+    ``name{label="value",...} number [timestamp]`` per line, ``#`` comments (``# HELP``, ``# TYPE``), and
+    label values with ``\\\\``, ``\\"`` and ``\\n`` escaped.  ``NaN`` and ``+Inf``/``-Inf`` are numbers too.
+    A malformed line raises ``ValueError`` naming it, rather than being skipped silently.
+    """
+    samples, types = [], {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 4 and parts[1] == "TYPE":
+                types[parts[2]] = parts[3].strip()
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            raise ValueError(f"not a Prometheus sample line: {raw!r}")
+        try:
+            value = float(m["value"])
+        except ValueError:
+            raise ValueError(f"the value of this metrics line is not a number: {raw!r}") from None
+        samples.append(Sample(m["name"], _labels(m["labels"] or "", raw), value))
+    return Metrics(samples, types)
+
+
+class Metrics:
+    """Parsed samples with the few look-ups a lesson needs: ``m.value(name, **labels)`` sums all samples
+    of ``name`` whose labels include the given ones (e.g. over engines), ``m[name]`` lists the samples."""
+
+    def __init__(self, samples: list[Sample], types: dict[str, str] | None = None):
+        self.samples, self.types = list(samples), dict(types or {})
+
+    def __getitem__(self, name: str) -> list[Sample]:
+        return [s for s in self.samples if s.name == name]
+
+    def __contains__(self, name: str) -> bool:
+        return any(s.name == name for s in self.samples)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted({s.name for s in self.samples})
+
+    def value(self, name: str, default: float | None = None, **labels) -> float:
+        """Sum of the matching samples; a metric that is absent is an error unless a default is given."""
+        found = [s.value for s in self[name] if all(s.labels.get(k) == str(v) for k, v in labels.items())]
+        if not found:
+            if default is not None:
+                return default
+            close = [n for n in self.names if name.split(":")[-1].split("_")[0] in n][:5]
+            raise KeyError(f"no metric {name!r}{' with ' + str(labels) if labels else ''} in this scrape"
+                           f"{'; similar: ' + ', '.join(close) if close else ''}")
+        return sum(found)
+
+    def labels(self, name: str) -> dict:
+        """The labels of a single-sample metric, e.g. vLLM's ``vllm:cache_config_info``."""
+        found = self[name]
+        if len(found) != 1:
+            raise KeyError(f"expected one sample of {name!r}, found {len(found)}")
+        return dict(found[0].labels)
+
+
+def kv_snapshot(metrics: Metrics) -> dict:
+    """The KV-cache figures of one ``/metrics`` scrape of a vLLM (v1) server, summed over engines.
+
+    ``ttft_sum``/``ttft_count`` and ``prefill_computed_sum`` are histogram totals: the difference of two
+    snapshots taken around a single request gives that request's server-side time to first token and
+    the prompt tokens it really computed.
+    """
+    snap = {
+        "prefix_cache_queries": metrics.value(PREFIX_QUERIES),
+        "prefix_cache_hits": metrics.value(PREFIX_HITS),
+        "kv_cache_usage": metrics.value(KV_USAGE),
+        "prompt_tokens": metrics.value(PROMPT_TOKENS),
+        "ttft_sum": metrics.value(TTFT + "_sum"),
+        "ttft_count": metrics.value(TTFT + "_count"),
+        "prefill_computed_sum": metrics.value(PREFILL_COMPUTED + "_sum", default=0.0),
+        "requests_finished": metrics.value(FINISHED, default=0.0),
+    }
+    if CACHE_CONFIG in metrics:
+        info = metrics[CACHE_CONFIG][0].labels
+        for key in ("block_size", "num_gpu_blocks", "num_cpu_blocks"):
+            if info.get(key, "None") not in ("None", ""):
+                snap[key] = int(info[key])
+        snap["prefix_caching"] = info.get("enable_prefix_caching") == "True"
+    return snap
+
+
+def snapshot_delta(before: dict, after: dict) -> dict:
+    """What happened between two :func:`kv_snapshot` s: counter differences, and the gauge as it is now."""
+    delta = {k: after[k] - before[k] for k in before
+             if isinstance(before[k], float) and k != "kv_cache_usage" and k in after}
+    delta["kv_cache_usage"] = after["kv_cache_usage"]
+    return delta
+
+
+def wait_for_request(base_url: str, api_key: str | None, before: dict, requests: int = 1,
+                     timeout: float = 10.0) -> dict:
+    """Scrape until ``requests`` more requests have finished than in ``before``; return that snapshot.
+
+    Why: vLLM records a request's statistics in its output loop, just after the response may already have
+    reached the client, so a scrape at once can miss the last request.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = kv_snapshot(fetch_metrics(base_url, api_key))
+        if snap["requests_finished"] - before["requests_finished"] >= requests:
+            return snap
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{metrics_url(base_url)} did not count {requests} more finished request(s) within "
+                               f"{timeout:.0f} s: is another client using this server, or did the request fail?")
+        time.sleep(0.05)
+
+
+def blocks_in_use(snapshot: dict) -> int:
+    """Blocks that running requests hold, from a :func:`kv_snapshot`: vLLM's usage gauge is
+    ``1 - free / (num_gpu_blocks - 1)`` (one block is kept aside as a null block), so this inverts it."""
+    if "num_gpu_blocks" not in snapshot:
+        raise KeyError("this snapshot has no num_gpu_blocks: the server exports no vllm:cache_config_info")
+    return round(snapshot["kv_cache_usage"] * (snapshot["num_gpu_blocks"] - 1))
+
+
+def usage_while_running(client, model: str, prompt, max_tokens: int = 64, attempts: int = 3) -> dict:
+    """Read the KV usage gauge while one streamed request is generating, and again once it has finished.
+
+    Why a helper: the gauge counts only blocks of *running* requests, and the tiny model finishes in a
+    fraction of a second, so the scrape must happen at the first streamed token and be checked: if the
+    finished-request counter already moved, the request ended first and the reading is retried.
+    Returns ``{"during": snapshot, "after": snapshot, "blocks_held": blocks in use during}``.
+    """
+    url, key = str(client.base_url), client.api_key
+    for _ in range(attempts):
+        before = kv_snapshot(fetch_metrics(url, key))
+        during = None
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        for _chunk in stream:
+            if during is None:
+                during = kv_snapshot(fetch_metrics(url, key))
+        after = wait_for_request(url, key, before)
+        if during is not None and during["requests_finished"] == before["requests_finished"]:
+            return {"during": during, "after": after, "blocks_held": blocks_in_use(during)}
+    raise RuntimeError(f"the request finished before /metrics could be read, {attempts} times: ask for more "
+                       "max_tokens, or check that the server is not overloaded.")
+
+
+def metrics_url(base_url: str) -> str:
+    """``/metrics`` lives at the server's root, not under the OpenAI ``/v1`` prefix."""
+    url = str(base_url).rstrip("/")
+    return url.removesuffix("/v1") + "/metrics"
+
+
+def fetch_metrics(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> Metrics:
+    """Scrape a vLLM server's ``/metrics`` and parse it.  The key goes along as a Bearer token: vLLM
+    itself guards only ``/v1``, but a proxy in front of a shared server may guard every route."""
+    from llmlab.connection import AuthenticationFailed, ServerError, ServerUnavailable
+
+    url = metrics_url(str(base_url))
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            text = r.read().decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise AuthenticationFailed(f"{url} refused the API key ({e.code}): pass the key the server was "
+                                       "started with (client.api_key after llmlab.connect()).") from None
+        raise ServerError(f"{url} answered {e.code}: the server does not export Prometheus metrics there "
+                          "(vLLM does unless started with --disable-log-stats).") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ServerUnavailable(f"No server answers at {url} ({getattr(e, 'reason', e)}): is it running? "
+                                "`llmlab serve --status` says.") from None
+    return parse_prometheus(text)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. transformers on CPU: greedy decoding with and without the cache; the live server
+# --------------------------------------------------------------------------------------------------
+
+def load_model(path: str | Path = TINY_MODEL):
+    """The tiny model and its tokenizer in float32 (the dtype it was trained and is served in), in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        from llmlab.connection import ServerError
+
+        raise ServerError(f"No model at {path}: the shipped tiny model lives in llmlab/models/llmlab-tiny "
+                          "(reinstall llmlab), or pass the directory of another Hugging Face model.")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+@dataclass
+class Generation:
+    """What :func:`greedy` saw, one entry per generated token.
+
+    ``positions[i]`` is how many tokens preceded token ``i`` (the sequence length it was predicted from);
+    ``seconds[i]`` the wall time of the forward pass that predicted it; with the cache, ``cache_shapes[i]``
+    is the shape of layer 0's cached keys after that pass and ``cache_bytes[i]`` the bytes of all layers'
+    cached keys and values.
+    """
+
+    prompt_tokens: int
+    use_cache: bool
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    cache_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    cache_bytes: list[int] = field(default_factory=list)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds)
+
+
+def cache_tensors(cache) -> list[tuple]:
+    """``[(keys, values), ...]`` per layer from a transformers cache (``DynamicCache`` in transformers 5,
+    the legacy tuple of tuples before).  Each tensor is (batch, kv_heads, cached tokens, head_dim)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    return [(k, v) for k, v in cache]
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by all cached keys and values: what ``llmlab.memory.kv_bytes_per_token`` predicts per token."""
+    return sum(t.numel() * t.element_size() for pair in cache_tensors(cache) for t in pair)
+
+
+def greedy(model, input_ids, new_tokens: int, use_cache: bool = True) -> Generation:
+    """Greedy decoding written out step by step, so that each token's time and the cache can be observed.
+
+    With ``use_cache`` the first pass runs the whole prompt and returns its keys and values; every later
+    pass feeds only the newest token plus that cache.  Without, every pass runs the whole sequence so far
+    (which is what the cache saves).  Either way the argmax of the last position is the next token.
+    """
+    import torch
+
+    ids = torch.as_tensor(input_ids).reshape(1, -1)
+    result = Generation(prompt_tokens=ids.shape[1], use_cache=use_cache)
+    past, step_input = None, ids
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            start = time.perf_counter()
+            if use_cache:
+                out = model(input_ids=step_input, past_key_values=past, use_cache=True, logits_to_keep=1)
+                past = out.past_key_values
+            else:
+                out = model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            token = out.logits[0, -1].argmax()
+            result.seconds.append(time.perf_counter() - start)
+            result.positions.append(ids.shape[1])
+            result.tokens.append(int(token))
+            if use_cache:
+                result.cache_shapes.append(tuple(cache_tensors(past)[0][0].shape))
+                result.cache_bytes.append(cache_bytes(past))
+            ids = torch.cat([ids, token.view(1, 1)], dim=1)
+            step_input = token.view(1, 1)
+    return result
+
+
+def timed_completion(client, model: str, prompt, max_tokens: int = 1) -> dict:
+    """Send one streamed completion and time it from the client: seconds to the first token and in all,
+    and the server's token counts (``usage``).  Greedy, so repeated runs do the same work."""
+    start = time.perf_counter()
+    first, usage, text = None, None, []
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and first is None:
+            first = time.perf_counter() - start
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    total = time.perf_counter() - start
+    return {"ttft": first if first is not None else total, "seconds": total, "text": "".join(text),
+            "prompt_tokens": usage.prompt_tokens if usage else None,
+            "completion_tokens": usage.completion_tokens if usage else None}

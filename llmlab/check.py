@@ -219,9 +219,10 @@ def cache_matches_arithmetic(measured_bytes, cached_tokens, per_token) -> None:
     tokens = _whole(cached_tokens, "the number of cached tokens")
     measured = _whole(measured_bytes, "the measured bytes")
     require(_whole(per_token, "bytes per token") == expected, "first get the bytes per token right (exercise 1).")
-    require(measured % expected == 0, "sum numel() x element_size() over the keys AND values of every layer.")
     require(measured != tokens * expected // memory.model_spec("llmlab-tiny").num_layers,
             "that is one layer's share: add up all layers (len(kvcache.cache_tensors(past))).")
+    require(measured != tokens * expected // 2, "that is half: add the values to the keys.")
+    require(measured % expected == 0, "sum numel() x element_size() over the keys AND values of every layer.")
     require(measured // expected == tokens, f"the tensors hold {measured // expected} tokens' worth, not {tokens}: "
             "count the tokens that went through the model (shape[2] of a cached tensor).")
     right(f"{measured:,} bytes = {tokens} tokens x {expected:,}: the tensors hold exactly what the arithmetic says.")

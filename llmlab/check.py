@@ -131,8 +131,8 @@ def ended_by_model(response, at_least: int) -> None:
     """03: the model ended the text itself (EOS, not a stop string), after at least ``at_least`` tokens."""
     choice = response.choices[0]
     n = response.usage.completion_tokens
-    require(choice.finish_reason == "stop", f"finish_reason is {choice.finish_reason!r}: raise max_tokens so the "
-            "model has room to end the text itself.")
+    require(choice.finish_reason == "stop", f"finish_reason is {choice.finish_reason!r}: give the model room "
+            "(a larger max_tokens), and sample (temperature > 0) so it does not loop.")
     require(choice.stop_reason is None, f"it stopped at your stop string {choice.stop_reason!r}; leave `stop` out.")
     require(n >= at_least, f"only {n} tokens: ask the server to mask the end-of-text token until {at_least} "
             "tokens with extra_body={'min_tokens': ...}.")

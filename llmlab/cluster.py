@@ -1,0 +1,859 @@
+"""Distributed serving: the SLURM job settings, what the launcher runs, and the servers it leaves running.
+
+Why this module: the workshop this course grew from started its 70B/405B servers with hand-edited sbatch
+scripts, and learners copied IP addresses out of logs.  ``slurm/llmlab-serve.sh`` does that work; this
+module holds its logic, so that a notebook, the tests and the future ``llmlab launch`` run the *same* code:
+
+- **Settings** (:func:`job_settings`): one machine-readable file, ``slurm/models.toml``, says per model how
+  many nodes and GPUs, TP and PP, dtype and context.  The job scripts and ``llmlab launch`` both read it.
+- **Rendering** (:func:`render`): settings + the job's nodes -> the exact ``vllm serve`` line, its
+  environment, and the Ray layout (head, workers, ports).  Pure, so a test can check every shipped GPU job
+  against ``llmlab.memory``'s planner on a laptop.
+- **Waiting** (:func:`wait_for_ray`, :func:`wait_until_ready`): poll ``ray status`` and ``/health``, print the
+  model-load progress in the job's output, fail with the reason and the last log lines.
+- **Finding servers** (:func:`servers`, :func:`is_alive`, :func:`load_progress`) and the TP-vs-PP arithmetic
+  (:func:`layout_report`, :func:`tp_vs_pp`) for notebook 08.
+
+``python -m llmlab.cluster render|wait-ray|wait-ready|progress`` are the launcher's internal helpers (the
+user-facing commands come with ``llmlab launch/status``).  No secret passes through here: the API key stays
+in its 0600 file, and vLLM reads it from the environment that the launcher sets for that one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from llmlab import memory
+from llmlab.connection import llmlab_home, read_connection_file, servers_dir, write_connection_file
+
+SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
+
+# Link speeds of the course's reference cluster (H100 nodes): NVLink 4 between the GPUs of a node,
+# 900 GB/s per GPU; InfiniBand NDR between nodes, 400 Gb/s = 50 GB/s per port (one port per GPU).
+NVLINK_GBPS = 900.0
+IB_GBPS = 50.0
+
+
+class SettingsError(ValueError):
+    """The settings file or a job's settings are wrong; the message names the file, the job and the field."""
+
+
+def slurm_dir() -> Path:
+    """The folder with the launcher and ``models.toml``: ``$LLMLAB_SLURM_DIR``, else the repository's ``slurm/``."""
+    return Path(os.environ.get("LLMLAB_SLURM_DIR") or SLURM_DIR)
+
+
+def settings_file() -> Path:
+    return slurm_dir() / "models.toml"
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings: slurm/models.toml
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JobSettings:
+    """One server layout, as ``slurm/models.toml`` gives it (defaults merged in)."""
+
+    name: str                      # the served model name, the job script's name, the table's key
+    model: str                     # an llmlab.memory model: a shipped config name (its architecture)
+    nodes: int
+    gpus_per_node: int
+    tp: int
+    pp: int
+    engine: str = "gpu"            # "gpu" (vLLM's CUDA build) or "cpu" (vLLM-CPU, the CI test bed)
+    dtype: str | None = None       # None: as the checkpoint stores it
+    kv_dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu: str = "H100-80"           # the GPU the layout is checked against
+    gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION
+    kv_cache_gib: int = 1          # CPU engine only: VLLM_CPU_KVCACHE_SPACE
+    extra_args: tuple[str, ...] = ()
+    ray_timeout: float = 600.0     # seconds for every Ray node (and GPU) to join
+    ready_timeout: float = 5400.0  # seconds for /health (the seeds' 405B took ~40 min to load)
+    description: str = ""
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def uses_ray(self) -> bool:
+        """Ray only where vLLM needs it: a layout that spans nodes.  One node uses vLLM's own processes."""
+        return self.nodes > 1
+
+    @property
+    def context(self) -> int:
+        return self.max_model_len or memory.model_spec(self.model).require_context()
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_FIELDS = {f for f in JobSettings.__dataclass_fields__ if f != "name"}
+_REQUIRED = ("model", "nodes", "gpus_per_node", "tp", "pp")
+
+
+def load_settings(path: Path | None = None) -> dict[str, JobSettings]:
+    """Every job of the settings file, checked: layout arithmetic, engine, and unknown keys."""
+    path = Path(path or settings_file())
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"No settings file at {path}: set LLMLAB_SLURM_DIR to the folder with "
+                            "llmlab-serve.sh and models.toml.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"{path} is not valid TOML: {e}") from None
+    defaults = data.pop("defaults", {})
+    jobs = {}
+    for name, table in data.items():
+        merged = {**defaults, **table}
+        unknown = set(merged) - _FIELDS
+        if unknown:
+            raise SettingsError(f"{path} [{name}]: unknown key(s) {', '.join(sorted(unknown))}; "
+                                f"known: {', '.join(sorted(_FIELDS))}.")
+        missing = [k for k in _REQUIRED if k not in merged]
+        if missing:
+            raise SettingsError(f"{path} [{name}]: missing key(s) {', '.join(missing)}.")
+        if "extra_args" in merged:
+            merged["extra_args"] = tuple(merged["extra_args"])
+        try:
+            job = JobSettings(name=name, **merged)
+        except TypeError as e:
+            raise SettingsError(f"{path} [{name}]: {e}") from None
+        _check(job, path)
+        jobs[name] = job
+    return jobs
+
+
+def _check(job: JobSettings, path: Path) -> None:
+    where = f"{path} [{job.name}]"
+    if job.engine not in ("gpu", "cpu"):
+        raise SettingsError(f"{where}: engine must be 'gpu' or 'cpu', got {job.engine!r}.")
+    if job.nodes < 1 or job.tp < 1 or job.pp < 1:
+        raise SettingsError(f"{where}: nodes, tp and pp must be >= 1.")
+    if job.engine == "gpu":
+        if job.tp * job.pp != job.gpus:
+            raise SettingsError(f"{where}: TP={job.tp} x PP={job.pp} = {job.tp * job.pp} GPUs, but the job has "
+                                f"{job.nodes} node(s) x {job.gpus_per_node} GPUs = {job.gpus}; make them equal.")
+        try:
+            memory.check_tp(job.model, job.tp)
+        except memory.PlanError as e:
+            raise SettingsError(f"{where}: {e}") from None
+    elif job.gpus_per_node:
+        raise SettingsError(f"{where}: a CPU job has gpus_per_node = 0.")
+
+
+def job_settings(name: str, path: Path | None = None) -> JobSettings:
+    """The settings of one job (e.g. ``llama3.1-70b``); an unknown name lists the known ones."""
+    jobs = load_settings(path)
+    if name not in jobs:
+        raise SettingsError(f"No job {name!r} in {path or settings_file()}; known: {', '.join(jobs)}.")
+    return jobs[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendering: settings + nodes -> the vllm serve line, its environment, the Ray layout
+# --------------------------------------------------------------------------------------------------
+
+def vllm_flags(job: JobSettings) -> list[str]:
+    """The flags of the job's ``vllm serve`` line that the layout decides (no host, port or name).
+
+    GPU: exactly ``llmlab.memory.serve_command`` for the layout (the planner's own line), plus the Ray
+    executor when TP alone spans nodes (serve_command adds it only for PP).  CPU: the embedded server's.
+    """
+    if job.engine == "cpu":
+        flags = ["--dtype", "float32", "--enable-prefix-caching"]
+        if job.max_model_len:
+            flags += ["--max-model-len", str(job.max_model_len)]
+        return flags
+    line, _ = memory.serve_command(job.model, tp=job.tp, pp=job.pp, max_model_len=job.context, dtype=job.dtype,
+                                   kv_dtype=job.kv_dtype, gpu_memory_utilization=job.gpu_memory_utilization)
+    flags = shlex.split(line)[3:]  # drop "vllm serve MODEL"
+    if job.uses_ray and "--distributed-executor-backend" not in flags:
+        flags += ["--distributed-executor-backend", "ray"]
+    return flags
+
+
+def model_path(job: JobSettings, env: dict) -> str:
+    """What vLLM loads: ``LLMLAB_MODEL_PATH``, else ``$LLMLAB_MODEL_DIR/<repository name>``, else the Hugging
+    Face id (read from, or downloaded into, ``$HF_HOME``).  The CPU test job serves the shipped tiny model."""
+    if env.get("LLMLAB_MODEL_PATH"):
+        return env["LLMLAB_MODEL_PATH"]
+    if job.engine == "cpu" and job.model == memory.TINY_NAME:
+        return str(memory.MODELS_DIR / memory.TINY_NAME)
+    hf_id = memory.HF_IDS.get(job.model, job.model)
+    if env.get("LLMLAB_MODEL_DIR"):
+        return str(Path(env["LLMLAB_MODEL_DIR"]) / hf_id.rsplit("/", 1)[-1])
+    return hf_id
+
+
+@dataclass
+class RayLayout:
+    """Ray over the job's nodes: a head on the first node, one worker per other node, per-job ports.
+
+    Ports come from a per-job block (``port_base``), and every node has its own sub-block: on a real cluster
+    two multi-node jobs may share a head node, and in the CI test bed all "nodes" are one machine, where
+    Ray's fixed defaults (client server 10001, dashboard 8265, agent 52365) and overlapping worker-port
+    ranges collide.  Block of node i: ``port_base + 100 * (i + 1)``; the head's GCS is ``port_base``.
+    """
+
+    nodes: list[str]
+    head_ip: str
+    port_base: int
+    gpus_per_node: int
+    loopback: bool = False
+    job_id: str = "0"
+    tmp_root: str = "/tmp"
+    extra_head_args: list[str] = field(default_factory=list)
+    extra_worker_args: list[str] = field(default_factory=list)
+
+    @property
+    def head(self) -> str:
+        return self.nodes[0]
+
+    @property
+    def workers(self) -> list[str]:
+        return self.nodes[1:]
+
+    @property
+    def gcs_port(self) -> int:
+        return self.port_base
+
+    @property
+    def address(self) -> str:
+        return f"{self.head_ip}:{self.gcs_port}"
+
+    @property
+    def expected_gpus(self) -> int:
+        return len(self.nodes) * self.gpus_per_node
+
+    def _node_ports(self, i: int) -> list[str]:
+        b = self.port_base + 100 * (i + 1)
+        return [f"--node-manager-port={b}", f"--object-manager-port={b + 1}",
+                f"--dashboard-agent-listen-port={b + 2}", f"--dashboard-agent-grpc-port={b + 3}",
+                f"--metrics-export-port={b + 4}", f"--runtime-env-agent-port={b + 5}",
+                f"--min-worker-port={b + 10}", f"--max-worker-port={b + 99}"]
+
+    def _ip(self) -> list[str]:
+        return [f"--node-ip-address={LOOPBACK_RAY_IP}"] if self.loopback else []
+
+    @property
+    def temp_dir(self) -> str:
+        """Ray's session files, per job: the default /tmp/ray belongs to whichever user started Ray first on a
+        shared node, and a second user's Ray then fails on its permissions."""
+        return f"{self.tmp_root}/llmlab-ray-{self.job_id}"
+
+    def head_command(self) -> list[str]:
+        """``ray start --head``: no dashboard (nobody needs it, and it would be one more open port)."""
+        return (["ray", "start", "--head", f"--port={self.gcs_port}", *self._ip(),
+                 f"--ray-client-server-port={self.port_base + 1}", "--include-dashboard=false",
+                 f"--dashboard-port={self.port_base + 2}", *self._node_ports(0), *self._gpus(),
+                 f"--temp-dir={self.temp_dir}", "--block"]
+                + self.extra_head_args)
+
+    def worker_command(self, i: int) -> list[str]:
+        """``ray start`` on worker ``i`` (1-based: node 0 is the head)."""
+        return (["ray", "start", f"--address={self.address}", *self._ip(), *self._node_ports(i), *self._gpus(),
+                 f"--temp-dir={self.temp_dir}", "--block"] + self.extra_worker_args)
+
+    def _gpus(self) -> list[str]:
+        return [f"--num-gpus={self.gpus_per_node}"] if self.gpus_per_node else ["--num-gpus=0"]
+
+    def max_port(self) -> int:
+        return self.port_base + 100 * (len(self.nodes) + 1) - 1
+
+
+# The CI test bed runs every "node" on one machine and keeps Ray on loopback.  Not 127.0.0.1: Ray 2.60 replaces
+# 127.0.0.1 and localhost by the machine's outward address (services.resolve_ip_for_localhost), so that other
+# machines could reach it; any other loopback address it uses as given.
+LOOPBACK_RAY_IP = "127.0.0.2"
+
+# Multi-node jobs take a block of ports below Linux's ephemeral range (32768+), where outgoing connections
+# would take ports at random; six blocks of 2,000 ports leave room for 19 nodes each.
+RAY_PORT_FIRST, RAY_BLOCK, RAY_BLOCKS = 20000, 2000, 6
+
+
+def ray_port_base(job_id: str, env: dict) -> int:
+    """The job's Ray port block: ``LLMLAB_RAY_PORT_BASE``, else chosen by the job id (two jobs that share a
+    head node get different blocks unless their ids are 6 apart)."""
+    if env.get("LLMLAB_RAY_PORT_BASE"):
+        return int(env["LLMLAB_RAY_PORT_BASE"])
+    digits = re.sub(r"\D", "", str(job_id)) or "0"
+    return RAY_PORT_FIRST + (int(digits) % RAY_BLOCKS) * RAY_BLOCK
+
+
+def head_ip(env: dict, loopback: bool) -> str:
+    """The head's address that the workers dial: ``LLMLAB_RAY_HEAD_IP``, 127.0.0.1 in loopback mode, else the
+    node's address as ``hostname --ip-address`` gives it (the seeds' way), skipping loopback entries."""
+    if env.get("LLMLAB_RAY_HEAD_IP"):
+        return env["LLMLAB_RAY_HEAD_IP"]
+    if loopback:
+        return LOOPBACK_RAY_IP
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        ip = "127.0.0.1"
+    if ip.startswith("127."):  # Debian maps the hostname to 127.0.1.1: use the first real interface instead
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+        ip = next((a for a in out if not a.startswith("127.") and ":" not in a), ip)
+    return ip
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind(("" if host == "0.0.0.0" else host, 0))
+        return s.getsockname()[1]
+
+
+# The InfiniBand settings of the seeds' 405B run, applied only when asked for (LLMLAB_NCCL_IB=1): NCCL
+# finds InfiniBand by itself on most clusters, and a wrong HCA or interface name makes it fail or fall back.
+NCCL_IB_ENV = {"NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "0", "NCCL_IB_HCA": "mlx5", "NCCL_SOCKET_IFNAME": "ib0"}
+
+
+@dataclass
+class RenderedJob:
+    """What the launcher runs for one job, with nothing secret in it."""
+
+    job: JobSettings
+    job_id: str
+    nodes: list[str]
+    bind_host: str           # where vLLM listens
+    host: str                # what clients dial (the connection file's host)
+    port: int
+    model_path: str
+    flags: list[str]         # after the model: layout flags, then name/host/port, then extra args
+    env: dict[str, str]      # exported for Ray and vLLM (no key: the launcher adds VLLM_API_KEY for vLLM only)
+    ray: RayLayout | None
+    python: str = "python3"
+
+    @property
+    def serve_line(self) -> str:
+        """The command as ``vllm serve`` reads (the launcher runs the same through ``python -m``)."""
+        return shlex.join(["vllm", "serve", self.model_path, *self.flags])
+
+    @property
+    def argv(self) -> list[str]:
+        """What the launcher executes: vLLM's OpenAI server module, which works for the CUDA and the CPU build
+        (vllm-cpu's ``vllm`` console script fails on its own package name)."""
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path, *self.flags]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def summary(self) -> str:
+        """The layout in words, for the job's output and the notebook."""
+        j = self.job
+        lines = [f"{j.name}: {j.model} on {len(self.nodes)} node(s) x {j.gpus_per_node} GPU(s), TP={j.tp} x PP={j.pp}, "
+                 f"engine {j.engine}, context {j.context:,} tokens"]
+        if self.ray:
+            lines.append(f"Ray: head on {self.ray.head} ({self.ray.address}), workers on "
+                         f"{', '.join(self.ray.workers)}; ports {self.ray.port_base}-{self.ray.max_port()}")
+        else:
+            lines.append("Ray: not needed (one node: vLLM starts its own worker processes)")
+        lines.append(f"vLLM listens on {self.bind_host}:{self.port}; clients use {self.base_url}")
+        return "\n".join(lines)
+
+    def shell(self) -> str:
+        """Bash assignments the launcher sources (every value quoted with shlex)."""
+        q = shlex.quote
+        out = [f"summary={q(self.summary())}", f"job_name={q(self.job.name)}", f"engine={q(self.job.engine)}",
+               f"served_model={q(self.job.name)}",
+               f"bind_host={q(self.bind_host)}", f"host={q(self.host)}", f"port={self.port}",
+               f"expected_nodes={self.job.nodes}", f"tp={self.job.tp}", f"pp={self.job.pp}",
+               f"ray_timeout={self.job.ray_timeout:g}", f"ready_timeout={self.job.ready_timeout:g}",
+               f"serve_argv=({' '.join(map(q, self.argv))})", f"serve_line={q(self.serve_line)}",
+               f"nodes=({' '.join(map(q, self.nodes))})"]
+        out += [f"export {k}={q(v)}" for k, v in self.env.items()]
+        if self.ray:
+            out += [f"ray_address={q(self.ray.address)}", f"ray_expected_gpus={self.ray.expected_gpus}",
+                    f"ray_temp_dir={q(self.ray.temp_dir)}",
+                    f"ray_head_cmd={q(shlex.join(self.ray.head_command()))}",
+                    "ray_worker_cmds=(" + " ".join(q(shlex.join(self.ray.worker_command(i)))
+                                                   for i in range(1, len(self.nodes))) + ")"]
+        else:
+            out += ["ray_address=", "ray_expected_gpus=0", "ray_temp_dir=", "ray_head_cmd=", "ray_worker_cmds=()"]
+        return "\n".join(out) + "\n"
+
+
+def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None = None, port: int = 0,
+           env: dict | None = None, python: str = "python3") -> RenderedJob:
+    """Settings + the job's nodes -> the exact commands.  ``port=0`` picks a free one on this (the head) node.
+
+    Environment knobs (all optional): ``LLMLAB_MODEL_PATH``, ``LLMLAB_MODEL_DIR``, ``LLMLAB_CACHE_DIR`` (HF
+    and vLLM caches), ``LLMLAB_MAX_MODEL_LEN``, ``LLMLAB_EXTRA_VLLM_ARGS``, ``LLMLAB_BIND_HOST``,
+    ``LLMLAB_ADVERTISE_HOST``, ``LLMLAB_LOOPBACK``, ``LLMLAB_RAY_HEAD_IP``, ``LLMLAB_RAY_PORT_BASE``,
+    ``LLMLAB_RAY_HEAD_ARGS``, ``LLMLAB_RAY_WORKER_ARGS``, ``LLMLAB_RAY_TIMEOUT``, ``LLMLAB_READY_TIMEOUT``,
+    ``LLMLAB_NCCL_IB``.
+    """
+    env = dict(os.environ if env is None else env)
+    if isinstance(job, str):
+        job = job_settings(job)
+    overrides = {}
+    if env.get("LLMLAB_MAX_MODEL_LEN"):
+        overrides["max_model_len"] = int(env["LLMLAB_MAX_MODEL_LEN"])
+    for key in ("ray_timeout", "ready_timeout"):
+        if env.get(f"LLMLAB_{key.upper()}"):
+            overrides[key] = float(env[f"LLMLAB_{key.upper()}"])
+    if overrides:
+        job = JobSettings(**{**job.as_dict(), **overrides})
+    nodes = list(nodes or [f"node{i + 1}" for i in range(job.nodes)])
+    if len(nodes) != job.nodes:
+        raise SettingsError(f"{job.name} needs {job.nodes} node(s) but the job has {len(nodes)} "
+                            f"({', '.join(nodes)}): submit it with --nodes={job.nodes}.")
+    loopback = env.get("LLMLAB_LOOPBACK", "1" if job.engine == "cpu" else "0") == "1"
+    bind_host = env.get("LLMLAB_BIND_HOST") or ("127.0.0.1" if loopback else "0.0.0.0")
+    host = env.get("LLMLAB_ADVERTISE_HOST") or ("127.0.0.1" if loopback else socket.gethostname())
+    port = port or free_port(bind_host)
+    path = model_path(job, env)
+    flags = vllm_flags(job) + ["--served-model-name", job.name, "--host", bind_host, "--port", str(port)]
+    flags += list(job.extra_args) + shlex.split(env.get("LLMLAB_EXTRA_VLLM_ARGS", ""))
+    run_env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if job.engine == "cpu":
+        run_env.update(VLLM_CPU_KVCACHE_SPACE=str(job.kv_cache_gib), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if env.get("LLMLAB_CACHE_DIR"):
+        cache = Path(env["LLMLAB_CACHE_DIR"])
+        run_env.update(HF_HOME=str(cache / "huggingface"), VLLM_CACHE_ROOT=str(cache / "vllm"))
+    if env.get("LLMLAB_NCCL_IB") == "1":
+        run_env.update({k: env.get(k, v) for k, v in NCCL_IB_ENV.items()})
+    ray = None
+    if job.uses_ray:
+        ray = RayLayout(nodes, head_ip(env, loopback), ray_port_base(job_id, env), job.gpus_per_node, loopback,
+                        str(job_id), env.get("LLMLAB_RAY_TMPDIR", "/tmp"),
+                        shlex.split(env.get("LLMLAB_RAY_HEAD_ARGS", "")),
+                        shlex.split(env.get("LLMLAB_RAY_WORKER_ARGS", "")))
+        # vLLM's ray.init() joins this cluster instead of starting its own.
+        run_env["RAY_ADDRESS"] = ray.address
+        # Draining waits up to 30 s on SIGTERM for work that a vLLM server never leaves; skip it, so that
+        # scancel's clean-up ends within SLURM's KillWait.
+        run_env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+        run_env["RAY_USAGE_STATS_ENABLED"] = "0"  # a compute node has no business phoning home
+        # Hook for Ray token authentication (RAY_AUTH_MODE=token, Ray >= 2.52): passed to every node as given.
+        run_env.update({k: env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH") if env.get(k)})
+    return RenderedJob(job, str(job_id), nodes, bind_host, host, port, path, flags, run_env, ray, python)
+
+
+# --------------------------------------------------------------------------------------------------
+# The layout checked against llmlab.memory
+# --------------------------------------------------------------------------------------------------
+
+def layout_report(job: JobSettings | str) -> dict:
+    """What each GPU of the job's layout holds, and what ``llmlab.memory.plan`` would choose instead.
+
+    ``fits``: the weights leave a KV budget on every GPU that holds at least one request of the job's context.
+    """
+    if isinstance(job, str):
+        job = job_settings(job)
+    s = memory.model_spec(job.model)
+    usable = memory.usable_bytes(job.gpu, job.gpu_memory_utilization)
+    weights = memory.weight_bytes_per_gpu(s, job.dtype, job.tp, job.pp)
+    per_token = [memory.kv_bytes_per_token(s, job.kv_dtype, job.dtype, job.tp, n)
+                 for n in memory.pp_partition(s.num_layers, job.pp)]
+    blocks = min(memory.kv_blocks(usable - w, p) for w, p in zip(weights, per_token, strict=True))
+    cap = memory.kv_capacity(min(usable - w for w in weights), max(per_token), memory.GPU_BLOCK_SIZE, job.context,
+                             blocks=blocks)
+    try:
+        best = memory.plan(s, job.dtype, job.kv_dtype, job.gpu, max(job.gpus_per_node, 1), job.context,
+                           utilization=job.gpu_memory_utilization)
+        planner = {"tp": best.tp, "pp": best.pp, "gpus": best.gpus, "nodes": best.nodes}
+    except memory.PlanError as e:
+        planner = {"error": str(e)}
+    return {"name": job.name, "model": job.model, "gpu": job.gpu, "nodes": job.nodes, "gpus": job.gpus,
+            "tp": job.tp, "pp": job.pp, "context": job.context,
+            "weights_gib_per_gpu": max(weights) / memory.GiB, "usable_gib_per_gpu": usable / memory.GiB,
+            "kv_tokens": cap.tokens, "max_concurrency": cap.max_concurrency,
+            "fits": cap.max_concurrency is not None and cap.max_concurrency >= 1,
+            "tp_crosses_nodes": job.tp > job.gpus_per_node, "planner": planner}
+
+
+def layouts_table(engine: str = "gpu"):
+    """A pandas table of the shipped jobs of one engine, checked by :func:`layout_report`."""
+    import pandas as pd
+
+    rows = []
+    for job in load_settings().values():
+        if job.engine != engine:
+            continue
+        r = layout_report(job)
+        p = r["planner"]
+        rows.append({"job": job.name, "nodes x GPUs": f"{job.nodes} x {job.gpus_per_node}",
+                     "TP x PP": f"{job.tp} x {job.pp}", "context": job.context,
+                     "weights GiB/GPU": round(r["weights_gib_per_gpu"], 2), "KV tokens": r["kv_tokens"],
+                     "max concurrency": round(r["max_concurrency"], 2),
+                     "planner's choice": f"{p['tp']} x {p['pp']}" if "tp" in p else p["error"]})
+    return pd.DataFrame(rows).set_index("job")
+
+
+def tp_vs_pp(model="llama3.1-405b", layouts=((8, 2), (16, 1)), gpus_per_node: int = 8, dtype: str | None = None,
+             tokens: int = 1, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS,
+             allreduce_latency_us: float = 0.0) -> list[dict]:
+    """Per-GPU weights and the traffic of one forward step over ``tokens`` tokens, for each (TP, PP) layout.
+
+    Model (ring all-reduce, the bandwidth term only unless ``allreduce_latency_us`` is given): TP all-reduces
+    the hidden state twice per layer (after attention, after the MLP); each GPU sends 2 (TP-1)/TP of the
+    message.  A TP group inside a node runs at NVLink speed; one that spans nodes waits for its slowest link,
+    InfiniBand.  PP sends the hidden state once per stage boundary, point to point, over InfiniBand.
+    """
+    s = memory.model_spec(model)
+    act = 2 if memory.serve_dtype(s, dtype) != "float32" else 4  # activations travel in the compute dtype
+    message = s.hidden_size * act * tokens
+    rows = []
+    for tp, pp in layouts:
+        link = "NVLink" if tp <= gpus_per_node else "InfiniBand"
+        bw = (nvlink_gbps if link == "NVLink" else ib_gbps) * 1e9
+        n_allreduce = 2 * s.num_layers if tp > 1 else 0
+        per_allreduce = 2 * (tp - 1) / tp * message
+        tp_s = n_allreduce * (per_allreduce / bw + allreduce_latency_us * 1e-6)
+        pp_s = (pp - 1) * message / (ib_gbps * 1e9)
+        rows.append({"layout": f"TP={tp} x PP={pp}", "gpus": tp * pp, "nodes": -(-tp * pp // gpus_per_node),
+                     "weights_gib_per_gpu": max(memory.weight_bytes_per_gpu(s, dtype, tp, pp)) / memory.GiB,
+                     "tp_link": link if tp > 1 else "-", "allreduces": n_allreduce,
+                     "allreduce_bytes_per_gpu": per_allreduce if tp > 1 else 0.0,
+                     "tp_bytes_per_gpu": n_allreduce * per_allreduce, "tp_us": tp_s * 1e6,
+                     "pp_transfers": pp - 1, "pp_bytes": (pp - 1) * message, "pp_us": pp_s * 1e6,
+                     "comm_us": (tp_s + pp_s) * 1e6})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Waiting: Ray, then /health with the load progress
+# --------------------------------------------------------------------------------------------------
+
+def say(message: str, file=None) -> None:
+    """One line in the job's output, time-stamped like the launcher's own lines."""
+    print(f"[llmlab {time.strftime('%H:%M:%S')}] {message}", flush=True, file=file or sys.stdout)
+
+
+RAY_NODE = re.compile(r"^\s*\d+\s+node_[0-9a-f]+", re.M)
+RAY_GPU = re.compile(r"([\d.]+)/([\d.]+)\s+GPU\b")
+
+
+def parse_ray_status(text: str) -> tuple[int, float]:
+    """(active nodes, total GPUs) from ``ray status`` output (Ray 2.x's "Active:" and "Usage" sections)."""
+    active = text.split("Active:", 1)[1].split("Pending:", 1)[0] if "Active:" in text else ""
+    nodes = sum(int(m.group(0).split()[0]) for m in RAY_NODE.finditer(active))
+    gpus = RAY_GPU.search(text)
+    return nodes, float(gpus.group(2)) if gpus else 0.0
+
+
+def tail(path: Path | str, n: int = 12) -> str:
+    from llmlab.server import last_lines
+
+    return last_lines(Path(path), n)
+
+
+def wait_for_ray(address: str, nodes: int, gpus: int, timeout: float, steps: dict[str, tuple[int, str]],
+                 poll: float = 3.0, ray_bin: str | None = None) -> bool:
+    """Poll ``ray status`` until ``nodes`` nodes and ``gpus`` GPUs have joined; print each change.
+
+    ``steps``: node name -> (pid of its ``srun ray start`` step, its log file).  A step that exits means that
+    node's Ray cannot start: fail at once, naming the node and showing its log, instead of waiting out the
+    time-out.  Returns True when all joined; prints the reason and returns False otherwise.
+    """
+    from llmlab.server import pid_alive
+
+    ray_bin = ray_bin or str(Path(sys.executable).with_name("ray"))
+    start, last = time.monotonic(), None
+
+    def step_failed() -> bool:
+        for node, (pid, log) in steps.items():
+            if not pid_alive(pid):
+                say(f"FAILED: Ray on {node} exited before the cluster was complete. Last lines of {log}:\n"
+                    f"{tail(log)}")
+                return True
+        return False
+
+    while True:
+        seen = (0, 0.0)
+        status = subprocess.Popen([ray_bin, "status", f"--address={address}"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
+        try:  # `ray status` takes seconds: watch the steps meanwhile, so that a dead worker fails the job at once
+            asked = time.monotonic()
+            while status.poll() is None and time.monotonic() - asked < 60:
+                if step_failed():
+                    return False
+                time.sleep(0.5)
+        finally:
+            if status.poll() is None:
+                status.kill()
+            out = status.communicate()[0]
+        if status.returncode == 0:
+            seen = parse_ray_status(out)
+        if seen != last:
+            say(f"Ray: {seen[0]}/{nodes} nodes, {seen[1]:g}/{gpus} GPUs joined")
+            last = seen
+        if seen[0] >= nodes and seen[1] >= gpus:
+            return True
+        waited = time.monotonic() - start
+        if waited > timeout:
+            missing = [n for n in steps][seen[0]:] if seen[0] < nodes else []
+            say(f"FAILED: after {waited:.0f} s Ray shows {seen[0]}/{nodes} nodes and {seen[1]:g}/{gpus} GPUs "
+                f"(time-out LLMLAB_RAY_TIMEOUT={timeout:g} s). "
+                + (f"Check the Ray logs of {', '.join(missing)}; " if missing else "")
+                + ("GPUs missing: is CUDA_VISIBLE_DEVICES set on every node (--gpus-per-node)? " if seen[1] < gpus
+                   else "")
+                + "Last lines of each node's log follow.")
+            for node, (_, log) in steps.items():
+                print(f"--- {node}: {log}\n{tail(log, 6)}", flush=True)
+            return False
+        time.sleep(poll)
+
+
+def wait_for_gcs(address: str, timeout: float, steps: dict[str, tuple[int, str]], poll: float = 0.5) -> bool:
+    """Wait until the Ray head's GCS accepts connections (a TCP connect: ``ray status`` takes seconds each time),
+    so that the workers start against a head that runs.  Fails at once if the head's step exits."""
+    from llmlab.server import pid_alive
+
+    host, port = address.rsplit(":", 1)
+    start = time.monotonic()
+    while True:
+        for node, (pid, log) in steps.items():
+            if not pid_alive(pid):
+                say(f"FAILED: the Ray head on {node} exited while starting. Last lines of {log}:\n{tail(log)}")
+                return False
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                say(f"Ray head answers at {address}")
+                return True
+        except OSError:
+            pass
+        if time.monotonic() - start > timeout:
+            say(f"FAILED: the Ray head at {address} did not answer within {timeout:g} s (LLMLAB_RAY_TIMEOUT). "
+                f"Last lines of its log:\n" + "\n".join(tail(log, 8) for _, log in steps.values()))
+            return False
+        time.sleep(poll)
+
+
+SHARDS = re.compile(r"Loading (?:safetensors|pt|bin)? ?checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+) "
+                    r"\[([\d:]+)<([\d:?]+)")
+
+
+@dataclass
+class LoadProgress:
+    """Where a vLLM server is in its start-up, from its log."""
+
+    phase: str
+    shards_done: int | None = None
+    shards_total: int | None = None
+    elapsed: str | None = None
+    eta: str | None = None
+    ready: bool = False
+
+    def __str__(self) -> str:
+        if self.ready:
+            return "ready"
+        if self.shards_total and self.phase == "loading weights":
+            return (f"loading weights: {self.shards_done}/{self.shards_total} shards "
+                    f"({100 * self.shards_done // self.shards_total}%), elapsed {self.elapsed}, ETA {self.eta}")
+        return self.phase
+
+
+def load_progress(log: str | Path) -> LoadProgress:
+    """Parse a vLLM log into the start-up phase and the weight-shard progress: a ``Path`` is read, a ``str``
+    is the log's text.  vLLM redraws its shard progress bar with carriage returns; the last one counts.
+    """
+    from llmlab.server import PHASES
+
+    if isinstance(log, Path):
+        try:
+            text = log.read_text(errors="replace")
+        except OSError:
+            return LoadProgress("waiting for the job to start vLLM")
+    else:
+        text = log
+    done = [label for marker, label in PHASES if marker in text]
+    phase_name = done[-1] if done else "importing vLLM"
+    shards = list(SHARDS.finditer(text))
+    if shards and "Loading weights took" not in text:
+        phase_name = "loading weights"
+    ready = "Application startup complete" in text
+    if not shards:
+        return LoadProgress(phase_name, ready=ready)
+    m = shards[-1]
+    return LoadProgress(phase_name, int(m[2]), int(m[3]), m[4], m[5], ready)
+
+
+def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, poll: float = 2.0) -> bool:
+    """Poll ``/health`` while vLLM loads; print the phase / shard progress whenever it changes.
+
+    Returns True once /health answers 200; prints the reason (exit, time-out) with the log's last lines
+    and returns False otherwise.
+    """
+    from llmlab.server import health, pid_alive
+
+    start, last = time.monotonic(), ""
+    while not health(host, port):
+        if not pid_alive(pid):
+            say(f"FAILED: vLLM exited while starting. Last lines of {log}:\n{tail(log, 25)}")
+            return False
+        waited = time.monotonic() - start
+        if waited > timeout:
+            say(f"FAILED: vLLM did not answer /health within {timeout:g} s (LLMLAB_READY_TIMEOUT). Last lines of "
+                f"{log}:\n{tail(log, 15)}")
+            return False
+        now = str(load_progress(log))
+        if now != last:
+            say(f"vLLM: {now}")
+            last = now
+        time.sleep(poll)
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding servers
+# --------------------------------------------------------------------------------------------------
+
+def is_alive(info: dict, timeout: float = 2.0) -> bool:
+    """Does the server of a connection file answer ``/health``?  (It needs no key.)"""
+    from llmlab.server import health
+
+    return health(info["host"], info["port"], timeout)
+
+
+def servers(check: bool = True, embedded: bool = True) -> list[dict]:
+    """Every llmlab server this user has published: SLURM jobs' connection files, newest first, then the
+    embedded server.  ``alive`` says whether it answers now.  The key never appears, only its file."""
+    from llmlab.server import state_file
+
+    files = sorted(servers_dir().glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    if embedded and state_file().exists():
+        files.append(state_file())
+    out = []
+    for path in files:
+        try:
+            info = read_connection_file(path)
+        except Exception as e:  # a broken file is listed, not fatal: the table says what is wrong
+            out.append({"file": str(path), "error": str(e).split(". ")[0]})
+            continue
+        row = {"kind": info.get("kind"), "model": info["model"], "url": f"http://{info['host']}:{info['port']}/v1",
+               "job_id": info.get("job_id"), "started": info.get("started"), "nodes": info.get("nodes"),
+               "tp": info.get("tp"), "pp": info.get("pp"), "api_key_file": info["api_key_file"], "file": str(path)}
+        if check:
+            row["alive"] = is_alive(info)
+        out.append(row)
+    return out
+
+
+def servers_table(check: bool = True):
+    """:func:`servers` as a pandas table."""
+    import pandas as pd
+
+    return pd.DataFrame(servers(check))
+
+
+def job_log_dir(job_id: str) -> Path:
+    """Where the launcher keeps a job's vLLM and Ray logs (private to the user)."""
+    return llmlab_home() / "logs" / f"job-{job_id}"
+
+
+def job_progress(job_id: str) -> LoadProgress:
+    """The load progress of a SLURM job's server, from the vLLM log the launcher writes."""
+    return load_progress(job_log_dir(job_id) / "vllm.log")
+
+
+def connection_file_of(job_id: str) -> Path:
+    return servers_dir() / f"job-{job_id}.json"
+
+
+# --------------------------------------------------------------------------------------------------
+# The launcher's helpers: python -m llmlab.cluster ...
+# --------------------------------------------------------------------------------------------------
+
+def _cmd_render(a) -> int:
+    rendered = render(a.job, job_id=a.job_id, nodes=a.nodes.split() if a.nodes else None, port=a.port,
+                      python=a.python)
+    print(rendered.shell() if a.shell else rendered.summary() + "\n" + rendered.serve_line)
+    return 0
+
+
+def _cmd_wait_ray(a) -> int:
+    steps = {}
+    for spec in a.step:
+        node, pid, log = spec.split(":", 2)
+        steps[node] = (int(pid), log)
+    ok = wait_for_gcs(a.address, a.timeout, steps) if a.gcs_only else wait_for_ray(a.address, a.nodes, a.gpus,
+                                                                                  a.timeout, steps, a.poll)
+    if ok:
+        return 0
+    from llmlab.server import pid_alive
+
+    return 1 if any(not pid_alive(pid) for pid, _ in steps.values()) else 3  # 1: a node's Ray exited; 3: time-out
+
+
+def _cmd_wait_ready(a) -> int:
+    t0 = time.monotonic()
+    if not wait_until_ready(a.host, a.port, a.pid, Path(a.log), a.timeout, a.poll):
+        return 1
+    extra = {"nodes": a.nodes.split(), "tp": a.tp, "pp": a.pp, "engine": a.engine, "log": a.log, "pid": a.pid,
+             "ray_address": a.ray_address or None, "ready_after_s": round(time.monotonic() - t0 + a.elapsed, 1)}
+    write_connection_file(Path(a.connection_file), kind="slurm", host=a.host, port=a.port, model=a.model,
+                          api_key_file=Path(a.key_file), job_id=a.job_id, **extra)
+    url = f"http://{a.host}:{a.port}/v1"
+    say(f"READY: {a.model} at {url} (job {a.job_id}, {extra['ready_after_s']:g} s after the job started)")
+    print(f"  notebook:  client, model = llmlab.connect()    # finds {a.connection_file}\n"
+          f"  pinned:    LLMLAB_CONNECTION_FILE={a.connection_file}\n"
+          f"  curl:      curl {url}/models -H \"Authorization: Bearer $(cat {a.key_file})\"", flush=True)
+    return 0
+
+
+def _cmd_progress(a) -> int:
+    print(load_progress(Path(a.log)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m llmlab.cluster",
+                                description="Helpers of slurm/llmlab-serve.sh (not a user command).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("render")
+    r.add_argument("job")
+    r.add_argument("--job-id", default="0")
+    r.add_argument("--nodes", default="")
+    r.add_argument("--port", type=int, default=0)
+    r.add_argument("--python", default=sys.executable)
+    r.add_argument("--shell", action="store_true")
+    r.set_defaults(func=_cmd_render)
+    w = sub.add_parser("wait-ray")
+    w.add_argument("--address", required=True)
+    w.add_argument("--nodes", type=int, required=True)
+    w.add_argument("--gpus", type=int, default=0)
+    w.add_argument("--timeout", type=float, default=600)
+    w.add_argument("--poll", type=float, default=3)
+    w.add_argument("--step", action="append", default=[], help="NODE:PID:LOG of each srun ray start")
+    w.add_argument("--gcs-only", action="store_true", help="only wait for the head's GCS port")
+    w.set_defaults(func=_cmd_wait_ray)
+    h = sub.add_parser("wait-ready")
+    for name in ("host", "model", "log", "key-file", "connection-file", "job-id", "engine"):
+        h.add_argument(f"--{name}", required=True)
+    for name in ("port", "pid", "tp", "pp"):
+        h.add_argument(f"--{name}", type=int, required=True)
+    h.add_argument("--nodes", default="")
+    h.add_argument("--ray-address", default="")
+    h.add_argument("--timeout", type=float, default=5400)
+    h.add_argument("--poll", type=float, default=2)
+    h.add_argument("--elapsed", type=float, default=0, help="seconds the job ran before vLLM started")
+    h.set_defaults(func=_cmd_wait_ready)
+    g = sub.add_parser("progress")
+    g.add_argument("log")
+    g.set_defaults(func=_cmd_progress)
+    a = p.parse_args(argv)
+    try:
+        return a.func(a)
+    except (SettingsError, memory.ConfigError, memory.PlanError) as e:
+        say(f"FAILED: {e}", file=sys.stderr)  # stderr: the launcher captures render's stdout
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

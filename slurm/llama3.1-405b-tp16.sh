@@ -1,0 +1,23 @@
+#!/bin/bash
+# Llama 3.1 405B, TP=16 over 2 nodes x 8 GPUs: every layer all-reduces across nodes,
+# so only with InfiniBand (submit with LLMLAB_NCCL_IB=1 if NCCL does not find it by itself).
+# Only the allocation is here (sbatch reads #SBATCH lines literally); everything else is the
+# ["llama3.1-405b-tp16"] table of models.toml.  Account, partition and a different time: sbatch flags or SBATCH_*.
+#   sbatch --account=ACCOUNT --partition=PARTITION slurm/llama3.1-405b-tp16.sh
+#SBATCH --job-name=llmlab-llama3.1-405b-tp16
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-gpu=8
+#SBATCH --time=04:00:00
+#SBATCH --output=llmlab-%x-%j.out
+
+# sbatch runs a copy of this file: find the launcher beside the original that was submitted.
+if [[ -n ${LLMLAB_SLURM_DIR:-} ]]; then
+  here=$LLMLAB_SLURM_DIR
+elif [[ -n ${SLURM_JOB_ID:-} ]]; then
+  here=$(dirname "$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=//p')")
+else
+  here=$(dirname "${BASH_SOURCE[0]}")
+fi
+exec bash "$here/llmlab-serve.sh" llama3.1-405b-tp16

@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# llmlab's shared SLURM launcher: brings up one vLLM server for the job it runs in, and takes it down again.
+#
+# The per-model job scripts next to this file end with `exec bash llmlab-serve.sh JOB`; JOB names a table of
+# models.toml (nodes, GPUs, TP, PP, dtype, context).  What this script does, in order:
+#   1. renders the job (llmlab.cluster): the vllm serve line, a free port, the Ray layout and its ports;
+#   2. writes a random API key to a 0600 file under $LLMLAB_HOME (default ~/.llmlab) -- never printed;
+#   3. multi-node only: starts Ray with srun (head on the first node, one worker per other node) and waits
+#      until `ray status` shows every node and GPU; a worker that exits, or a time-out, fails the job;
+#   4. starts vLLM with the key in its environment (VLLM_API_KEY: not in `ps`, not in any log), prints the
+#      model-load progress, waits for /health, then writes the connection file that llmlab.connect() reads
+#      and prints how to use the server;
+#   5. on exit, scancel or the time limit: removes the connection file, stops vLLM and Ray, removes the key.
+#
+# Knobs (environment; sbatch passes yours to the job): LLMLAB_HOME, LLMLAB_PYTHON, LLMLAB_MODEL_PATH,
+# LLMLAB_MODEL_DIR, LLMLAB_CACHE_DIR, LLMLAB_MAX_MODEL_LEN, LLMLAB_EXTRA_VLLM_ARGS, LLMLAB_RAY_TIMEOUT,
+# LLMLAB_READY_TIMEOUT, LLMLAB_NCCL_IB=1, LLMLAB_RAY_*; LLMLAB_DRY_RUN=1 prints what would run and exits.
+# slurm/README.md explains each.  Partition, account and time come from sbatch's own flags or SBATCH_*.
+set -euo pipefail
+umask 077  # everything this job writes (key, connection file, logs) is readable by its user only
+
+say() { printf '[llmlab %(%H:%M:%S)T] %s\n' -1 "$*"; }
+die() { say "FAILED: $*"; exit 1; }
+
+job=${1:?usage: llmlab-serve.sh JOB  (a table of slurm/models.toml, e.g. llama3.1-70b)}
+PY=${LLMLAB_PYTHON:-python3}
+dry_run=${LLMLAB_DRY_RUN:-0}
+"$PY" -c 'import llmlab.cluster' 2>/dev/null ||
+  die "'$PY' cannot import llmlab: activate the llmlab environment before sbatch (the job inherits it), or set LLMLAB_PYTHON"
+
+job_id=${SLURM_JOB_ID:-}
+if [[ -z $job_id ]]; then
+  [[ $dry_run == 1 ]] || die "not inside a SLURM job: submit a job script with sbatch (LLMLAB_DRY_RUN=1 only prints)"
+  job_id=dry-run
+fi
+if [[ -n ${LLMLAB_NODES:-} ]]; then
+  read -ra node_list <<<"$LLMLAB_NODES"
+elif [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
+  mapfile -t node_list < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+else
+  node_list=()
+fi
+
+# Set by the rendered settings below (declared here for readers and for shellcheck).
+summary='' engine='' served_model='' host='' port='' expected_nodes='' tp='' pp='' ray_timeout='' ready_timeout=''
+serve_line='' ray_address='' ray_expected_gpus=0 ray_head_cmd='' ray_temp_dir=''
+serve_argv=() nodes=() ray_worker_cmds=()
+port_arg=()
+[[ $dry_run == 1 ]] && port_arg=(--port 8000)  # a real run picks a free port on the head node
+rendered=$("$PY" -m llmlab.cluster render "$job" --shell --job-id "$job_id" --nodes "${node_list[*]}" \
+  --python "$PY" "${port_arg[@]}") || exit 1
+eval "$rendered"
+
+if [[ $dry_run == 1 ]]; then
+  echo "$summary"
+  if [[ -n $ray_head_cmd ]]; then
+    echo "Ray head:   srun --overlap --nodes=1 --ntasks=1 -w ${nodes[0]} $ray_head_cmd"
+    for i in "${!ray_worker_cmds[@]}"; do
+      echo "Ray worker: srun --overlap --nodes=1 --ntasks=1 -w ${nodes[i + 1]} ${ray_worker_cmds[i]}"
+    done
+    echo "Ray wait:   $expected_nodes nodes, $ray_expected_gpus GPUs at $ray_address (time-out ${ray_timeout} s)"
+  fi
+  echo "vLLM:       $serve_line"
+  echo "runs as:    ${serve_argv[*]}"
+  env_lines=$(grep '^export ' <<<"$rendered" | sed 's/^export /            /') || true
+  echo "env:"
+  echo "$env_lines"
+  exit 0
+fi
+
+home=${LLMLAB_HOME:-$HOME/.llmlab}
+log_dir=$home/logs/job-$job_id
+key_file=$home/keys/job-$job_id.key
+conn_file=$home/servers/job-$job_id.json
+vllm_log=$log_dir/vllm.log
+mkdir -p "$log_dir" "$home/keys" "$home/servers"
+printf '%s' "$rendered" >"$log_dir/rendered.sh"  # what ran, for the record (no secret in it)
+
+vllm_pid='' helper_pid='' cleaned=''
+ray_pids=() ray_steps=()
+stop_grace=${LLMLAB_STOP_GRACE:-20}
+
+# shellcheck disable=SC2329  # wait_gone, cleanup and on_signal run from the traps below
+# Waits at most $2 seconds for every process in "$1" (pids; "-PGID" for a process group) to end.
+wait_gone() {
+  local t
+  for ((t = 0; t < $2; t++)); do
+    local alive=0 p
+    for p in $1; do kill -0 -- "$p" 2>/dev/null && alive=1; done
+    ((alive)) || return 0
+    sleep 1
+  done
+  return 1
+}
+
+# shellcheck disable=SC2329
+cleanup() {
+  [[ -n $cleaned ]] && return
+  cleaned=1
+  trap - TERM INT HUP
+  rm -f "$conn_file"  # first: nobody connects to a server that is going away
+  [[ -n $helper_pid ]] && { kill -TERM "$helper_pid" 2>/dev/null || true; }
+  if [[ -n $vllm_pid ]] && kill -0 -- "-$vllm_pid" 2>/dev/null; then
+    say "stopping vLLM (pid $vllm_pid)"
+    kill -TERM -- "-$vllm_pid" 2>/dev/null || true
+    wait_gone "-$vllm_pid" "$stop_grace" || kill -KILL -- "-$vllm_pid" 2>/dev/null || true
+  fi
+  if ((${#ray_pids[@]})); then
+    say "stopping Ray on ${nodes[*]}"
+    stop_ray  # srun passes SIGTERM to `ray start --block`, which stops that node's Ray processes
+  fi
+  # Ray's session files on this (the head) node; other nodes' copies stay in their /tmp until it is cleaned.
+  [[ -n $ray_temp_dir && -d $ray_temp_dir ]] && { rm -rf -- "$ray_temp_dir" || true; }
+  rm -f "$key_file"
+  say "stopped; connection file and key removed"
+}
+# shellcheck disable=SC2329
+on_signal() {
+  say "received $1 (scancel or time limit): shutting down"
+  cleanup
+  exit "$2"
+}
+trap cleanup EXIT
+trap 'on_signal SIGTERM 143' TERM
+trap 'on_signal SIGINT 130' INT
+trap 'on_signal SIGHUP 129' HUP
+
+say "job $job_id on ${nodes[*]}"
+echo "$summary"
+"$PY" -c 'import secrets; print(secrets.token_urlsafe(32))' >"$key_file"
+say "API key written to $key_file (mode 0600)"
+
+# Helpers run in the background and are awaited, so that a signal reaches the trap at once.
+run_helper() {
+  "$PY" -m llmlab.cluster "$@" &
+  helper_pid=$!
+  local rc=0
+  wait "$helper_pid" || rc=$?
+  helper_pid=''
+  return "$rc"
+}
+
+start_ray() {  # node, command (a shlex-quoted string from the renderer)
+  local node=$1 args=()
+  eval "args=($2)"
+  say "Ray on $node: ${args[*]}"
+  srun --overlap --nodes=1 --ntasks=1 -w "$node" "${args[@]}" >>"$log_dir/ray-$node.log" 2>&1 </dev/null &
+  ray_pids+=("$!")
+  ray_steps+=(--step "$node:$!:$log_dir/ray-$node.log")
+}
+
+stop_ray() {
+  ((${#ray_pids[@]})) || return 0
+  kill -TERM "${ray_pids[@]}" 2>/dev/null || true
+  wait_gone "${ray_pids[*]}" "$stop_grace" || kill -KILL "${ray_pids[@]}" 2>/dev/null || true
+  ray_pids=()
+}
+
+# Returns 0 once `ray status` shows every node and GPU; 1 if a node's Ray exited, 3 on the time-out.
+bring_up_ray() {
+  ray_pids=() ray_steps=()
+  start_ray "${nodes[0]}" "$ray_head_cmd"
+  # The workers dial the head's GCS: start them once it answers, then wait until `ray status` shows all.
+  run_helper wait-ray --gcs-only --address "$ray_address" --nodes 1 --timeout "$ray_timeout" "${ray_steps[@]}" ||
+    return
+  for i in "${!ray_worker_cmds[@]}"; do
+    start_ray "${nodes[i + 1]}" "${ray_worker_cmds[i]}"
+  done
+  run_helper wait-ray --address "$ray_address" --nodes "$expected_nodes" --gpus "$ray_expected_gpus" \
+    --timeout "$ray_timeout" "${ray_steps[@]}"
+}
+
+if [[ -n $ray_head_cmd ]]; then
+  # A node's Ray that exits while starting is retried (LLMLAB_RAY_ATTEMPTS, default 2): Ray 2.60's raylet
+  # aborts when its dashboard agent takes more than a fixed 15 s to start, which happens on an overloaded
+  # node or a slow shared file system, and a second start, with warm caches, usually succeeds.
+  attempts=${LLMLAB_RAY_ATTEMPTS:-2}
+  for ((attempt = 1; ; attempt++)); do
+    rc=0
+    bring_up_ray || rc=$?
+    ((rc == 0)) && break
+    stop_ray
+    ((rc == 1 && attempt < attempts)) || exit 1
+    say "Ray did not start on every node (attempt $attempt of $attempts); starting it again"
+  done
+  say "Ray cluster complete: $expected_nodes nodes, $ray_expected_gpus GPUs"
+fi
+
+say "starting vLLM (log: $vllm_log)"
+echo "$serve_line"
+# The key reaches vLLM through its environment only; setsid makes vLLM and its engine processes one group,
+# so the clean-up can stop them all.
+VLLM_API_KEY=$(<"$key_file") setsid "${serve_argv[@]}" >"$vllm_log" 2>&1 </dev/null &
+vllm_pid=$!
+run_helper wait-ready --host "$host" --port "$port" --pid "$vllm_pid" --log "$vllm_log" --model "$served_model" \
+  --key-file "$key_file" --connection-file "$conn_file" --job-id "$job_id" --engine "$engine" --tp "$tp" \
+  --pp "$pp" --nodes "${nodes[*]}" --ray-address "$ray_address" --timeout "$ready_timeout" --elapsed "$SECONDS" ||
+  exit 1
+
+rc=0
+wait "$vllm_pid" || rc=$?
+vllm_pid=''
+die "vLLM exited on its own (code $rc). Last lines of $vllm_log:
+$(tail -n 20 "$vllm_log")"

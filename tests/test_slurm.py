@@ -1,0 +1,425 @@
+"""The SLURM launcher (slurm/) and llmlab.cluster.
+
+Two kinds of tests:
+- pure ones (settings, rendering, parsing, the GPU jobs' commands checked against llmlab.memory's planner):
+  they run the job scripts in dry-run mode with bash and need no SLURM;
+- CPU-mode jobs under a real slurmctld + two slurmd on this machine (tests/slurm_testbed.py): a server
+  that comes up over Ray on 2 nodes, answers with its key, refuses without it, and leaves nothing behind
+  after scancel; and a job whose Ray worker cannot start, which must fail fast with the reason.
+  They are skipped, with the reason, only where the SLURM binaries (or root, for slurmd) are missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import stat
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import slurm_testbed
+
+import llmlab
+from llmlab import cluster, memory
+from llmlab.connection import read_key, servers_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+SLURM = ROOT / "slurm"
+GPU_JOBS = [name for name, job in cluster.load_settings().items() if job.engine == "gpu"]
+CPU_JOB = "llmlab-tiny-cpu"
+
+
+def dry_run(name: str, **env) -> subprocess.CompletedProcess:
+    """``LLMLAB_DRY_RUN=1 bash slurm/NAME.sh``: what the job would run, without SLURM."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    full.update(LLMLAB_DRY_RUN="1", LLMLAB_PYTHON=sys.executable, **env)
+    return subprocess.run(["bash", str(SLURM / f"{name}.sh")], capture_output=True, text=True, env=full, timeout=120)
+
+
+def sbatch_directives(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"#SBATCH --([\w-]+)(?:=(\S+))?", line)
+        if m:
+            out[m[1]] = m[2]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings and job scripts: one source
+# --------------------------------------------------------------------------------------------------
+
+def test_every_job_script_has_settings_and_agrees_with_them():
+    jobs = cluster.load_settings()
+    scripts = {p.stem for p in SLURM.glob("*.sh")} - {"llmlab-serve"}
+    assert scripts == set(jobs), "each slurm/<job>.sh needs a [<job>] table in models.toml, and back"
+    for name, job in jobs.items():
+        path = SLURM / f"{name}.sh"
+        d = sbatch_directives(path)
+        assert int(d["nodes"]) == job.nodes, f"{path}: --nodes differs from models.toml"
+        assert int(d.get("gpus-per-node", 0)) == job.gpus_per_node, f"{path}: --gpus-per-node differs"
+        assert d["ntasks-per-node"] == "1"
+        assert "partition" not in d and "account" not in d, "partition/account come from sbatch flags or SBATCH_*"
+        assert path.read_text().rstrip().endswith(f'exec bash "$here/llmlab-serve.sh" {name}')
+
+
+def test_shipped_jobs_are_the_issue_layouts():
+    jobs = cluster.load_settings()
+    layouts = {n: (j.nodes, j.gpus_per_node, j.tp, j.pp) for n, j in jobs.items()}
+    assert layouts == {"llama3.1-8b": (1, 1, 1, 1), "llama3.1-70b": (1, 4, 4, 1), "llama3.1-405b-fp8": (1, 8, 8, 1),
+                       "llama3.1-405b": (2, 8, 8, 2), "llama3.1-405b-tp16": (2, 8, 16, 1),
+                       CPU_JOB: (2, 0, 1, 1)}
+
+
+@pytest.mark.parametrize("name", GPU_JOBS)
+def test_gpu_job_renders_the_planner_command_and_ray_layout(name):
+    """The job script, run for real in dry-run mode, prints the vllm serve line and Ray layout that
+    llmlab.memory's planner gives for its settings, and the layout holds the weights and a full-context request."""
+    job = cluster.job_settings(name)
+    out = dry_run(name)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    serve = next(line for line in text.splitlines() if line.startswith("vLLM:")).split(None, 1)[1]
+    planner_line, _ = memory.serve_command(job.model, tp=job.tp, pp=job.pp, max_model_len=job.context,
+                                           dtype=job.dtype, gpu_memory_utilization=job.gpu_memory_utilization)
+    argv = shlex.split(serve)
+    assert argv[:3] == shlex.split(planner_line)[:3]  # vllm serve <the model's HF id>
+    flags = argv[3:]
+    # every flag of the planner's line, in its order, then name, host and port
+    planned = shlex.split(planner_line)[3:]
+    assert flags[: len(planned)] == planned
+    assert flags[flags.index("--served-model-name") + 1] == name
+    assert flags[flags.index("--tensor-parallel-size") + 1] == str(job.tp)
+    assert ("--pipeline-parallel-size" in flags) == (job.pp > 1)
+    assert ("--distributed-executor-backend" in flags) == (job.nodes > 1)
+    heads = [line for line in text.splitlines() if line.startswith("Ray head:")]
+    workers = [line for line in text.splitlines() if line.startswith("Ray worker:")]
+    if job.nodes == 1:
+        assert not heads and not workers and "Ray: not needed" in text
+    else:
+        assert len(heads) == 1 and "-w node1 ray start --head" in heads[0]
+        assert [w.split("-w ")[1].split()[0] for w in workers] == [f"node{i}" for i in range(2, job.nodes + 1)]
+        assert all(f"--num-gpus={job.gpus_per_node}" in line for line in heads + workers)
+        assert f"Ray wait:   {job.nodes} nodes, {job.gpus} GPUs" in text
+    report = cluster.layout_report(job)
+    assert report["fits"], f"{name}: the layout does not hold one {job.context}-token request: {report}"
+    if name != "llama3.1-405b-tp16":
+        assert (report["planner"]["tp"], report["planner"]["pp"]) == (job.tp, job.pp), report
+    else:  # the planner keeps TP inside a node; TP=16 is the InfiniBand variant of the same 16 GPUs
+        assert report["tp_crosses_nodes"] and report["planner"]["gpus"] == job.gpus
+
+
+def test_dry_run_takes_model_dir_cache_and_extra_args_from_the_environment(tmp_path):
+    out = dry_run("llama3.1-70b", LLMLAB_MODEL_DIR="/models", LLMLAB_CACHE_DIR=str(tmp_path),
+                  LLMLAB_EXTRA_VLLM_ARGS="--enable-chunked-prefill --override-generation-config '{\"a\": 1}'",
+                  LLMLAB_MAX_MODEL_LEN="8192")
+    assert out.returncode == 0, out.stderr
+    serve = next(line for line in out.stdout.splitlines() if line.startswith("vLLM:")).split(None, 1)[1]
+    argv = shlex.split(serve)
+    assert argv[2] == "/models/Llama-3.1-70B-Instruct"
+    assert argv[argv.index("--max-model-len") + 1] == "8192"
+    assert argv[-3:] == ["--enable-chunked-prefill", "--override-generation-config", '{"a": 1}']
+    assert f"HF_HOME={tmp_path}/huggingface" in out.stdout
+    assert "NCCL_" not in out.stdout  # InfiniBand knobs are opt-in
+    ib = dry_run("llama3.1-405b-tp16", LLMLAB_NCCL_IB="1", NCCL_IB_HCA="mlx5_0")
+    assert "NCCL_IB_DISABLE=0" in ib.stdout and "NCCL_IB_HCA=mlx5_0" in ib.stdout
+
+
+def test_launcher_outside_slurm_says_to_use_sbatch():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run(["bash", str(SLURM / "llmlab-serve.sh"), "llama3.1-8b"], capture_output=True, text=True,
+                         env={**env, "LLMLAB_PYTHON": sys.executable}, timeout=60)
+    assert out.returncode == 1 and "not inside a SLURM job: submit a job script with sbatch" in out.stdout
+
+
+def test_wrong_node_count_and_unknown_job_are_one_sentence():
+    out = dry_run("llama3.1-405b", LLMLAB_NODES="gpu01")
+    assert out.returncode == 1 and "needs 2 node(s) but the job has 1 (gpu01): submit it with --nodes=2" in out.stderr
+    env = {**os.environ, "LLMLAB_DRY_RUN": "1", "LLMLAB_PYTHON": sys.executable}
+    out = subprocess.run(["bash", str(SLURM / "llmlab-serve.sh"), "llama9"], capture_output=True, text=True, env=env)
+    assert out.returncode == 1 and "No job 'llama9'" in out.stderr and "llama3.1-70b" in out.stderr
+
+
+def test_bad_settings_are_named(tmp_path):
+    bad = tmp_path / "models.toml"
+    bad.write_text('["x"]\nmodel = "llama3.1-70b"\nnodes = 1\ngpus_per_node = 4\ntp = 8\npp = 1\n')
+    with pytest.raises(cluster.SettingsError, match=r"\[x\]: TP=8 x PP=1 = 8 GPUs, but the job has 1 node"):
+        cluster.load_settings(bad)
+    bad.write_text('["x"]\nmodel = "llama3.1-70b"\nnodes = 1\ngpus_per_node = 4\ntp = 4\npp = 1\ngpus = 3\n')
+    with pytest.raises(cluster.SettingsError, match="unknown key"):
+        cluster.load_settings(bad)
+    bad.write_text('["x"]\nmodel = "llama3.1-70b"\nnodes = 1\ngpus_per_node = 3\ntp = 3\npp = 1\n')
+    with pytest.raises(cluster.SettingsError, match="do not divide into 3"):
+        cluster.load_settings(bad)
+
+
+def test_rendered_shell_survives_quotes_and_spaces():
+    """The launcher evals the renderer's output: every value must come back exactly."""
+    env = {"LLMLAB_EXTRA_VLLM_ARGS": "--chat-template '/a dir/t.jinja' --x \"$(touch /tmp/pwned)\" ;ls",
+           "LLMLAB_RAY_HEAD_IP": "10.1.2.3"}
+    r = cluster.render("llama3.1-405b", job_id="77", nodes=["gpu-a", "gpu-b"], port=9000, env=env)
+    script = r.shell() + 'printf "%s\\n" "${serve_argv[@]}"; echo ---; eval "w=(${ray_worker_cmds[0]})"; ' \
+                         'printf "%s\\n" "${w[@]}"'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    argv, worker = out.split("---\n")
+    assert argv.splitlines() == r.argv
+    assert "/a dir/t.jinja" in argv.splitlines() and '$(touch /tmp/pwned)' in argv.splitlines()
+    assert worker.splitlines() == r.ray.worker_command(1)
+    assert not Path("/tmp/pwned").exists()
+
+
+def test_ray_ports_are_disjoint_per_node_and_outside_ephemeral_range():
+    r = cluster.render("llama3.1-405b", job_id="12345", nodes=["a", "b"], port=9000, env={"LLMLAB_RAY_HEAD_IP": "x"})
+    ports = []
+    for cmd in [r.ray.head_command(), r.ray.worker_command(1)]:
+        lo = hi = None
+        for arg in cmd:
+            m = re.match(r"--([\w-]+)=(\d+)$", arg)
+            if m and m[1].endswith("port") and "worker-port" not in m[1]:
+                ports.append(int(m[2]))
+            lo = int(arg.split("=")[1]) if arg.startswith("--min-worker-port") else lo
+            hi = int(arg.split("=")[1]) if arg.startswith("--max-worker-port") else hi
+        ports += range(lo, hi + 1)
+    assert len(ports) == len(set(ports)), "two Ray components of one job share a port"
+    assert max(ports) < 32768 and min(ports) >= 20000
+    other = cluster.render("llama3.1-405b", job_id="12346", nodes=["a", "b"], port=9000,
+                           env={"LLMLAB_RAY_HEAD_IP": "x"})
+    assert other.ray.port_base != r.ray.port_base
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing: ray status, vLLM's load progress
+# --------------------------------------------------------------------------------------------------
+
+RAY_STATUS = """======== Autoscaler status: 2026-11-22 18:04:08.340433 ========
+Node status
+---------------------------------------------------------------
+Active:
+ 1 node_9acade65f5d4df9f3086c15921d9d9e747b266f1eed056faa7791b64
+ 1 node_e90dc91e8abb2b69662af47814c88ef95acac282a203624b855b3e79
+Pending:
+ (no pending nodes)
+Recent failures:
+ (no failures)
+
+Resources
+---------------------------------------------------------------
+Total Usage:
+ 0.0/4.0 CPU
+ 0.0/16.0 GPU
+ 0B/30.68GiB memory
+ 0B/13.15GiB object_store_memory
+"""
+
+
+def test_parse_ray_status():
+    assert cluster.parse_ray_status(RAY_STATUS) == (2, 16.0)
+    assert cluster.parse_ray_status(RAY_STATUS.replace(" 0.0/16.0 GPU\n", "")) == (2, 0.0)
+    assert cluster.parse_ray_status("") == (0, 0.0)
+
+
+def test_wait_for_ray_times_out_with_the_numbers(tmp_path, capsys):
+    fake = tmp_path / "ray"
+    fake.write_text("#!/bin/sh\ncat <<'EOF'\n" + RAY_STATUS.replace(" 1 node_e90", " 0 node_e90") + "EOF\n")
+    fake.chmod(0o755)
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        ok = cluster.wait_for_ray("127.0.0.1:1", 2, 16, timeout=0.5, poll=0.2, ray_bin=str(fake),
+                                  steps={"node1": (sleeper.pid, str(tmp_path / "h.log"))})
+    finally:
+        sleeper.kill()
+    out = capsys.readouterr().out
+    assert not ok and "FAILED: after" in out and "Ray shows 1/2 nodes and 16/16 GPUs" in out
+    assert "LLMLAB_RAY_TIMEOUT" in out
+
+
+def test_wait_for_ray_fails_at_once_when_a_step_exits(tmp_path, capsys):
+    log = tmp_path / "ray-node2.log"
+    log.write_text("Error: No such option: --bogus\n")
+    done = subprocess.Popen(["true"])
+    done.wait()
+    start = time.monotonic()
+    ok = cluster.wait_for_ray("127.0.0.1:1", 2, 0, timeout=60, ray_bin="/bin/false",
+                              steps={"node2": (done.pid, str(log))})
+    assert not ok and time.monotonic() - start < 5
+    assert "FAILED: Ray on node2 exited" in capsys.readouterr().out
+
+
+LOG_405B = ("INFO ... non-default args: {'model': 'meta-llama/Llama-3.1-405B-Instruct'}\n"
+            "INFO ... Resolved architecture: LlamaForCausalLM\n"
+            "Loading safetensors checkpoint shards:   0% Completed | 0/191 [00:00<?, ?it/s]\r"
+            "Loading safetensors checkpoint shards:   1% Completed | 2/191 [00:09<15:58,  5.07s/it]\r"
+            "Loading safetensors checkpoint shards:  23% Completed | 44/191 [05:10<17:18,  7.06s/it]\r")
+
+
+def test_load_progress_reads_the_shard_bar():
+    p = cluster.load_progress(LOG_405B)
+    assert (p.phase, p.shards_done, p.shards_total, p.elapsed, p.eta) == ("loading weights", 44, 191, "05:10", "17:18")
+    assert str(p) == "loading weights: 44/191 shards (23%), elapsed 05:10, ETA 17:18"
+    done = cluster.load_progress(LOG_405B + "\nINFO Loading weights took 1810.2 seconds\nINFO KV cache size: 1 tokens")
+    assert done.phase == "KV cache allocated" and not done.ready
+    assert cluster.load_progress(LOG_405B + "\nINFO:     Application startup complete.\n").ready
+    assert cluster.load_progress(Path("/nonexistent/vllm.log")).phase == "waiting for the job to start vLLM"
+
+
+def test_tp_vs_pp_arithmetic():
+    tp8, tp16 = cluster.tp_vs_pp("llama3.1-405b", [(8, 2), (16, 1)])
+    message = 16384 * 2  # hidden size x 2 bytes (bf16), one token
+    assert tp8["allreduces"] == tp16["allreduces"] == 2 * 126
+    assert tp8["allreduce_bytes_per_gpu"] == 2 * 7 / 8 * message
+    assert tp8["tp_link"] == "NVLink" and tp16["tp_link"] == "InfiniBand"
+    assert tp8["tp_us"] == pytest.approx(252 * 2 * 7 / 8 * message / 900e9 * 1e6)
+    assert tp16["tp_us"] == pytest.approx(252 * 2 * 15 / 16 * message / 50e9 * 1e6)
+    assert tp8["pp_bytes"] == message and tp16["pp_transfers"] == 0
+    assert tp16["comm_us"] / tp8["comm_us"] > 15  # why TP stays inside a node
+    assert tp8["weights_gib_per_gpu"] == max(memory.weight_bytes_per_gpu("llama3.1-405b", None, 8, 2)) / 2**30
+
+
+# --------------------------------------------------------------------------------------------------
+# Under a real SLURM (CPU mode)
+# --------------------------------------------------------------------------------------------------
+
+needs_slurm = pytest.mark.skipif(slurm_testbed.skip_reason() is not None, reason=slurm_testbed.skip_reason() or "")
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    """The test bed (started if needed) and the environment a job needs: this venv first on PATH, and the
+    test session's private LLMLAB_HOME (sbatch hands the submitter's environment to the job)."""
+    env = slurm_testbed.ensure()
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env["LLMLAB_PYTHON"] = sys.executable
+    return env
+
+
+def submit(env: dict, out_dir: Path, **extra) -> str:
+    res = subprocess.run(["sbatch", "--parsable", f"--output={out_dir}/slurm-%j.out", str(SLURM / f"{CPU_JOB}.sh")],
+                         capture_output=True, text=True, env={**env, **extra}, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip().split(";")[0]
+
+
+def job_state(env: dict, job_id: str) -> tuple[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, env=env).stdout
+    state = re.search(r"JobState=(\S+)", out)
+    code = re.search(r"ExitCode=(\S+)", out)
+    return (state[1] if state else "GONE"), (code[1] if code else "")
+
+
+def job_processes(job_id: str) -> list[str]:
+    """Processes that SLURM started for this job (their environment carries SLURM_JOB_ID)."""
+    needle = f"SLURM_JOB_ID={job_id}\0".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if needle in Path(f"/proc/{pid}/environ").read_bytes():
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:150]
+                found.append(f"{pid}: {args.decode(errors='replace')}")
+        except OSError:
+            continue
+    return found
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@needs_slurm
+def test_cpu_job_serves_with_its_key_and_cleans_up_after_scancel(slurm_env, tmp_path, monkeypatch):
+    t0 = time.monotonic()
+    job_id = submit(slurm_env, tmp_path)
+    output = tmp_path / f"slurm-{job_id}.out"
+    conn = servers_dir() / f"job-{job_id}.json"
+
+    def ready():
+        state, _ = job_state(slurm_env, job_id)
+        if state not in ("PENDING", "RUNNING", "CONFIGURING"):
+            raise AssertionError(f"job {job_id} ended ({state}) before its server was ready:\n"
+                                 f"{output.read_text() if output.exists() else '(no output)'}")
+        return conn.exists()
+
+    try:
+        wait_for(ready, 900, f"the connection file of job {job_id}", poll=2)
+        t_ready = time.monotonic() - t0
+        info = json.loads(conn.read_text())
+        key = read_key(info["api_key_file"])
+        assert info["kind"] == "slurm" and info["job_id"] == job_id and info["host"] == "127.0.0.1"
+        assert info["model"] == CPU_JOB and info["nodes"] == ["node1", "node2"] and info["started"]
+        assert stat.S_IMODE(conn.stat().st_mode) == 0o600
+        assert stat.S_IMODE(Path(info["api_key_file"]).stat().st_mode) == 0o600
+        text = output.read_text()
+        assert "Ray: 2/2 nodes, 0/0 GPUs joined" in text and "READY: llmlab-tiny-cpu at http://127.0.0.1:" in text
+        assert "client, model = llmlab.connect()" in text and f"$(cat {info['api_key_file']})" in text
+
+        # the notebook's way: the newest connection file
+        monkeypatch.delenv("LLMLAB_CONNECTION_FILE", raising=False)
+        client, model = llmlab.connect(quiet=True)
+        assert model == CPU_JOB
+        r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 5
+        url = f"http://127.0.0.1:{info['port']}/v1/models"
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url, timeout=10)
+        assert err.value.code == 401
+        assert [s for s in cluster.servers() if s.get("job_id") == job_id][0]["alive"]
+
+        # the key is in no log and no process's arguments
+        logs = [output, *cluster.job_log_dir(job_id).glob("*")]
+        assert all(key not in p.read_text(errors="replace") for p in logs)
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+        assert any("raylet" in p for p in job_processes(job_id)), "Ray should run on the job's nodes"
+    finally:
+        t1 = time.monotonic()
+        subprocess.run(["scancel", job_id], env=slurm_env, check=True)
+        wait_for(lambda: not conn.exists(), 60, "the connection file to go")
+        t_gone = time.monotonic() - t1
+        wait_for(lambda: job_state(slurm_env, job_id)[0] not in ("RUNNING", "COMPLETING", "CONFIGURING"), 90,
+                 "the job to end")
+        wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
+        t_clean = time.monotonic() - t1
+    assert not Path(info["api_key_file"]).exists()
+    assert not Path(f"/tmp/llmlab-ray-{job_id}").exists(), "Ray's per-job session files should be removed"
+    text = output.read_text()
+    assert "received SIGTERM (scancel or time limit): shutting down" in text
+    assert "stopped; connection file and key removed" in text
+    print(f"\nSLURM CPU job {job_id}: sbatch -> connection file {t_ready:.1f} s; scancel -> connection file "
+          f"gone {t_gone:.1f} s, every process of the job gone {t_clean:.1f} s")
+
+
+@needs_slurm
+def test_job_whose_ray_worker_cannot_start_fails_fast_with_the_reason(slurm_env, tmp_path):
+    t0 = time.monotonic()
+    job_id = submit(slurm_env, tmp_path, LLMLAB_RAY_WORKER_ARGS="--no-such-option")
+    output = tmp_path / f"slurm-{job_id}.out"
+    wait_for(lambda: job_state(slurm_env, job_id)[0] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
+             240, f"job {job_id} to fail")
+    elapsed = time.monotonic() - t0
+    state, code = job_state(slurm_env, job_id)
+    text = output.read_text()
+    assert state == "FAILED" and code.startswith("1:"), (state, code, text)
+    assert "FAILED: Ray on node2 exited before the cluster was complete" in text
+    assert "Ray did not start on every node (attempt 1 of 2); starting it again" in text  # then it gives up
+    assert "No such option '--no-such-option'" in text  # the reason, from the worker's own log
+    assert "starting vLLM" not in text
+    assert not (servers_dir() / f"job-{job_id}.json").exists()
+    wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
+    assert not Path(f"/tmp/llmlab-ray-{job_id}").exists()
+    print(f"\nSLURM job {job_id} with a broken Ray worker: FAILED after {elapsed:.1f} s")

@@ -49,7 +49,10 @@ def cmd_lab(args) -> int:
     """Start (or reuse) the embedded server, run JupyterLab on the notebooks; Ctrl-C stops both."""
     started = server.embedded_status() is None
     server.ensure_embedded(timeout=args.timeout)
-    lab = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={args.dir}", *args.jupyter_args])
+    extra = list(args.jupyter_args)
+    if os.geteuid() == 0 and "--allow-root" not in extra:
+        extra.append("--allow-root")  # containers and CI run as root; JupyterLab refuses root without it
+    lab = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={args.dir}", *extra])
     try:
         return lab.wait()
     except KeyboardInterrupt:

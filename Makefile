@@ -38,6 +38,7 @@ exercises: install
 
 # One pytest session: unit tests + every notebook and solution under nbval, against one embedded server.
 test: install lint
+	$(BIN)/shellcheck slurm/*.sh
 	$(BIN)/llmlab exercises --check
 	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env
 

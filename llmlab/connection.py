@@ -16,7 +16,8 @@ Connection file format (JSON, one object, written atomically with mode 0600)::
      "model": "llama3.1-70b",          # the served model name
      "api_key_file": "/home/me/.llmlab/keys/123.key",  # a 0600 file holding the key (never the key)
      "job_id": "123" | null, "started": "2026-11-22T17:00:00+00:00",
-     ...}                              # optional extras: pid, log, nodes, tp, pp
+     "status": "ready" | "loading",    # optional; "loading" makes connect() say so instead of falling back
+     ...}                              # optional extras: pid, log, nodes, tp, pp, phase
 
 ``~/.llmlab`` can be moved with ``LLMLAB_HOME`` (the tests do, so they never touch a learner's server).
 """
@@ -141,6 +142,10 @@ def resolve() -> tuple[str, str | None, str, str]:
     if path is not None:
         info = read_connection_file(path)
         job = f"SLURM job {info['job_id']}" if info.get("job_id") else info.get("kind", "server")
+        if info.get("status") == "loading":
+            raise ServerUnavailable(f"The server of {job} is still loading the model ({info.get('phase', 'starting')}, "
+                                    f"since {info.get('started', '?')}); try again in a few minutes, or watch its "
+                                    "progress with `llmlab status`.")
         return base_url_of(info), read_key(info["api_key_file"]), info["model"], f"{job} (connection file {path})"
     from llmlab import server
 

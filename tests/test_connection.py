@@ -61,3 +61,13 @@ def test_connection_file_that_vanished(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(tmp_path / "gone.json"))
     with pytest.raises(llmlab.ServerUnavailable, match="job that wrote it has ended"):
         llmlab.connect()
+
+
+def test_server_still_loading_is_one_sentence(tmp_path, monkeypatch):
+    key = connection.write_private(tmp_path / "job.key", "k\n")
+    path = connection.write_connection_file(tmp_path / "77.json", kind="slurm", host="127.0.0.1", port=free_port(),
+                                            model="llama3.1-405b", api_key_file=key, job_id="77", status="loading",
+                                            phase="Loading safetensors checkpoint shards 40%")
+    monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(path))
+    with pytest.raises(llmlab.ServerUnavailable, match=r"SLURM job 77 is still loading the model \(Loading safe"):
+        llmlab.connect()

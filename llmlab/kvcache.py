@@ -401,7 +401,7 @@ def blocks_in_use(snapshot: dict) -> int:
     return round(snapshot["kv_cache_usage"] * (snapshot["num_gpu_blocks"] - 1))
 
 
-def usage_while_running(client, model: str, prompt, max_tokens: int = 64, attempts: int = 3) -> dict:
+def usage_while_running(client, model: str, prompt, max_tokens: int = 64, attempts: int = 8) -> dict:
     """Read the KV usage gauge while one streamed request is generating, and again once it has finished.
 
     Why a helper: the gauge counts only blocks of *running* requests, and the tiny model finishes in a

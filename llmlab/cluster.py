@@ -215,6 +215,7 @@ class RayLayout:
     loopback: bool = False
     job_id: str = "0"
     tmp_root: str = "/tmp"
+    cpus_per_node: int | None = None
     extra_head_args: list[str] = field(default_factory=list)
     extra_worker_args: list[str] = field(default_factory=list)
 
@@ -268,7 +269,10 @@ class RayLayout:
                  f"--temp-dir={self.temp_dir}", "--block"] + self.extra_worker_args)
 
     def _gpus(self) -> list[str]:
-        return [f"--num-gpus={self.gpus_per_node}"] if self.gpus_per_node else ["--num-gpus=0"]
+        """GPUs as SLURM allocated them; CPUs too where SLURM says (Ray would count every core of a shared node,
+        and it pre-starts one Python worker per CPU it counts)."""
+        cpus = [f"--num-cpus={self.cpus_per_node}"] if self.cpus_per_node else []
+        return [f"--num-gpus={self.gpus_per_node}", *cpus]
 
     def max_port(self) -> int:
         return self.port_base + 100 * (len(self.nodes) + 1) - 1
@@ -431,6 +435,7 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     if job.uses_ray:
         ray = RayLayout(nodes, head_ip(env, loopback), ray_port_base(job_id, env), job.gpus_per_node, loopback,
                         str(job_id), env.get("LLMLAB_RAY_TMPDIR", "/tmp"),
+                        int(env["SLURM_CPUS_ON_NODE"]) if env.get("SLURM_CPUS_ON_NODE", "").isdigit() else None,
                         shlex.split(env.get("LLMLAB_RAY_HEAD_ARGS", "")),
                         shlex.split(env.get("LLMLAB_RAY_WORKER_ARGS", "")))
         # vLLM's ray.init() joins this cluster instead of starting its own.
@@ -553,35 +558,77 @@ def tail(path: Path | str, n: int = 12) -> str:
     return last_lines(Path(path), n)
 
 
+RAY_STARTED = "Ray runtime started"
+
+
+def _steps_started(steps: dict[str, tuple[int, str]]) -> list[str]:
+    """Nodes whose ``ray start`` printed "Ray runtime started": it prints that only once its node is
+    registered in the GCS, so reading the log is a free check (``ray status`` costs seconds of CPU)."""
+    done = []
+    for node, (_, log) in steps.items():
+        try:
+            if RAY_STARTED in Path(log).read_text(errors="replace"):
+                done.append(node)
+        except OSError:
+            pass
+    return done
+
+
+def _dead_step(steps: dict[str, tuple[int, str]]) -> str | None:
+    from llmlab.server import pid_alive
+
+    return next((node for node, (pid, _) in steps.items() if not pid_alive(pid)), None)
+
+
 def wait_for_ray(address: str, nodes: int, gpus: int, timeout: float, steps: dict[str, tuple[int, str]],
-                 poll: float = 3.0, ray_bin: str | None = None) -> bool:
-    """Poll ``ray status`` until ``nodes`` nodes and ``gpus`` GPUs have joined; print each change.
+                 poll: float = 5.0, ray_bin: str | None = None, started_only: bool = False) -> bool:
+    """Wait until every node's Ray has started, then until ``ray status`` shows ``nodes`` nodes and ``gpus`` GPUs.
 
     ``steps``: node name -> (pid of its ``srun ray start`` step, its log file).  A step that exits means that
     node's Ray cannot start: fail at once, naming the node and showing its log, instead of waiting out the
-    time-out.  Returns True when all joined; prints the reason and returns False otherwise.
+    time-out.  ``started_only``: return once the steps' nodes have started (the launcher starts the workers
+    only after the head has, so that they do not compete with it for CPU nor dial a head that is not
+    registered yet).  Returns True on success; prints the reason and returns False otherwise.
     """
-    from llmlab.server import pid_alive
-
     ray_bin = ray_bin or str(Path(sys.executable).with_name("ray"))
     start, last = time.monotonic(), None
 
-    def step_failed() -> bool:
-        for node, (pid, log) in steps.items():
-            if not pid_alive(pid):
-                say(f"FAILED: Ray on {node} exited before the cluster was complete. Last lines of {log}:\n"
-                    f"{tail(log)}")
-                return True
-        return False
+    def failed() -> bool:
+        node = _dead_step(steps)
+        if node is None:
+            return False
+        log = steps[node][1]
+        say(f"FAILED: Ray on {node} exited before the cluster was complete. Last lines of {log}:\n{tail(log)}")
+        return True
 
+    def timed_out(seen: str) -> bool:
+        waited = time.monotonic() - start
+        if waited <= timeout:
+            return False
+        say(f"FAILED: after {waited:.0f} s {seen} (time-out LLMLAB_RAY_TIMEOUT={timeout:g} s). Last lines of each "
+            "node's Ray log follow.")
+        for node, (_, log) in steps.items():
+            print(f"--- {node}: {log}\n{tail(log, 6)}", flush=True)
+        return True
+
+    while len(started := _steps_started(steps)) < len(steps):
+        if failed():
+            return False
+        waiting = [n for n in steps if n not in started]
+        if timed_out(f"Ray has not started on {', '.join(waiting)}"):
+            return False
+        time.sleep(0.5)
+    say(f"Ray started on {', '.join(steps)}")
+    if started_only:
+        return True
     while True:
         seen = (0, 0.0)
         status = subprocess.Popen([ray_bin, "status", f"--address={address}"], stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, text=True)
-        try:  # `ray status` takes seconds: watch the steps meanwhile, so that a dead worker fails the job at once
+        try:  # `ray status` takes seconds: watch the steps meanwhile, so that a dead node fails the job at once
             asked = time.monotonic()
             while status.poll() is None and time.monotonic() - asked < 60:
-                if step_failed():
+                if failed():
                     return False
                 time.sleep(0.5)
         finally:
@@ -595,42 +642,9 @@ def wait_for_ray(address: str, nodes: int, gpus: int, timeout: float, steps: dic
             last = seen
         if seen[0] >= nodes and seen[1] >= gpus:
             return True
-        waited = time.monotonic() - start
-        if waited > timeout:
-            missing = [n for n in steps][seen[0]:] if seen[0] < nodes else []
-            say(f"FAILED: after {waited:.0f} s Ray shows {seen[0]}/{nodes} nodes and {seen[1]:g}/{gpus} GPUs "
-                f"(time-out LLMLAB_RAY_TIMEOUT={timeout:g} s). "
-                + (f"Check the Ray logs of {', '.join(missing)}; " if missing else "")
-                + ("GPUs missing: is CUDA_VISIBLE_DEVICES set on every node (--gpus-per-node)? " if seen[1] < gpus
-                   else "")
-                + "Last lines of each node's log follow.")
-            for node, (_, log) in steps.items():
-                print(f"--- {node}: {log}\n{tail(log, 6)}", flush=True)
-            return False
-        time.sleep(poll)
-
-
-def wait_for_gcs(address: str, timeout: float, steps: dict[str, tuple[int, str]], poll: float = 0.5) -> bool:
-    """Wait until the Ray head's GCS accepts connections (a TCP connect: ``ray status`` takes seconds each time),
-    so that the workers start against a head that runs.  Fails at once if the head's step exits."""
-    from llmlab.server import pid_alive
-
-    host, port = address.rsplit(":", 1)
-    start = time.monotonic()
-    while True:
-        for node, (pid, log) in steps.items():
-            if not pid_alive(pid):
-                say(f"FAILED: the Ray head on {node} exited while starting. Last lines of {log}:\n{tail(log)}")
-                return False
-        try:
-            with socket.create_connection((host, int(port)), timeout=2):
-                say(f"Ray head answers at {address}")
-                return True
-        except OSError:
-            pass
-        if time.monotonic() - start > timeout:
-            say(f"FAILED: the Ray head at {address} did not answer within {timeout:g} s (LLMLAB_RAY_TIMEOUT). "
-                f"Last lines of its log:\n" + "\n".join(tail(log, 8) for _, log in steps.values()))
+        hint = (" GPUs are missing: does every node see its GPUs (--gpus-per-node, CUDA_VISIBLE_DEVICES)?"
+                if seen[0] >= nodes else "")
+        if timed_out(f"ray status shows {seen[0]}/{nodes} nodes and {seen[1]:g}/{gpus} GPUs.{hint}"):
             return False
         time.sleep(poll)
 
@@ -782,13 +796,9 @@ def _cmd_wait_ray(a) -> int:
     for spec in a.step:
         node, pid, log = spec.split(":", 2)
         steps[node] = (int(pid), log)
-    ok = wait_for_gcs(a.address, a.timeout, steps) if a.gcs_only else wait_for_ray(a.address, a.nodes, a.gpus,
-                                                                                  a.timeout, steps, a.poll)
-    if ok:
+    if wait_for_ray(a.address, a.nodes, a.gpus, a.timeout, steps, a.poll, started_only=a.started_only):
         return 0
-    from llmlab.server import pid_alive
-
-    return 1 if any(not pid_alive(pid) for pid, _ in steps.values()) else 3  # 1: a node's Ray exited; 3: time-out
+    return 1 if _dead_step(steps) else 3  # 1: a node's Ray exited (worth a retry); 3: the time-out
 
 
 def _cmd_wait_ready(a) -> int:
@@ -829,9 +839,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--nodes", type=int, required=True)
     w.add_argument("--gpus", type=int, default=0)
     w.add_argument("--timeout", type=float, default=600)
-    w.add_argument("--poll", type=float, default=3)
+    w.add_argument("--poll", type=float, default=5)
     w.add_argument("--step", action="append", default=[], help="NODE:PID:LOG of each srun ray start")
-    w.add_argument("--gcs-only", action="store_true", help="only wait for the head's GCS port")
+    w.add_argument("--started-only", action="store_true", help="only wait until the steps' Ray has started")
     w.set_defaults(func=_cmd_wait_ray)
     h = sub.add_parser("wait-ready")
     for name in ("host", "model", "log", "key-file", "connection-file", "job-id", "engine"):

@@ -77,7 +77,7 @@ mkdir -p "$log_dir" "$home/keys" "$home/servers"
 printf '%s' "$rendered" >"$log_dir/rendered.sh"  # what ran, for the record (no secret in it)
 
 vllm_pid='' helper_pid='' cleaned=''
-ray_pids=() ray_steps=()
+ray_pids=() ray_steps=() attempt=1
 stop_grace=${LLMLAB_STOP_GRACE:-20}
 
 # shellcheck disable=SC2329  # wait_gone, cleanup and on_signal run from the traps below
@@ -141,12 +141,13 @@ run_helper() {
 }
 
 start_ray() {  # node, command (a shlex-quoted string from the renderer)
-  local node=$1 args=()
+  local node=$1 args=() log=$log_dir/ray-$1.log
   eval "args=($2)"
+  [[ -e $log ]] && mv -f "$log" "$log.attempt$((attempt - 1))"  # keep a failed attempt's log
   say "Ray on $node: ${args[*]}"
-  srun --overlap --nodes=1 --ntasks=1 -w "$node" "${args[@]}" >>"$log_dir/ray-$node.log" 2>&1 </dev/null &
+  srun --overlap --nodes=1 --ntasks=1 -w "$node" "${args[@]}" >"$log" 2>&1 </dev/null &
   ray_pids+=("$!")
-  ray_steps+=(--step "$node:$!:$log_dir/ray-$node.log")
+  ray_steps+=(--step "$node:$!:$log")
 }
 
 stop_ray() {
@@ -160,9 +161,10 @@ stop_ray() {
 bring_up_ray() {
   ray_pids=() ray_steps=()
   start_ray "${nodes[0]}" "$ray_head_cmd"
-  # The workers dial the head's GCS: start them once it answers, then wait until `ray status` shows all.
-  run_helper wait-ray --gcs-only --address "$ray_address" --nodes 1 --timeout "$ray_timeout" "${ray_steps[@]}" ||
-    return
+  # The workers look the head up in its GCS: start them once the head has registered, then wait until every
+  # node has started and `ray status` shows all nodes and GPUs.
+  run_helper wait-ray --started-only --address "$ray_address" --nodes 1 --timeout "$ray_timeout" \
+    "${ray_steps[@]}" || return
   for i in "${!ray_worker_cmds[@]}"; do
     start_ray "${nodes[i + 1]}" "${ray_worker_cmds[i]}"
   done
@@ -171,17 +173,19 @@ bring_up_ray() {
 }
 
 if [[ -n $ray_head_cmd ]]; then
-  # A node's Ray that exits while starting is retried (LLMLAB_RAY_ATTEMPTS, default 2): Ray 2.60's raylet
-  # aborts when its dashboard agent takes more than a fixed 15 s to start, which happens on an overloaded
-  # node or a slow shared file system, and a second start, with warm caches, usually succeeds.
-  attempts=${LLMLAB_RAY_ATTEMPTS:-2}
+  # A node's Ray that exits while starting is retried (LLMLAB_RAY_ATTEMPTS, default 3), after a pause that
+  # grows: Ray 2.60's raylet aborts when its dashboard agent takes more than a fixed 15 s to start, which
+  # happens on an overloaded node or a slow shared file system; a later start, with warm caches, usually works.
+  attempts=${LLMLAB_RAY_ATTEMPTS:-3}
   for ((attempt = 1; ; attempt++)); do
     rc=0
     bring_up_ray || rc=$?
     ((rc == 0)) && break
     stop_ray
     ((rc == 1 && attempt < attempts)) || exit 1
-    say "Ray did not start on every node (attempt $attempt of $attempts); starting it again"
+    say "Ray did not start on every node (attempt $attempt of $attempts); starting it again in $((10 * attempt)) s"
+    sleep $((10 * attempt)) &
+    wait $!
   done
   say "Ray cluster complete: $expected_nodes nodes, $ray_expected_gpus GPUs"
 fi

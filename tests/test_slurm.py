@@ -229,15 +229,22 @@ def test_wait_for_ray_times_out_with_the_numbers(tmp_path, capsys):
     fake = tmp_path / "ray"
     fake.write_text("#!/bin/sh\ncat <<'EOF'\n" + RAY_STATUS.replace(" 1 node_e90", " 0 node_e90") + "EOF\n")
     fake.chmod(0o755)
+    log = tmp_path / "ray-node1.log"
+    log.write_text("... Ray runtime started.\n")
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
         ok = cluster.wait_for_ray("127.0.0.1:1", 2, 16, timeout=0.5, poll=0.2, ray_bin=str(fake),
-                                  steps={"node1": (sleeper.pid, str(tmp_path / "h.log"))})
+                                  steps={"node1": (sleeper.pid, str(log))})
+        assert not ok
+        out = capsys.readouterr().out
+        assert "Ray started on node1" in out and "FAILED: after" in out
+        assert "ray status shows 1/2 nodes and 16/16 GPUs" in out and "LLMLAB_RAY_TIMEOUT" in out
+        # a node that never says "Ray runtime started" is named
+        ok = cluster.wait_for_ray("127.0.0.1:1", 2, 16, timeout=0.5, ray_bin=str(fake),
+                                  steps={"node2": (sleeper.pid, str(tmp_path / "none.log"))})
+        assert not ok and "Ray has not started on node2" in capsys.readouterr().out
     finally:
         sleeper.kill()
-    out = capsys.readouterr().out
-    assert not ok and "FAILED: after" in out and "Ray shows 1/2 nodes and 16/16 GPUs" in out
-    assert "LLMLAB_RAY_TIMEOUT" in out
 
 
 def test_wait_for_ray_fails_at_once_when_a_step_exits(tmp_path, capsys):
@@ -280,6 +287,26 @@ def test_tp_vs_pp_arithmetic():
     assert tp8["pp_bytes"] == message and tp16["pp_transfers"] == 0
     assert tp16["comm_us"] / tp8["comm_us"] > 15  # why TP stays inside a node
     assert tp8["weights_gib_per_gpu"] == max(memory.weight_bytes_per_gpu("llama3.1-405b", None, 8, 2)) / 2**30
+
+
+def test_servers_lists_connection_files_without_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path))
+    from llmlab.connection import write_connection_file
+
+    key = tmp_path / "keys" / "job-7.key"
+    key.parent.mkdir()
+    key.write_text("s3cret\n")
+    port = cluster.free_port("127.0.0.1")  # nothing listens there
+    write_connection_file(servers_dir() / "job-7.json", kind="slurm", host="127.0.0.1", port=port,
+                          model="llama3.1-70b", api_key_file=key, job_id="7", nodes=["gpu01"], tp=4, pp=1)
+    (servers_dir() / "job-8.json").write_text("{not json")
+    rows = cluster.servers()
+    good = next(r for r in rows if r.get("job_id") == "7")
+    assert good["alive"] is False and good["url"] == f"http://127.0.0.1:{port}/v1" and good["tp"] == 4
+    assert "s3cret" not in json.dumps(rows)
+    assert any("not valid JSON" in r.get("error", "") for r in rows)
+    assert cluster.connection_file_of("7") == servers_dir() / "job-7.json"
+    assert cluster.job_progress("7").phase == "waiting for the job to start vLLM"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -407,7 +434,7 @@ def test_cpu_job_serves_with_its_key_and_cleans_up_after_scancel(slurm_env, tmp_
 @needs_slurm
 def test_job_whose_ray_worker_cannot_start_fails_fast_with_the_reason(slurm_env, tmp_path):
     t0 = time.monotonic()
-    job_id = submit(slurm_env, tmp_path, LLMLAB_RAY_WORKER_ARGS="--no-such-option")
+    job_id = submit(slurm_env, tmp_path, LLMLAB_RAY_WORKER_ARGS="--no-such-option", LLMLAB_RAY_ATTEMPTS="2")
     output = tmp_path / f"slurm-{job_id}.out"
     wait_for(lambda: job_state(slurm_env, job_id)[0] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
              240, f"job {job_id} to fail")
@@ -416,7 +443,7 @@ def test_job_whose_ray_worker_cannot_start_fails_fast_with_the_reason(slurm_env,
     text = output.read_text()
     assert state == "FAILED" and code.startswith("1:"), (state, code, text)
     assert "FAILED: Ray on node2 exited before the cluster was complete" in text
-    assert "Ray did not start on every node (attempt 1 of 2); starting it again" in text  # then it gives up
+    assert "Ray did not start on every node (attempt 1 of 2); starting it again in 10 s" in text  # then gives up
     assert "No such option '--no-such-option'" in text  # the reason, from the worker's own log
     assert "starting vLLM" not in text
     assert not (servers_dir() / f"job-{job_id}.json").exists()

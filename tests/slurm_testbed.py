@@ -76,9 +76,16 @@ def skip_reason() -> str | None:
     if missing:
         return (f"SLURM test bed needs {', '.join(missing)} (Debian: apt-get install slurmd slurmctld "
                 "slurm-client munge; .ci/run installs them)")
-    if os.geteuid() != 0:
-        return "SLURM test bed needs root to start slurmd (CI runs as root; `sudo python tests/slurm_testbed.py up`)"
+    if os.geteuid() != 0 and not _running():
+        return ("SLURM test bed is not running and starting slurmd needs root (CI runs as root): "
+                "`sudo .venv/bin/python tests/slurm_testbed.py up`")
     return None
+
+
+def _running() -> bool:
+    """Both nodes answer (the test bed was started earlier, e.g. by root); then any user can submit."""
+    return CONF.exists() and all(s.rstrip("*") in ("idle", "mixed", "allocated") for s in
+                                 (_node_states().get(n, "") for n in NODES))
 
 
 def env(base: dict | None = None) -> dict[str, str]:
@@ -140,6 +147,8 @@ def ensure(timeout: float = 60) -> dict[str, str]:
     reason = skip_reason()
     if reason:
         raise RuntimeError(reason)
+    if os.geteuid() != 0:  # not ours to start or change: use it as it runs
+        return env()
     _write_conf()
     if not _munge_ok():
         Path("/run/munge").mkdir(parents=True, exist_ok=True)

@@ -127,6 +127,66 @@ def cmd_memory(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    """Offline batch inference (``llmlab.offline.run``): load, pre-warm, generate every prompt in one batch.
+
+    Expected failures (no engine, no model, a layout that cannot work, a bad prompt file or sampling value)
+    exit 2 before anything is loaded; an engine that fails while running exits 1."""
+    from llmlab import offline, sampling
+
+    try:
+        params = sampling.SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+            repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+            seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos).validate()
+        if args.prompts:
+            prompts, ids = offline.read_prompts(args.prompts)
+        else:
+            prompts, ids = [args.prompt], [0]
+        if args.chat or args.system:
+            prompts = [offline.as_chat(p, args.system) for p in prompts]
+        progress = False if args.quiet else True if sys.stderr.isatty() else "lines"
+        result = offline.run(prompts, params, ids=ids, output=args.output, progress=progress,
+                             timeout=args.timeout, model=args.model, tp_size=args.tp_size, pp_size=args.pp_size,
+                             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                             dtype=args.dtype, enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib,
+                             distributed_executor_backend=args.distributed_executor_backend, gpu=args.gpu)
+    except offline.EngineFailed as e:
+        print(f"llmlab generate: {e}", file=sys.stderr)
+        return 1
+    except (offline.OfflineError, ValueError) as e:
+        print(f"llmlab generate: {e}", file=sys.stderr)
+        return 2
+    report = result.report()
+    if args.json:
+        if not args.output:
+            report["completions"] = [{"id": i, "text": c.text, "prompt_tokens": c.prompt_tokens,
+                                      "output_tokens": c.output_tokens, "finish_reason": c.finish_reason}
+                                     for i, c in zip(result.ids, result.batch.completions, strict=True)]
+        print(json.dumps(report, indent=2))
+        return 0
+    if not args.output:
+        for i, c in zip(result.ids, result.batch.completions, strict=True):
+            header = f"--- {i} ({c.output_tokens} tokens, {c.finish_reason})" if len(result.ids) > 1 else "---"
+            print(f"{header}\n{c.text}")
+        print("---")
+    ttft = report["ttft_s"]
+    ttft_line = f"{ttft * 1000:.0f} ms" + (" (median)" if report["prompts"] > 1 else "") if ttft else "n/a"
+    print("\n".join([
+        f"model       {report['model']} (TP={report['tp_size']} x PP={report['pp_size']}, {report['dtype']}, "
+        f"max_model_len {report['max_model_len']})",
+        f"load        {report['load_s']:.1f} s (vllm.LLM; importing vLLM took {report['import_s']:.1f} s more), "
+        f"pre-warm {report['warmup_s'] or 0:.2f} s",
+        f"TTFT        {ttft_line}",
+        f"tokens      {report['output_tokens']:,} generated for {report['prompts']} prompt(s) "
+        f"({report['prompt_tokens']:,} prompt tokens) in {report['generation_s']:.2f} s",
+        f"tokens/s    {report['output_tokens_per_s']:,.1f}",
+        f"memory      peak {report['peak_rss_bytes'] / 2**30:.2f} GiB RSS (engine processes, at most)",
+    ] + ([f"output      {report['output']}"] if report["output"] else [])))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmlab", description="The tools of llmlab, a course on LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,6 +230,49 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-GPU allowance for activations and CUDA graphs (default: llmlab.memory's, 3 GiB)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("generate", help="offline batch inference with vllm.LLM: load time, TTFT, tokens/s",
+                       description="Generate completions offline (no server): load the model with vllm.LLM, "
+                       "pre-warm it, run every prompt in one batch, print load time, TTFT, tokens and tokens/s.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt (text)")
+    src.add_argument("--prompts", metavar="FILE.jsonl",
+                     help='one JSON per line: "text", {"prompt": ...} or {"messages": [...]}, optional "id"')
+    p.add_argument("--output", metavar="FILE.jsonl", help="write one JSON line per prompt (id, text, tokens, TTFT)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to text prompts")
+    p.add_argument("--system", help="a system message (implies --chat)")
+    p.add_argument("--json", action="store_true", help="print one JSON report (completions included without --output)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    g = p.add_argument_group("engine (vllm.LLM)")
+    g.add_argument("--model", help="a model directory, a cached Hugging Face id, or a shipped name "
+                   "(default: the tiny model)")
+    g.add_argument("--tp-size", type=int, default=1, help="tensor parallel size: GPUs that share every layer")
+    g.add_argument("--pp-size", type=int, default=1, help="pipeline parallel size (stages, usually one per node)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of each GPU vLLM may use")
+    g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    g.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="skip torch.compile / CUDA graphs: faster to load, slower to generate")
+    g.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache in whole GiB (CPU engine only)")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"],
+                   help="ray to span nodes (a Ray cluster must be up); default: vLLM's choice")
+    g.add_argument("--gpu", help="check the layout against this GPU (H100-80, A100-40, custom:<GiB>; "
+                   "default: nvidia-smi's)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds for loading, and for generating")
+    sp = p.add_argument_group("sampling (as in an online request)")
+    sp.add_argument("--temperature", type=float, default=1.0)
+    sp.add_argument("--top-p", type=float, default=1.0)
+    sp.add_argument("--top-k", type=int, default=0, help="0: off")
+    sp.add_argument("--min-p", type=float, default=0.0)
+    sp.add_argument("--frequency-penalty", type=float, default=0.0)
+    sp.add_argument("--presence-penalty", type=float, default=0.0)
+    sp.add_argument("--repetition-penalty", type=float, default=1.0)
+    sp.add_argument("--max-tokens", type=int, default=128)
+    sp.add_argument("--min-tokens", type=int, default=0)
+    sp.add_argument("--seed", type=int)
+    sp.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    sp.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even past the end-of-text token")
+    p.set_defaults(func=cmd_generate)
     return parser
 
 

@@ -249,7 +249,7 @@ def save_records(records: Iterable[Record], path: str | Path) -> Path:
 
 def load(path: str | Path) -> LoadResult:
     """Read saved records (JSONL or CSV).  Where an id appears more than once (a resumed run appends),
-    the last record wins.  A torn last line -- the process died while writing -- is skipped with a warning."""
+    the last record wins.  A torn line -- the process died while writing it -- is skipped with a warning."""
     path = Path(path)
     rows: list[dict] = []
     if path.suffix == ".csv":
@@ -263,17 +263,16 @@ def load(path: str | Path) -> LoadResult:
                 if row.get(key) is not None:
                     row[key] = int(row[key])
     else:
-        lines = path.read_text().splitlines()
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if n < len(lines):
-                    raise ValueError(f"{path}, line {n}, is not valid JSON: the file was edited or damaged.") from None
-                warnings.warn(f"{path}: the last line is incomplete (the run stopped while writing it); "
-                              "skipped -- resume to send that request again.", stacklevel=2)
+        torn = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    torn.append(n)
+        if torn:
+            warnings.warn(f"{path}: line(s) {', '.join(map(str, torn))} are incomplete (a run stopped while writing "
+                          "them) and were skipped; resuming sends those requests again.", stacklevel=2)
     latest: dict[str, Record] = {}
     for row in rows:
         rec = Record.from_dict(row)
@@ -290,7 +289,17 @@ class _Appender:
     def __init__(self, path: Path | None):
         self.path, self.lock = path, threading.Lock()
         self.csv = path is not None and path.suffix == ".csv"
-        self.f = open(path, "a") if path is not None and not self.csv else None  # noqa: SIM115
+        self.f = None
+        if path is not None and not self.csv:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torn = False
+            if path.exists() and path.stat().st_size:
+                with open(path, "rb") as f:
+                    f.seek(-1, 2)
+                    torn = f.read(1) != b"\n"
+            self.f = open(path, "a")
+            if torn:  # a run died mid-line: end that line, so the next record starts on its own
+                self.f.write("\n")
 
     def write(self, record: Record) -> None:
         if self.f is not None:
@@ -339,6 +348,7 @@ class _Timer:
         self.chunks = 0
         self.last: float | None = None
         self.t0 = 0.0
+        self.t_end: float | None = None
 
     def sent(self) -> None:
         self.rec.start = time.time()
@@ -346,6 +356,9 @@ class _Timer:
 
     def answered(self) -> None:
         self.rec.t_response = time.perf_counter() - self.t0
+
+    def stop(self) -> None:
+        self.t_end = time.perf_counter() - self.t0
 
     def chunk(self, chunk) -> None:
         now = time.perf_counter() - self.t0
@@ -388,7 +401,7 @@ class _Timer:
 
     def _close(self) -> Record:
         r = self.rec
-        r.end = r.start + (time.perf_counter() - self.t0)
+        r.end = r.start + (self.t_end if self.t_end is not None else time.perf_counter() - self.t0)
         r.text = "".join(self.pieces)
         if not r.output_tokens:  # no usage chunk (it comes last): count the token chunks received
             r.output_tokens = self.chunks
@@ -467,8 +480,11 @@ def _send(client, job: Job, cfg: _Settings) -> Record:
     try:
         with client.completions.create(**cfg.request(job)) as stream:
             timer.answered()
-            for chunk in stream:
-                timer.chunk(chunk)
+            try:
+                for chunk in stream:
+                    timer.chunk(chunk)
+            finally:
+                timer.stop()  # before the connection goes back to the pool, where another request takes it
         return timer.done()
     except Exception as e:  # noqa: BLE001 -- every failure becomes a record, none stops the run
         return timer.failed(e)
@@ -481,8 +497,11 @@ async def _send_async(client, job: Job, cfg: _Settings) -> Record:
         stream = await client.completions.create(**cfg.request(job))
         async with stream:
             timer.answered()
-            async for chunk in stream:
-                timer.chunk(chunk)
+            try:
+                async for chunk in stream:
+                    timer.chunk(chunk)
+            finally:
+                timer.stop()
         return timer.done()
     except Exception as e:  # noqa: BLE001
         return timer.failed(e)
@@ -766,8 +785,9 @@ def plot_sweep(table, latency: str = "tpot_p50", axes=None):
     tput = table["output_tokens_per_s"].to_numpy()
     left.plot(c, tput, "o-", label="measured")
     left.plot(c, tput[0] * c / c[0], ":", color="grey", label="perfect scaling")
-    left.set(xscale="log", xlabel="requests in flight (concurrency)", ylabel="output tokens / s",
-             title="Throughput")
+    left.set_xscale("log", base=2)
+    left.set(xlabel="requests in flight (concurrency)", ylabel="output tokens / s", title="Throughput")
+    left.minorticks_off()
     left.set_xticks(c, [str(x) for x in c])
     left.set_ylim(0, max(tput) * 1.3)
     left.legend()

@@ -209,6 +209,11 @@ def test_torn_last_line_is_skipped_and_csv_round_trips(tmp_path):
         f.write('{"id": 6, "status": "o')  # the process died while writing
     with pytest.warns(UserWarning, match="incomplete"):
         assert len(lt.load(path)) == 6
+    with pytest.warns(UserWarning, match="line.s. 7 are incomplete"):  # resuming after the torn line
+        again = lt.run(FakeClient(), "m", prompts(8), max_tokens=4, progress=False, save=path, resume=True)
+    assert [r.status for r in again.records] == ["ok"] * 8
+    with pytest.warns(UserWarning, match="line.s. 7 are"):
+        assert len(lt.load(path)) == 8
     back = lt.load(res.save(tmp_path / "run.csv"))
     assert [asdict(r) for r in back.records] == [asdict(r) for r in res.records]
     assert back.summary() == res.summary()

@@ -316,3 +316,163 @@ def load_eta_minutes(minutes) -> None:
     require(abs(m - expected) <= 0.25, f"05:10 is 310 s for 44 shards; the 147 shards left take 147 x 310/44 s "
             f"(about {expected:.1f} min).")
     right(f"about {m:.1f} minutes left (tqdm's own estimate: 17:18); the whole load takes ~22 min here.")
+
+
+# --- 06_threaded_requests -------------------------------------------------------------------------
+
+def job_queue(send_all, workers: int = 4) -> None:
+    """06: ``send_all(ask, prompts, workers)`` keeps ``workers`` requests in flight, answers in prompt order.
+
+    The learner's function is run on a stand-in ``ask`` that sleeps instead of calling a server (so the
+    check is fast and sends no load) and counts how many calls run at the same time.
+    """
+    import random
+    import threading
+    import time
+
+    lock, state = threading.Lock(), {"now": 0, "max": 0, "calls": 0}
+
+    def ask(prompt: str) -> str:
+        with lock:
+            state["now"] += 1
+            state["calls"] += 1
+            state["max"] = max(state["max"], state["now"])
+        time.sleep(random.Random(prompt).uniform(0.02, 0.08))  # unequal times: answers finish out of order
+        with lock:
+            state["now"] -= 1
+        return prompt.upper()
+
+    prompts = [f"prompt {i}" for i in range(6 * workers)]
+    answers = send_all(ask, prompts, workers)
+    require(answers is not None, "send_all returned None: return the list of answers.")
+    answers = list(answers)
+    require(state["calls"] == len(prompts), f"ask was called {state['calls']} times for {len(prompts)} prompts: "
+            "call it exactly once per prompt.")
+    require(sorted(answers) == sorted(p.upper() for p in prompts), "return what ask(prompt) returned, one answer "
+            "per prompt.")
+    require(answers == [p.upper() for p in prompts], "the answers are not in the order of the prompts: they "
+            "finish in any order, so put each one at its prompt's index (or use pool.map, which keeps the order).")
+    require(state["max"] > 1, "only one request was in flight at a time: submit all the prompts to the "
+            "ThreadPoolExecutor first, then collect the results.")
+    require(state["max"] <= workers, f"{state['max']} requests ran at once for workers={workers}: create the pool "
+            "with max_workers=workers.")
+    require(state["max"] == workers, f"at most {state['max']} of the {workers} workers were busy at once: give "
+            "the pool max_workers=workers and all the prompts up front.")
+    right(f"{len(prompts)} answers in order, {workers} requests in flight at once.")
+
+
+def tpot_by_hand(tpot, record) -> None:
+    """06: the time per output token of one record, from its TTFT, latency and output tokens."""
+    require(isinstance(tpot, int | float) and not isinstance(tpot, bool), "tpot should be a number of seconds.")
+    n, ttft, latency = record.output_tokens, record.ttft, record.latency
+    expected = (latency - ttft) / (n - 1)
+    require(abs(tpot - latency / n) > 1e-12, "latency / tokens counts the wait for the first token too: TPOT "
+            "leaves out the TTFT.")
+    require(abs(tpot - (latency - ttft) / n) > 1e-12, "after the first token come tokens - 1 more, not tokens: "
+            "divide by output_tokens - 1.")
+    require(abs(tpot - expected) <= 1e-9 * max(1.0, expected), "TPOT = (latency - ttft) / (output_tokens - 1), "
+            "all from the record.")
+    right(f"{tpot * 1000:.2f} ms per token after the first; the mean gap between tokens is the same "
+          f"({sum(record.itl) / len(record.itl) * 1000:.2f} ms).")
+
+
+def knee(answer, table, share: float = 0.8) -> None:
+    """06: the smallest concurrency of a sweep that reaches ``share`` of its best throughput."""
+    tput = table["output_tokens_per_s"]
+    best = tput.max()
+    expected = int(min(c for c in table.index if tput[c] >= share * best))
+    require(answer in set(table.index), f"{answer!r} is not a concurrency of the sweep ({list(table.index)}).")
+    require(answer != int(tput.idxmax()) or answer == expected, "that is where throughput peaks; the question is "
+            f"the *smallest* concurrency that already gets {share:.0%} of the peak.")
+    require(int(answer) == expected, f"compare each level's output_tokens_per_s with {share:.0%} of the best "
+            f"({share * best:.0f} tokens/s) and take the smallest concurrency that reaches it.")
+    gain = best / tput[expected] - 1
+    right(f"concurrency {expected} gives {tput[expected]:.0f} of the best {best:.0f} output tokens/s; more requests "
+          f"in flight add latency for at most {gain:.0%} more throughput.")
+
+
+def resumed(path, count: int) -> None:
+    """06: a run saved in ``path`` that failed and was resumed: ``count`` requests, all ok in the end."""
+    import json
+    from pathlib import Path
+
+    from llmlab import loadtest
+
+    result = loadtest.load(path)  # the last record of each request
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    sessions = {json.loads(line).get("session") for line in lines}  # every attempt
+    require(len(result.records) == count, f"the file holds {len(result.records)} requests, not {count}: save every "
+            "attempt to the same file.")
+    require(len(sessions) >= 2 or not result.failed, "only one run is in the file: run again with the same "
+            "save= path and resume=True.")
+    first = result.failed[0].error[:80] if result.failed else ""
+    require(not result.failed, f"{len(result.failed)} requests still failed ({first}): resume against the "
+            "working server (client), with resume=True.")
+    require(len(sessions) >= 2, "all ok at once? The exercise starts with a run against the server that is down.")
+    right(f"all {count} requests ok after {len(sessions)} runs; the file keeps every attempt.")
+
+
+# --- 07_offline_inference --------------------------------------------------------------------------
+
+def chat_prompt_ids(ids, messages) -> None:
+    """07: the token ids of a chat prompt, from the tiny model's tokenizer and its own chat template."""
+    from llmlab import offline
+
+    require(not isinstance(ids, str), "that is text: vLLM tokenizes a text prompt again and adds a second <s>. "
+            "Ask apply_chat_template for token ids (tokenize=True).")
+    require(not hasattr(ids, "keys"), "apply_chat_template returned a BatchEncoding: take its ['input_ids'].")
+    ids = list(ids)
+    require(ids and all(isinstance(t, int) for t in ids), "pass a list of token ids (integers).")
+    tok = offline.load_tokenizer()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    require(ids != tok(text)["input_ids"], "that is the template's text tokenized again: it starts with two <s> "
+            f"({tok.bos_token_id}, {tok.bos_token_id}). Let apply_chat_template tokenize (tokenize=True).")
+    require(ids != offline.chat_token_ids(tok, messages, add_generation_prompt=False),
+            "the prompt stops after the last message: add_generation_prompt=True appends 'Assistant:', the cue "
+            "for the model to answer.")
+    require(ids == offline.chat_token_ids(tok, messages), "apply the tokenizer's own chat template to these "
+            "messages (tokenize=True, add_generation_prompt=True); do not write the template by hand.")
+    right(f"{len(ids)} tokens, one <s>, ending in 'Assistant:': the prompt the server's chat endpoint builds.")
+
+
+def offline_sampling(online: dict, offline_kwargs: dict) -> None:
+    """07: keyword arguments for ``vllm.SamplingParams`` carrying an online request's sampling parameters."""
+    import dataclasses
+
+    from llmlab import sampling
+
+    require(isinstance(offline_kwargs, dict), "build a dict of keyword arguments for vllm.SamplingParams.")
+    require("extra_body" not in offline_kwargs, "offline there is no HTTP body: what travels in extra_body online "
+            "(top_k, repetition_penalty, ...) is a plain field of vllm.SamplingParams.")
+    flat = {k: v for k, v in online.items() if k not in ("model", "prompt", "messages", "extra_body", "stream")}
+    flat.update(online.get("extra_body") or {})
+    for name, value in flat.items():
+        require(name in offline_kwargs, f"{name} is missing: the online request sets it to {value!r}.")
+        require(offline_kwargs[name] == value, f"{name} is {offline_kwargs[name]!r} offline but {value!r} online.")
+    known = {f.name for f in dataclasses.fields(sampling.SamplingParams)}
+    unknown = sorted(set(offline_kwargs) - known)
+    require(not unknown, f"{', '.join(unknown)}: not a sampling parameter of vllm.SamplingParams.")
+    right(f"the same {len(flat)} values: {', '.join(sorted(flat))}; only where they travel differs.")
+
+
+def offline_batch(batch, tokens_per_s, engine) -> None:
+    """07: 32 greedy prompts of 32 tokens each in one offline batch, tokens/s by hand, the engine closed."""
+    from llmlab import offline
+
+    require(hasattr(batch, "completions"), "pass what engine.generate(...) returned (a BatchResult).")
+    n = len(batch.completions)
+    require(n == 32, f"{n} prompts: send all 32 in one generate call.")
+    require({c.output_tokens for c in batch.completions} == {32},
+            "every completion should have 32 tokens: max_tokens=32 and ignore_eos=True.")
+    require(batch.params.get("temperature") == 0, "use greedy decoding: temperature=0.")
+    require(isinstance(tokens_per_s, int | float) and not isinstance(tokens_per_s, bool) and tokens_per_s > 0,
+            "tokens_per_s should be a positive number.")
+    expected = batch.output_tokens / batch.seconds
+    require(abs(tokens_per_s - 32 / batch.seconds) > 1e-9 * expected,
+            "that counts one prompt's tokens: add up the output tokens of all 32 completions.")
+    require(abs(tokens_per_s - expected) <= 1e-6 * expected,
+            "divide the output tokens of all completions (sum of c.output_tokens) by batch.seconds.")
+    require(not engine.running and offline.memory_of(engine.pid)["processes"] == 0,
+            "close the engine (engine.close(), or a with block): until then it holds its memory.")
+    right(f"{batch.output_tokens:,} tokens in {batch.seconds:.2f} s = {tokens_per_s:,.0f} tokens/s, and the "
+          "engine's memory is back.")

@@ -181,7 +181,19 @@ if [[ -n $ray_head_cmd ]]; then
     rc=0
     bring_up_ray || rc=$?
     ((rc == 0)) && break
+    # A `ray start` that rejected its arguments (exit code 2, a usage error) fails the same way every time.
+    usage_error=0
+    for pid in "${ray_pids[@]}"; do
+      kill -0 "$pid" 2>/dev/null && continue
+      code=0
+      wait "$pid" || code=$?
+      ((code == 2)) && usage_error=1
+    done
     stop_ray
+    if ((usage_error)); then
+      say "not retried: ray start rejected its arguments (check LLMLAB_RAY_HEAD_ARGS / LLMLAB_RAY_WORKER_ARGS)"
+      exit 1
+    fi
     ((rc == 1 && attempt < attempts)) || exit 1
     say "Ray did not start on every node (attempt $attempt of $attempts); starting it again in $((10 * attempt)) s"
     sleep $((10 * attempt)) &

@@ -444,6 +444,9 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
         # scancel's clean-up ends within SLURM's KillWait.
         run_env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
         run_env["RAY_USAGE_STATS_ENABLED"] = "0"  # a compute node has no business phoning home
+        # No Python workers started ahead of need (one per CPU by default): vLLM creates its own actors, and
+        # the pre-started ones compete with Ray's agents, which must be up within a fixed 15 s.
+        run_env["RAY_enable_worker_prestart"] = "0"
         # Hook for Ray token authentication (RAY_AUTH_MODE=token, Ray >= 2.52): passed to every node as given.
         run_env.update({k: env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH") if env.get(k)})
     return RenderedJob(job, str(job_id), nodes, bind_host, host, port, path, flags, run_env, ray, python)
@@ -574,6 +577,17 @@ def _steps_started(steps: dict[str, tuple[int, str]]) -> list[str]:
     return done
 
 
+def raylet_failure(temp_dir: str) -> str | None:
+    """The raylet's fatal line on this node, if it died: e.g. Ray 2.60 aborts when its dashboard agent has not
+    written its port file within 15 s ("Timed out waiting for file ...")."""
+    found = None
+    for path in sorted(Path(temp_dir).glob("session_latest/logs/raylet*.out")):  # this attempt's session
+        for line in path.read_text(errors="replace").splitlines():
+            if "Check failed" in line or "Timed out waiting for file" in line:
+                found = line.split("] ", 1)[-1].strip()[:300]
+    return found
+
+
 def _dead_step(steps: dict[str, tuple[int, str]]) -> str | None:
     from llmlab.server import pid_alive
 
@@ -581,12 +595,14 @@ def _dead_step(steps: dict[str, tuple[int, str]]) -> str | None:
 
 
 def wait_for_ray(address: str, nodes: int, gpus: int, timeout: float, steps: dict[str, tuple[int, str]],
-                 poll: float = 5.0, ray_bin: str | None = None, started_only: bool = False) -> bool:
+                 poll: float = 5.0, ray_bin: str | None = None, started_only: bool = False,
+                 temp_dir: str | None = None) -> bool:
     """Wait until every node's Ray has started, then until ``ray status`` shows ``nodes`` nodes and ``gpus`` GPUs.
 
     ``steps``: node name -> (pid of its ``srun ray start`` step, its log file).  A step that exits means that
     node's Ray cannot start: fail at once, naming the node and showing its log, instead of waiting out the
-    time-out.  ``started_only``: return once the steps' nodes have started (the launcher starts the workers
+    time-out.  ``temp_dir``: Ray's session folder on this node, searched for the raylet's fatal error.
+    ``started_only``: return once the steps' nodes have started (the launcher starts the workers
     only after the head has, so that they do not compete with it for CPU nor dial a head that is not
     registered yet).  Returns True on success; prints the reason and returns False otherwise.
     """
@@ -599,6 +615,8 @@ def wait_for_ray(address: str, nodes: int, gpus: int, timeout: float, steps: dic
             return False
         log = steps[node][1]
         say(f"FAILED: Ray on {node} exited before the cluster was complete. Last lines of {log}:\n{tail(log)}")
+        if temp_dir and (why := raylet_failure(temp_dir)):
+            print(f"The raylet's own last word (in {temp_dir}): {why}", flush=True)
         return True
 
     def timed_out(seen: str) -> bool:
@@ -796,7 +814,8 @@ def _cmd_wait_ray(a) -> int:
     for spec in a.step:
         node, pid, log = spec.split(":", 2)
         steps[node] = (int(pid), log)
-    if wait_for_ray(a.address, a.nodes, a.gpus, a.timeout, steps, a.poll, started_only=a.started_only):
+    if wait_for_ray(a.address, a.nodes, a.gpus, a.timeout, steps, a.poll, started_only=a.started_only,
+                    temp_dir=a.ray_temp_dir or None):
         return 0
     return 1 if _dead_step(steps) else 3  # 1: a node's Ray exited (worth a retry); 3: the time-out
 
@@ -842,6 +861,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--poll", type=float, default=5)
     w.add_argument("--step", action="append", default=[], help="NODE:PID:LOG of each srun ray start")
     w.add_argument("--started-only", action="store_true", help="only wait until the steps' Ray has started")
+    w.add_argument("--ray-temp-dir", default="", help="Ray's session folder, for the raylet's fatal error")
     w.set_defaults(func=_cmd_wait_ray)
     h = sub.add_parser("wait-ready")
     for name in ("host", "model", "log", "key-file", "connection-file", "job-id", "engine"):

@@ -6,7 +6,8 @@
 #   1. renders the job (llmlab.cluster): the vllm serve line, a free port, the Ray layout and its ports;
 #   2. writes a random API key to a 0600 file under $LLMLAB_HOME (default ~/.llmlab) -- never printed;
 #   3. multi-node only: starts Ray with srun (head on the first node, one worker per other node) and waits
-#      until `ray status` shows every node and GPU; a worker that exits, or a time-out, fails the job;
+#      until `ray status` shows every node and GPU; a node whose Ray exits is retried (a bad argument is
+#      not), and the job fails with that node's log, or with the missing nodes after the time-out;
 #   4. starts vLLM with the key in its environment (VLLM_API_KEY: not in `ps`, not in any log), prints the
 #      model-load progress, waits for /health, then writes the connection file that llmlab.connect() reads
 #      and prints how to use the server;
@@ -109,8 +110,12 @@ cleanup() {
     say "stopping Ray on ${nodes[*]}"
     stop_ray  # srun passes SIGTERM to `ray start --block`, which stops that node's Ray processes
   fi
-  # Ray's session files on this (the head) node; other nodes' copies stay in their /tmp until it is cleaned.
-  [[ -n $ray_temp_dir && -d $ray_temp_dir ]] && { rm -rf -- "$ray_temp_dir" || true; }
+  # Ray's session files on this (the head) node, once no process of this node uses them any more (an agent
+  # that outlives its raylet by a second would recreate them); other nodes' copies stay in their /tmp.
+  if [[ -n $ray_temp_dir && -d $ray_temp_dir ]]; then
+    for ((t = 0; t < 10; t++)); do pgrep -f -- "$ray_temp_dir" >/dev/null || break; sleep 1; done
+    rm -rf -- "$ray_temp_dir" || true
+  fi
   rm -f "$key_file"
   say "stopped; connection file and key removed"
 }
@@ -164,12 +169,12 @@ bring_up_ray() {
   # The workers look the head up in its GCS: start them once the head has registered, then wait until every
   # node has started and `ray status` shows all nodes and GPUs.
   run_helper wait-ray --started-only --address "$ray_address" --nodes 1 --timeout "$ray_timeout" \
-    "${ray_steps[@]}" || return
+    --ray-temp-dir "$ray_temp_dir" "${ray_steps[@]}" || return
   for i in "${!ray_worker_cmds[@]}"; do
     start_ray "${nodes[i + 1]}" "${ray_worker_cmds[i]}"
   done
   run_helper wait-ray --address "$ray_address" --nodes "$expected_nodes" --gpus "$ray_expected_gpus" \
-    --timeout "$ray_timeout" "${ray_steps[@]}"
+    --timeout "$ray_timeout" --ray-temp-dir "$ray_temp_dir" "${ray_steps[@]}"
 }
 
 if [[ -n $ray_head_cmd ]]; then

@@ -259,6 +259,16 @@ def test_wait_for_ray_fails_at_once_when_a_step_exits(tmp_path, capsys):
     assert "FAILED: Ray on node2 exited" in capsys.readouterr().out
 
 
+def test_raylet_failure_quotes_the_fatal_line_of_the_current_session(tmp_path):
+    for name, line in [("session_old", "Check failed: an older attempt"),
+                       ("session_new", "Check failed: Timed out waiting for file .../dashboard_agent_listen_port")]:
+        (tmp_path / name / "logs").mkdir(parents=True)
+        (tmp_path / name / "logs" / "raylet.out").write_text(f"[2026-11-22 C 1 1] (raylet) node_manager.cc:1: {line}\n")
+    (tmp_path / "session_latest").symlink_to(tmp_path / "session_new")
+    assert cluster.raylet_failure(str(tmp_path)).endswith("dashboard_agent_listen_port")
+    assert cluster.raylet_failure(str(tmp_path / "none")) is None
+
+
 LOG_405B = ("INFO ... non-default args: {'model': 'meta-llama/Llama-3.1-405B-Instruct'}\n"
             "INFO ... Resolved architecture: LlamaForCausalLM\n"
             "Loading safetensors checkpoint shards:   0% Completed | 0/191 [00:00<?, ?it/s]\r"

@@ -146,8 +146,7 @@ def cmd_generate(args) -> int:
             prompts, ids = [args.prompt], [0]
         if args.chat or args.system:
             prompts = [offline.as_chat(p, args.system) for p in prompts]
-        progress = False if args.quiet else True if sys.stderr.isatty() else "lines"
-        result = offline.run(prompts, params, ids=ids, output=args.output, progress=progress,
+        result = offline.run(prompts, params, ids=ids, output=args.output, progress=not args.quiet,
                              timeout=args.timeout, model=args.model, tp_size=args.tp_size, pp_size=args.pp_size,
                              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                              dtype=args.dtype, enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib,

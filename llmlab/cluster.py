@@ -583,8 +583,10 @@ def raylet_failure(temp_dir: str) -> str | None:
     found = None
     for path in sorted(Path(temp_dir).glob("session_latest/logs/raylet*.out")):  # this attempt's session
         for line in path.read_text(errors="replace").splitlines():
-            if "Check failed" in line or "Timed out waiting for file" in line:
-                found = line.split("] ", 1)[-1].strip()[:300]
+            for marker in ("Timed out waiting for file", "Check failed"):  # past Ray's "likely a bug" preamble
+                if marker in line:
+                    found = line[line.index(marker):].strip()[:300]
+                    break
     return found
 
 

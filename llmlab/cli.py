@@ -181,7 +181,7 @@ def cmd_generate(args) -> int:
         f"tokens      {report['output_tokens']:,} generated for {report['prompts']} prompt(s) "
         f"({report['prompt_tokens']:,} prompt tokens) in {report['generation_s']:.2f} s",
         f"tokens/s    {report['output_tokens_per_s']:,.1f}",
-        f"memory      peak {report['peak_rss_bytes'] / 2**30:.2f} GiB RSS (engine processes, at most)",
+        f"memory      peak {(report['peak_rss_bytes'] or 0) / 2**30:.2f} GiB RSS (engine processes, at most)",
     ] + ([f"output      {report['output']}"] if report["output"] else [])))
     return 0
 
@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--distributed-executor-backend", choices=["mp", "ray"],
                    help="ray to span nodes (a Ray cluster must be up); default: vLLM's choice")
     g.add_argument("--gpu", help="check the layout against this GPU (H100-80, A100-40, custom:<GiB>; "
-                   "default: nvidia-smi's)")
+                   "default: nvidia-smi's; none: no memory check)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds for loading, and for generating")
     sp = p.add_argument_group("sampling (as in an online request)")
     sp.add_argument("--temperature", type=float, default=1.0)

@@ -670,7 +670,8 @@ class OfflineEngine:
 
     Engine arguments are those of ``vllm.LLM`` (and of the seed script): ``tp_size``, ``pp_size``,
     ``gpu_memory_utilization``, ``max_model_len``, ``dtype``, ``enforce_eager``.  ``kv_cache_gib`` is the CPU
-    build's KV space.  ``gpu`` names the GPU for the memory check (default: ``nvidia-smi``'s, if any).
+    build's KV space.  ``gpu`` names the GPU for the memory check (default: ``nvidia-smi``'s, if any;
+    ``"none"``: no memory check, only heads, layers and context).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, tp_size: int = 1, pp_size: int = 1,
@@ -708,7 +709,9 @@ class OfflineEngine:
         self.resolved = resolve_model(self.model)
         config = self.resolved.config
         gpu = self.gpu
-        if gpu is None and build == "gpu":
+        if str(gpu).lower() == "none":  # the user's way out when the allowance of llmlab.memory is too strict
+            gpu = None
+        elif gpu is None and build == "gpu":
             found = detect_gpu()
             gpu = found[0] if found else None
         checks = [dict(build="gpu", gpu=gpu)] if gpu is not None else []  # a named GPU is checked on any build

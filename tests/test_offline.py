@@ -208,7 +208,7 @@ def test_cli_impossible_layout_on_the_tiny_model(capsys):
     assert code == 2 and "do not divide into 3 tensor-parallel shards" in err
 
 
-def test_cli_layout_that_does_not_fit_names_the_planners_layout(capsys, tmp_path):
+def test_cli_layout_that_does_not_fit_names_the_planners_layout(capsys, tmp_path, monkeypatch):
     """A config-only copy of 405B FP8 (a dummy weight file): the memory check fails before vLLM starts."""
     shutil.copy(memory.config_path("llama3.1-405b-fp8"), tmp_path / "config.json")
     (tmp_path / "model.safetensors").write_bytes(b"")
@@ -216,6 +216,11 @@ def test_cli_layout_that_does_not_fit_names_the_planners_layout(capsys, tmp_path
                             "--max-model-len", "8192", capsys=capsys)
     assert code == 2
     assert "weights (56.7 GiB) do not fit" in err and "--tp-size 8 --pp-size 2" in err
+    monkeypatch.setattr(offline, "_numa_nodes", lambda: 1)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    engine = offline.OfflineEngine(tmp_path, tp_size=8, gpu="none", max_model_len=128)
+    with pytest.raises(offline.LayoutError, match="8 ranks"):  # --gpu none: no memory check; the CPU's still runs
+        engine.prepare()
 
 
 def test_cli_no_engine_installed(capsys, monkeypatch):

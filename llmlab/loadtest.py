@@ -11,6 +11,11 @@ the way the field does (and the way ``vllm bench serve`` does, so the two can be
 - **latency**, end to end: sending → the last token;
 - throughput: output tokens (and requests) of the successful requests per second of wall time.
 
+A load test must also check the load it *got*: a client connection pool smaller than the concurrency caps
+it silently.  ``max_concurrency_seen`` counts the requests the server was answering at once (from its HTTP
+answer to the last token), ``max_outstanding`` the ones the client had sent; ``connection_limit()`` reads
+the client's pool and ``run()`` warns before it starts when the pool is too small.
+
 A load test that silently drops the requests that failed reports a server better than it is.  So every
 prompt ends as exactly one record -- ``ok``, ``error`` or ``timeout`` -- with the error in words; records
 can be appended to a JSONL file as they finish, and a run that stopped half-way is resumed from it.
@@ -138,23 +143,39 @@ def duration_of(records: list[Record]) -> float:
     return sum(hi - lo for lo, hi in spans.values())
 
 
-def max_in_flight(records: list[Record]) -> int:
-    """The most requests the server held at once: intervals from its HTTP response to the end.
+def max_in_flight(records: list[Record], answered: bool = True) -> int:
+    """The most requests in flight at once.
 
-    Counting from the server's answer, not from the moment a thread called ``create()``, is what catches
-    a client-side cap: a request waiting for a free connection in the client's pool has no answer yet.
-    On a machine short of CPU the server can answer a request only after another one has ended, so the
-    figure can fall a little short of the concurrency asked for -- that is then what the server held.
+    ``answered=True`` (``max_concurrency_seen``): from the server's HTTP answer to the end -- requests the
+    server was answering together.  This is what catches a client-side cap: a request waiting for a free
+    connection in the client's pool has no answer yet.  ``answered=False`` (``max_outstanding``): from
+    sending to the end -- what the load generator kept outstanding.  Where the first is lower, requests
+    waited somewhere: in the client's pool, or at a server too short of CPU to answer them (on an
+    overloaded machine its HTTP front end can answer requests one by one, all tokens in a burst).
     """
     events = []
     for r in records:
-        if r.t_response is not None:
+        if not answered:
+            events += [(r.start, 1), (r.end, -1)]
+        elif r.t_response is not None:
             events += [(r.start + r.t_response, 1), (r.end, -1)]
     seen = now = 0
     for _, step in sorted(events):  # at equal times -1 sorts first: back-to-back requests do not overlap
         now += step
         seen = max(seen, now)
     return seen
+
+
+def connection_limit(client) -> int | None:
+    """How many connections the openai client's HTTP pool opens at most; None when it cannot tell.
+
+    Why: a pool smaller than the concurrency caps the load silently (aiohttp's default is 100, a plain
+    ``httpx.Client``'s 100, the openai client's own 1,000).  This reads the pool of httpx / httpx2 -- not a
+    public interface, so anything unexpected answers None and the run relies on ``max_concurrency_seen``.
+    """
+    pool = getattr(getattr(getattr(client, "_client", None), "_transport", None), "_pool", None)
+    limit = getattr(pool, "_max_connections", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
 def summarize(records: list[Record], concurrency: int | None = None) -> dict:
@@ -179,6 +200,7 @@ def summarize(records: list[Record], concurrency: int | None = None) -> dict:
         "timeouts": sum(r.status == "timeout" for r in records),
         "concurrency": concurrency,
         "max_concurrency_seen": max_in_flight(records),
+        "max_outstanding": max_in_flight(records, answered=False),
         "duration_s": duration,
         "requests_per_s": len(ok) / duration if duration > 0 else 0.0,
         "output_tokens": out_tokens,
@@ -376,15 +398,12 @@ class _Timer:
     def answered(self) -> None:
         self.rec.t_response = time.perf_counter() - self.t0
 
-    def stop(self) -> None:
-        self.t_end = time.perf_counter() - self.t0
-
     def line(self, line: str) -> None:
         """Take one line of the stream: a token, the usage, an error event, or nothing."""
+        now = self.t_end = time.perf_counter() - self.t0  # taken before the connection can be released
         data = _event(line)
         if data is None or data == "[DONE]":
             return
-        now = time.perf_counter() - self.t0
         if "error" in data or data.get("object") == "error":
             error = data.get("error", data)
             raise _ServerError(error.get("message", str(error)) if isinstance(error, dict) else str(error))
@@ -407,7 +426,10 @@ class _Timer:
             raise _Deadline
 
     def done(self) -> Record:
-        r = self._close()
+        """The stream ended; its end is the last line read (the [DONE] event), before the connection went
+        back to the pool -- on a starved machine a thread can wait long after that for the CPU, and another
+        request would then seem to overlap it."""
+        r = self._close(at=self.t_end)
         if r.ttft is None:
             r.status, r.error = "error", "the server answered but streamed no token."
         elif r.finish_reason is None:
@@ -421,13 +443,13 @@ class _Timer:
         return r
 
     def failed(self, exc: BaseException) -> Record:
-        r = self._close()
+        r = self._close(at=None)  # the failure happened now
         r.status, r.error = describe_failure(exc, r.output_tokens, self.timeout, self.base_url)
         return r  # ttft and itl stay: they say how far the request got
 
-    def _close(self) -> Record:
+    def _close(self, at: float | None) -> Record:
         r = self.rec
-        r.end = r.start + (self.t_end if self.t_end is not None else time.perf_counter() - self.t0)
+        r.end = r.start + (at if at is not None else time.perf_counter() - self.t0)
         r.text = "".join(self.pieces)
         if not r.output_tokens:  # no usage chunk (it comes last): count the token chunks received
             r.output_tokens = self.chunks
@@ -510,11 +532,8 @@ def _send(client, job: Job, cfg: _Settings) -> Record:
     try:
         with client.completions.with_streaming_response.create(**cfg.request(job)) as response:
             timer.answered()
-            try:
-                for line in response.iter_lines():
-                    timer.line(line)
-            finally:
-                timer.stop()  # before the connection goes back to the pool, where another request takes it
+            for line in response.iter_lines():
+                timer.line(line)
         return timer.done()
     except Exception as e:  # noqa: BLE001 -- every failure becomes a record, none stops the run
         return timer.failed(e)
@@ -526,11 +545,8 @@ async def _send_async(client, job: Job, cfg: _Settings) -> Record:
     try:
         async with client.completions.with_streaming_response.create(**cfg.request(job)) as response:
             timer.answered()
-            try:
-                async for line in response.iter_lines():
-                    timer.line(line)
-            finally:
-                timer.stop()
+            async for line in response.iter_lines():
+                timer.line(line)
         return timer.done()
     except Exception as e:  # noqa: BLE001
         return timer.failed(e)
@@ -554,19 +570,33 @@ def _prepare(prompts, save, resume) -> tuple[list[Job], dict[str, Record], Path 
     return jobs, previous, path
 
 
-def _finish(jobs, previous, new: dict[str, Record], appender: _Appender, concurrency: int) -> LoadResult:
+def _finish(jobs, previous, new: dict[str, Record], appender: _Appender, concurrency: int,
+            pool_known: bool) -> LoadResult:
     records = [previous.get(str(j.id)) or new.get(str(j.id)) for j in jobs]
     records = [r for r in records if r is not None]  # only jobs never started (an interrupt) are absent
     appender.close(records)
     result = LoadResult(records, concurrency)
     fresh = [new[str(j.id)] for j in jobs if str(j.id) in new]
     seen = max_in_flight(fresh)
-    # A busy server may answer a request only after another one ended: one in eight short is not a cap.
-    if len(fresh) >= 2 * concurrency and seen < concurrency - concurrency // 8:
-        warnings.warn(f"asked for {concurrency} requests in flight, but the server never held more than {seen} at "
-                      "once: a client connection-pool limit, or too few worker threads? The figures describe "
-                      f"concurrency {seen}.", stacklevel=3)
+    # Where the client's pool could not be read, the measured concurrency is the only clue to a cap.  A
+    # busy server may answer a request only after another ended: one short (one in eight) is no cap.
+    slack = max(1, concurrency // 8) if concurrency >= 4 else 0
+    if not pool_known and len(fresh) >= 2 * concurrency and seen < concurrency - slack:
+        warnings.warn(f"asked for {concurrency} requests in flight, but the server never answered more than {seen} "
+                      "at once: a client connection-pool limit, too few worker threads, or a machine too busy to "
+                      f"keep up? The figures describe concurrency {seen}.", stacklevel=3)
     return result
+
+
+def _check_pool(client, concurrency: int) -> bool:
+    """Warn before the run when the client's connection pool is smaller than the concurrency; return
+    whether the pool could be read."""
+    limit = connection_limit(client)
+    if limit is not None and limit < concurrency:
+        warnings.warn(f"the client's connection pool opens at most {limit} connections, fewer than the {concurrency} "
+                      f"requests asked for: at most {limit} will be in flight. Give the client a larger pool "
+                      "(http_client=httpx.Client(limits=httpx.Limits(max_connections=...))).", stacklevel=3)
+    return limit is not None
 
 
 def _start_threads(pool: ThreadPoolExecutor, n: int, timeout: float = 10.0) -> None:
@@ -605,6 +635,7 @@ def run(client, model: str, prompts: Iterable, *, concurrency: int = 8, max_toke
     jobs, previous, path = _prepare(prompts, save, resume)
     todo = [j for j in jobs if str(j.id) not in previous]
     fast = client.with_options(timeout=timeout, max_retries=0)
+    pool_known = _check_pool(fast, concurrency)
     cfg = _Settings(model, max_tokens, timeout, _openai_params(dict(sampling), fast.completions.create),
                     uuid.uuid4().hex[:8], concurrency, str(getattr(client, "base_url", "")))
     appender, new = _Appender(path), {}
@@ -638,12 +669,12 @@ def run(client, model: str, prompts: Iterable, *, concurrency: int = 8, max_toke
             if str(job.id) not in new and fut.done() and not fut.cancelled() and fut.exception() is None:
                 new[str(job.id)] = fut.result()
                 appender.write(new[str(job.id)])
-        _finish(jobs, previous, new, appender, concurrency)
+        _finish(jobs, previous, new, appender, concurrency, pool_known)
         raise
     finally:
         bar.close()
     pool.shutdown(wait=True)
-    return _finish(jobs, previous, new, appender, concurrency)
+    return _finish(jobs, previous, new, appender, concurrency, pool_known)
 
 
 async def run_async(client, model: str, prompts: Iterable, *, concurrency: int = 8, max_tokens: int = 64,
@@ -664,6 +695,7 @@ async def run_async(client, model: str, prompts: Iterable, *, concurrency: int =
     made = not isinstance(client, openai.AsyncOpenAI)
     aclient = (openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key) if made else client)
     fast = aclient.with_options(timeout=timeout, max_retries=0)
+    pool_known = _check_pool(fast, concurrency)
     cfg = _Settings(model, max_tokens, timeout, _openai_params(dict(sampling), fast.completions.create),
                     uuid.uuid4().hex[:8], concurrency, str(aclient.base_url))
     appender, new = _Appender(path), {}
@@ -696,7 +728,7 @@ async def run_async(client, model: str, prompts: Iterable, *, concurrency: int =
         bar.close()
         if made:
             await aclient.close()
-    return _finish(jobs, previous, new, appender, concurrency)
+    return _finish(jobs, previous, new, appender, concurrency, pool_known)
 
 
 # --- workloads --------------------------------------------------------------------------------------------

@@ -550,9 +550,12 @@ def explorer(top: TopLogprobs):
     def show(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         after = probabilities(apply_processors(top.logits, params))
+        # The same summary as text above the plot: readable by a screen reader, and by the browser test.
+        summary = (f"{np.count_nonzero(after)} of {len(top.tokens)} tokens left, entropy {entropy(after):.2f} bits, "
+                   f"most likely {top.tokens[int(np.argmax(after))]!r} at {after.max():.1%}")
+        print(summary)
         fig, ax = plt.subplots(figsize=(9, 3.5))
-        plot_distribution(ax, top.tokens, before, after, f"{np.count_nonzero(after)} of {len(top.tokens)} tokens "
-                          f"left, entropy {entropy(after):.2f} bits")
+        plot_distribution(ax, top.tokens, before, after, summary.split(", most")[0])
         plt.show()
 
     return w.interactive(show, temperature=w.FloatSlider(value=1.0, min=0.0, max=2.0, step=0.05),

@@ -1,0 +1,245 @@
+"""JupyterLab in a headless browser: Debian's chromium driven by Playwright's Python API.
+
+Why: nbval proves that a notebook's cells run, not that its widgets respond in a browser.  This module
+starts a private JupyterLab on temporary copies of notebooks, opens one in chromium, runs all cells and
+gives the tests (tests/test_browser.py) and ``make screenshots`` the same handles on the widgets.
+
+The browser is the system's (``apt-get install chromium``; .ci/run does it): Playwright's own browser
+download is never used.  From a shell, ``python tests/lab_browser.py docs/img`` writes the README's
+screenshots (``make screenshots``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+CHROMIUM = os.environ.get("LLMLAB_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CALCULATOR = "01_memory_arithmetic.ipynb"
+EXPLORER = "04_sampling.ipynb"
+
+
+def skip_reason() -> str | None:
+    """Why browser tests cannot run here, or None.  CI installs chromium, so there they always run."""
+    if not Path(CHROMIUM).exists():
+        return "no chromium on this machine: `apt-get install chromium` (.ci/run installs it)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the Python package playwright is missing: pip install -e '.[test]'"
+    return None
+
+
+@dataclass
+class Lab:
+    """A running JupyterLab: where it listens, its token, and the folder it serves."""
+
+    url: str
+    token: str
+    root: Path
+
+    def api(self, path: str) -> object:
+        req = urllib.request.Request(f"{self.url}/api/{path}", headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def jupyterlab(notebooks: list[str], timeout: float = 60) -> Iterator[Lab]:
+    """JupyterLab on temporary copies of ``notebooks`` (it autosaves outputs into the files it opens).
+
+    A fresh workspaces folder per server: with a shared one, a "Select Kernel" dialog can block the run.
+    The token reaches the server through the environment (JUPYTER_TOKEN), not through ``ps``.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix="llmlab-lab-"))
+    root, workspaces = tmp / "root", tmp / "workspaces"
+    root.mkdir()
+    workspaces.mkdir()
+    for name in notebooks:
+        shutil.copy(NOTEBOOKS / name, root / name)
+    token, port = secrets.token_hex(16), _free_port()
+    jupyter = Path(sys.executable).parent / "jupyter"
+    cmd = [str(jupyter), "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", f"--ServerApp.root_dir={root}",
+           "--allow-root", "--LabApp.expose_app_in_browser=True", f"--LabApp.workspaces_dir={workspaces}",
+           "--ServerApp.open_browser=False"]
+    log = open(tmp / "jupyterlab.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JUPYTER_TOKEN": token},
+                            start_new_session=True)
+    lab = Lab(f"http://127.0.0.1:{port}", token, root)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                lab.api("status")
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"JupyterLab did not answer within {timeout:.0f} s; its log:\n"
+                                       f"{(tmp / 'jupyterlab.log').read_text()[-3000:]}") from None
+                time.sleep(0.3)
+        yield lab
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)  # the server and the kernels it started
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def browser_page(width: int = 1400, height: int = 1000):
+    """A Playwright page in the system's headless chromium (--no-sandbox: CI runs as root)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.set_default_timeout(60_000)
+            yield page
+        finally:
+            browser.close()
+
+
+def _kernel_idle(lab: Lab, name: str) -> bool:
+    sessions = [s for s in lab.api("sessions") if s.get("path", "").endswith(name)]
+    return bool(sessions) and sessions[0]["kernel"]["execution_state"] == "idle"
+
+
+def open_and_run(page, lab: Lab, name: str, timeout: float = 240) -> None:
+    """Open notebook ``name``, wait for its kernel, run all cells and wait until the kernel is idle again."""
+    page.goto(f"{lab.url}/lab/tree/{name}?token={lab.token}")
+    page.locator(".jp-Notebook .jp-Cell").first.wait_for()
+    deadline = time.monotonic() + timeout
+    while not _kernel_idle(lab, name):
+        accept = page.locator(".jp-Dialog .jp-mod-accept")
+        if accept.count():
+            accept.first.click()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the kernel of {name} was not idle within {timeout:.0f} s")
+        time.sleep(0.5)
+    page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    time.sleep(1)
+    while not _kernel_idle(lab, name):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"running all cells of {name} took more than {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def errors(page) -> list[str]:
+    """Text of every error output (a traceback) in the open notebook."""
+    return page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'
+                        ':has-text("Traceback"), .jp-OutputArea-output:has(.jp-RenderedText'
+                        '[data-mime-type="application/vnd.jupyter.error"])').all_inner_texts()
+
+
+def interact(page):
+    """The notebook's one ``ipywidgets.interactive`` (its controls and its output)."""
+    return page.locator(".widget-interact").first
+
+
+def control(widget, label: str):
+    """The control of ``widget`` whose label (the keyword name that ``interactive`` gives it) is ``label``."""
+    return widget.locator(f".widget-inline-hbox:has(> .widget-label:text-is('{label}'))").first
+
+
+def set_slider(widget, label: str, value) -> None:
+    """Type a value into a slider's editable readout, as a learner can; Enter commits it."""
+    readout = control(widget, label).locator(".widget-readout")
+    readout.click()
+    readout.press("Control+a")
+    readout.type(str(value))
+    readout.press("Enter")
+
+
+def nudge_slider(widget, label: str, steps: int = 1) -> None:
+    """Move a slider's handle with the arrow keys, one step each."""
+    handle = control(widget, label).locator(".noUi-handle")
+    handle.focus()
+    for _ in range(abs(steps)):
+        handle.press("ArrowRight" if steps > 0 else "ArrowLeft")
+
+
+def choose(widget, label: str, value: str) -> None:
+    control(widget, label).locator("select").select_option(value)
+
+
+def output(widget):
+    """The output area of the ``interactive`` (printed text and plots)."""
+    return widget.locator(".widget-output").first
+
+
+def cell_of(widget):
+    return widget.locator("xpath=ancestor::div[contains(@class, 'jp-Cell')][1]")
+
+
+def screenshots(out_dir: Path) -> list[Path]:
+    """The calculator of notebook 01 and the sampling explorer of notebook 04, as the README shows them.
+
+    Notebook 04 needs a server: ``llmlab.connect()`` in its kernel starts the embedded one under a
+    private LLMLAB_HOME, which is stopped at the end.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    home = tempfile.mkdtemp(prefix="llmlab-screenshots-home-")
+    os.environ["LLMLAB_HOME"] = home
+    for var in ("LLMLAB_BASE_URL", "LLMLAB_API_KEY", "LLMLAB_API_KEY_FILE", "LLMLAB_CONNECTION_FILE"):
+        os.environ.pop(var, None)
+    written = []
+    try:
+        with jupyterlab([CALCULATOR, EXPLORER]) as lab, browser_page(width=1200) as page:
+            for name, moves, png in [
+                (CALCULATOR, lambda w: (choose(w, "model", "llama3.1-405b"), choose(w, "dtype", "fp8"),
+                                        set_slider(w, "context", 32768), set_slider(w, "concurrency", 8)),
+                 "memory-calculator.png"),
+                (EXPLORER, lambda w: (set_slider(w, "temperature", 0.7), set_slider(w, "top_p", 0.9)),
+                 "sampling-explorer.png"),
+            ]:
+                open_and_run(page, lab, name)
+                widget = interact(page)
+                before = output(widget).inner_html()
+                moves(widget)
+                page.wait_for_function("([el, old]) => el.innerHTML !== old",
+                                       arg=[output(widget).element_handle(), before])
+                time.sleep(1)  # the plot's image settles
+                widget.scroll_into_view_if_needed()
+                cell_of(widget).screenshot(path=out_dir / png)
+                written.append(out_dir / png)
+    finally:
+        from llmlab import server
+
+        server.stop_embedded()
+        shutil.rmtree(home, ignore_errors=True)
+    return written
+
+
+if __name__ == "__main__":
+    reason = skip_reason()
+    if reason:
+        sys.exit(f"cannot take screenshots: {reason}")
+    for path in screenshots(Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "docs" / "img")):
+        print(f"wrote {path}")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmlab import doctor, exercises, server
+from llmlab import cli_jobs, doctor, exercises, jobs, server
 from llmlab.connection import ServerError
 
 
@@ -272,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--stop", action="append", help="a stop string (repeatable)")
     sp.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even past the end-of-text token")
     p.set_defaults(func=cmd_generate)
+    cli_jobs.add_commands(sub)
     return parser
 
 
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         args.jupyter_args = args.jupyter_args[1:]
     try:
         return args.func(args)
-    except ServerError as e:
+    except (ServerError, jobs.JobError) as e:
         print(f"llmlab: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

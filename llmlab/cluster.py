@@ -54,7 +54,9 @@ def slurm_dir() -> Path:
 
 
 def settings_file() -> Path:
-    return slurm_dir() / "models.toml"
+    """``$LLMLAB_SETTINGS_FILE`` (a job rendered by ``llmlab launch`` carries its own, overridden settings), else
+    ``models.toml`` beside the launcher."""
+    return Path(os.environ.get("LLMLAB_SETTINGS_FILE") or slurm_dir() / "models.toml")
 
 
 # --------------------------------------------------------------------------------------------------

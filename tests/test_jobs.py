@@ -1,0 +1,203 @@
+"""The cluster CLI (llmlab.jobs, ``llmlab launch | status | metrics | logs | stop | list``).
+
+Pure tests (settings and overrides, the plan check, the rendered job script, the launcher's own dry run for
+every shipped GPU model) need no SLURM.  The rest run every command against the real slurmctld + two slurmd
+of tests/slurm_testbed.py with the CPU engine and the tiny model: launch -> the states in order -> a request
+-> metrics -> logs -> stop -> STOPPED with nothing left; and a job whose model path is wrong -> FAILED with
+that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+from test_slurm import CPU_JOB, GPU_JOBS, dry_run, job_processes, needs_slurm, slurm_env, wait_for  # noqa: F401
+
+import llmlab
+from llmlab import cluster, jobs, kvcache, memory
+from llmlab.connection import read_key, servers_dir
+
+
+def llmlab_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmlab", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env or os.environ.copy())
+
+
+def line_of(text: str, prefix: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(prefix))
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings, plan and job script (no SLURM)
+# --------------------------------------------------------------------------------------------------
+
+def test_overrides_keep_tp_inside_a_node_and_round_trip_through_the_job_script(tmp_path):
+    job = jobs.settings("llama3.1-405b", tp=8, pp=2, dtype="bf16", max_model_len=8192, extra_args=["--x", "a b"])
+    assert (job.nodes, job.gpus_per_node, job.tp, job.pp, job.dtype, job.max_model_len) == (2, 8, 8, 2, "bfloat16",
+                                                                                             8192)
+    assert job.extra_args[-2:] == ("--x", "a b")
+    path = tmp_path / "settings.toml"
+    path.write_text(jobs.settings_toml(job))
+    assert cluster.load_settings(path)[job.name] == job  # what the job reads is exactly what was planned
+    plan = jobs.prepare("llama3.1-70b", account="acct", partition="gpu", time_limit="01:00:00")
+    assert "#SBATCH --account=acct\n#SBATCH --partition=gpu\n" in plan.script
+    assert "#SBATCH --gpus-per-node=4\n" in plan.script and "#SBATCH --time=01:00:00\n" in plan.script
+    embedded = plan.script.split("<<'LLMLAB_SETTINGS'\n", 1)[1].split("LLMLAB_SETTINGS\n", 1)[0]
+    assert tomllib.loads(embedded)["llama3.1-70b"]["tp"] == 4
+    assert plan.script.rstrip().endswith('exec bash "$LLMLAB_SLURM_DIR/llmlab-serve.sh" llama3.1-70b')
+
+
+@pytest.mark.parametrize("name", GPU_JOBS)
+def test_launch_dry_run_renders_the_job_scripts_serve_line_and_ray_layout(name):
+    """One source: ``llmlab launch --dry-run`` and ``sbatch slurm/NAME.sh`` (dry run) run the same vLLM and Ray."""
+    out = llmlab_cli("launch", name, "--dry-run")
+    assert out.returncode == 0, out.stderr
+    script = dry_run(name).stdout
+    for prefix in ("vLLM:", "runs as:", "Ray: ", "Ray head:", "Ray worker:", "Ray wait:"):
+        ours = [line for line in out.stdout.splitlines() if line.startswith(prefix)]
+        theirs = [line for line in script.splitlines() if line.startswith(prefix)]
+        assert ours == theirs, prefix
+    job = cluster.job_settings(name)
+    assert re.search(rf"TP x PP +{job.tp} x {job.pp}\n", out.stdout)
+    assert "--- job script (not submitted: --dry-run) ---" in out.stdout
+
+
+def test_impossible_layout_is_refused_with_numbers_and_a_layout_that_fits(tmp_path):
+    """Llama 3.1 405B in bf16 on one node of 4 x A100-40GB: refused before sbatch is ever called."""
+    marker = tmp_path / "sbatch-was-called"
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "sbatch").write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
+    (fake_bin / "sbatch").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "LLMLAB_HOME": str(tmp_path / "home")}
+    out = llmlab_cli("launch", "llama3.1-405b", "--nodes", "1", "--gpus-per-node", "4", "--tp", "4", "--pp", "1",
+                     "--gpu-type", "A100-40", env=env)
+    weights = max(memory.weight_bytes_per_gpu("llama3.1-405b", None, 4, 1)) / memory.GiB
+    fit = memory.plan("llama3.1-405b", None, "auto", "A100-40", 4, 131072)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"the weights take {weights:.1f} GiB per GPU" in out.stderr
+    suggested = f"llmlab launch llama3.1-405b --nodes {fit.nodes} --gpus-per-node 4 --tp {fit.tp} --pp {fit.pp}"
+    assert suggested in out.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["launch", "llama9"], "No job 'llama9'"),
+    (["launch", "llama3.1-70b", "--tp", "3"], "64 attention heads do not divide into 3"),
+    (["launch", "llama3.1-70b", "--nodes", "1", "--gpus-per-node", "4", "--tp", "8"], "make them equal"),
+    (["launch", "llama3.1-70b", "--gpu-type", "B300"], "B300"),
+    (["status", "abc"], "is not a SLURM job id"),
+])
+def test_bad_input_is_one_sentence(args, message):
+    out = llmlab_cli(*args)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_no_sbatch_means_not_a_login_node(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # nothing on PATH: the interpreter is called by its full path
+    out = llmlab_cli("launch", "llama3.1-8b", env=env)
+    assert out.returncode == 2 and "`sbatch` is not on PATH: this is not a SLURM login node" in out.stderr
+    assert "Plan for" not in out.stdout
+
+
+def test_list_shows_every_shipped_server_with_its_plan():
+    rows = json.loads(llmlab_cli("list", "--json").stdout)
+    assert {r["name"] for r in rows} == set(cluster.load_settings())
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["llama3.1-70b"]["kv_tokens"] == cluster.layout_report("llama3.1-70b")["kv_tokens"]
+    assert all(r["fits"] for r in rows)
+
+
+def test_histogram_quantile_interpolates_like_prometheus():
+    m = kvcache.parse_prometheus('x_bucket{le="0.1"} 0\nx_bucket{le="0.5"} 5\nx_bucket{le="1.0"} 10\n'
+                                     'x_bucket{le="+Inf"} 10\n')
+    assert jobs.histogram_quantile(m, "x", 0.5) == pytest.approx(0.5)
+    assert jobs.histogram_quantile(m, "x", 0.25) == pytest.approx(0.3)
+    assert jobs.histogram_quantile(kvcache.parse_prometheus('x_bucket{le="+Inf"} 0\n'), "x", 0.5) is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Under a real SLURM (CPU mode)
+# --------------------------------------------------------------------------------------------------
+
+def use_testbed(monkeypatch, env: dict) -> None:
+    for key in ("SLURM_CONF", "PATH", "LLMLAB_PYTHON"):
+        monkeypatch.setenv(key, env[key])
+
+
+@needs_slurm
+def test_launch_to_ready_then_request_metrics_logs_and_stop(slurm_env, monkeypatch):  # noqa: F811
+    use_testbed(monkeypatch, slurm_env)
+    t0 = time.monotonic()
+    record = jobs.launch(jobs.prepare(CPU_JOB))
+    job_id = record["job_id"]
+    seen: list[jobs.JobStatus] = []
+    try:
+        ready = jobs.wait(job_id, timeout=900, poll=0.5, on_change=seen.append)
+        print(f"\nllmlab launch {CPU_JOB} -> READY in {time.monotonic() - t0:.1f} s")
+        assert ready.state == "READY", f"{ready}\n{Path(ready.output).read_text() if ready.output else ''}"
+        states = [s.state for s in seen]
+        order = [s for i, s in enumerate(states) if i == 0 or states[i - 1] != s]
+        assert order[-3:] == ["STARTING", "LOADING", "READY"] and set(order[:-3]) <= {"PENDING"}, order
+        print("\n".join(f"llmlab status {job_id}: {s.state} - {s.detail}" for s in seen))
+        script = Path(record["script"]).read_text()
+        assert "#SBATCH --job-name=llmlab-llmlab-tiny-cpu\n#SBATCH --nodes=2\n" in script
+        assert (cluster.job_log_dir(job_id) / "settings.toml").read_text() in script  # what ran, as it ran
+        assert stat.S_IMODE(Path(record["script"]).stat().st_mode) == 0o600
+        assert "Ray: 2/2 nodes" in Path(record["output"]).read_text()
+
+        monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(servers_dir() / f"job-{job_id}.json"))
+        client, model = llmlab.connect(quiet=True)
+        r = client.completions.create(model=model, prompt="In the beginning", max_tokens=6,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 6
+
+        mx = jobs.metrics(job_id, interval=0.5)
+        assert mx["requests_finished"] >= 1 and mx["generation_tokens_total"] >= 6 and mx["latency_p50_s"] > 0
+        out = llmlab_cli("metrics", job_id, "--interval", "0.2")
+        assert out.returncode == 0 and "finished" in out.stdout and "TTFT p50/p90/p99" in out.stdout
+
+        out = llmlab_cli("status", job_id, "--json")
+        info = json.loads(out.stdout)
+        assert out.returncode == 0 and info["state"] == "READY" and info["url"] == ready.url
+        key = read_key(info["api_key_file"])
+        assert key not in out.stdout and key not in llmlab_cli("status", "--json").stdout
+        listed = json.loads(llmlab_cli("status", "--json").stdout)
+        assert any(row["job_id"] == job_id and row["state"] == "READY" for row in listed)
+
+        logs = llmlab_cli("logs", job_id, "-n", "200")
+        assert logs.returncode == 0 and "vllm.log <==" in logs.stdout and "READY:" in logs.stdout
+        assert key not in logs.stdout
+    finally:
+        stopped = jobs.stop(job_id)
+    assert stopped.state == "STOPPED", str(stopped)
+    print(f"llmlab status {job_id}: {stopped.state} - {stopped.detail}")
+    assert not (servers_dir() / f"job-{job_id}.json").exists() and not Path(info["api_key_file"]).exists()
+    wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
+    out = llmlab_cli("status", job_id)
+    assert out.returncode == 0 and "STOPPED" in out.stdout
+
+
+@needs_slurm
+def test_a_wrong_model_path_fails_with_that_reason(slurm_env, monkeypatch):  # noqa: F811
+    use_testbed(monkeypatch, slurm_env)
+    monkeypatch.setenv("LLMLAB_MODEL_PATH", "/nonexistent/llmlab-model")
+    record = jobs.launch(jobs.prepare(CPU_JOB, nodes=1))  # one node: no Ray, so it fails sooner
+    out = llmlab_cli("status", record["job_id"], "--wait", "--timeout", "600", "--poll", "1")
+    assert out.returncode == 1, out.stdout + out.stderr
+    st = jobs.status(record["job_id"])
+    assert st.state == "FAILED" and st.reason.startswith("the model path does not exist"), str(st)
+    assert any("/nonexistent/llmlab-model" in line for line in st.log_lines), st.log_lines
+    assert not any("WARNING" in line for line in st.log_lines), st.log_lines
+    assert "FAILED" in out.stdout and "the model path does not exist" in out.stdout
+    print(f"\nllmlab status {record['job_id']}: {st}")
+    wait_for(lambda: not job_processes(record["job_id"]), 60, "the job's processes to end")

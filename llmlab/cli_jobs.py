@@ -76,6 +76,8 @@ class _WaitPrinter:
 
 
 def cmd_status(a) -> int:
+    if a.job_id is None and a.wait:
+        a.job_id = jobs.latest_job()
     if a.job_id is None:
         rows = jobs.all_status()
         if a.json:
@@ -181,7 +183,8 @@ def add_commands(sub) -> None:
     p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("status", help="PENDING / STARTING / LOADING / READY / FAILED / STOPPED of llmlab servers")
-    p.add_argument("job_id", nargs="?", help="a job id (default: every llmlab server of yours)")
+    p.add_argument("job_id", nargs="?", help="a job id (default: every llmlab server of yours; with --wait, "
+                   "the newest job you launched)")
     p.add_argument("--wait", action="store_true", help="block until READY (exit 0) or FAILED (exit 1)")
     p.add_argument("--timeout", type=float, default=7200, help="seconds --wait waits")
     p.add_argument("--poll", type=float, default=2.0, help="seconds between checks")

@@ -469,6 +469,14 @@ def my_jobs() -> list[str]:
     return sorted(ids, key=lambda i: (len(i), i))
 
 
+def latest_job() -> str:
+    """The job id of the newest ``llmlab launch`` (what ``llmlab status --wait`` follows without an id)."""
+    records = sorted(jobs_dir().glob("*.json"), key=lambda p: p.stat().st_mtime)
+    if not records:
+        raise JobError("No job launched from this account yet: `llmlab launch MODEL` first, or name a job id.")
+    return records[-1].stem
+
+
 def all_status() -> list[dict]:
     """Every llmlab server of this user: SLURM jobs (newest last) and the embedded server."""
     from llmlab import server

@@ -166,6 +166,9 @@ def test_launch_to_ready_then_request_metrics_logs_and_stop(slurm_env, monkeypat
         out = llmlab_cli("metrics", job_id, "--interval", "0.2")
         assert out.returncode == 0 and "finished" in out.stdout and "TTFT p50/p90/p99" in out.stdout
 
+        out = llmlab_cli("status", "--wait", "--timeout", "60")  # no id: the newest launch, READY already
+        assert out.returncode == 0 and "use: client, model = llmlab.connect()" in out.stdout, out.stdout
+
         out = llmlab_cli("status", job_id, "--json")
         info = json.loads(out.stdout)
         assert out.returncode == 0 and info["state"] == "READY" and info["url"] == ready.url

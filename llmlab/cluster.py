@@ -751,10 +751,11 @@ def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, 
 # --------------------------------------------------------------------------------------------------
 
 def is_alive(info: dict, timeout: float = 2.0) -> bool:
-    """Does the server of a connection file answer ``/health``?  (It needs no key.)"""
-    from llmlab.server import health
+    """Does the server of a connection file answer ``/health``?  Asked with the server's key (its proxy wants
+    the key on every request), read from the connection file's key file."""
+    from llmlab.server import health, key_of
 
-    return health(info["host"], info["port"], timeout)
+    return health(info["host"], info["port"], timeout, api_key=key_of(info))
 
 
 def servers(check: bool = True, embedded: bool = True) -> list[dict]:

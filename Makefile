@@ -7,7 +7,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.llmlab-installed
 NOTEBOOKS := notebooks solutions
 
-.PHONY: install lab test lint unit exercises clean-venv
+.PHONY: install lab test lint unit exercises screenshots clean-venv
 
 install: $(STAMP)
 
@@ -41,6 +41,11 @@ test: install lint
 	$(BIN)/shellcheck slurm/*.sh
 	$(BIN)/llmlab exercises --check
 	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env
+
+# The README's pictures: notebook 01's calculator and 04's explorer in headless chromium (needs `apt-get install
+# chromium`), moved by the same driver as tests/test_browser.py.
+screenshots: install
+	$(BIN)/python tests/lab_browser.py docs/img
 
 clean-venv:
 	rm -rf $(VENV)

@@ -78,10 +78,18 @@ def jupyterlab(notebooks: list[str], timeout: float = 60) -> Iterator[Lab]:
     workspaces.mkdir()
     for name in notebooks:
         shutil.copy(NOTEBOOKS / name, root / name)
+    # Private settings: every cell rendered (no windowing: a half-painted plot in a screenshot), and no
+    # "Jupyter news?" notification over the widgets.
+    for plugin, value in [("notebook-extension/tracker", {"windowingMode": "none"}),
+                          ("apputils-extension/notification", {"fetchNews": "false"})]:
+        path = tmp / "settings" / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value))
     token, port = secrets.token_hex(16), _free_port()
     jupyter = Path(sys.executable).parent / "jupyter"
     cmd = [str(jupyter), "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", f"--ServerApp.root_dir={root}",
            "--allow-root", "--LabApp.expose_app_in_browser=True", f"--LabApp.workspaces_dir={workspaces}",
+           f"--LabApp.user_settings_dir={tmp / 'settings'}",
            "--ServerApp.open_browser=False"]
     log = open(tmp / "jupyterlab.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JUPYTER_TOKEN": token},
@@ -225,8 +233,13 @@ def screenshots(out_dir: Path) -> list[Path]:
                 moves(widget)
                 page.wait_for_function("([el, old]) => el.innerHTML !== old",
                                        arg=[output(widget).element_handle(), before])
-                time.sleep(1)  # the plot's image settles
+                if name == EXPLORER:  # the text comes first, the new plot after it
+                    output(widget).locator("img").wait_for()
+                    page.wait_for_function("el => el.querySelector('img').complete",
+                                           arg=output(widget).element_handle())
+                page.evaluate("window.jupyterapp.shell.collapseLeft()")  # the file browser: room for the plot
                 widget.scroll_into_view_if_needed()
+                time.sleep(2)  # let the browser paint what scrolled into view
                 cell_of(widget).screenshot(path=out_dir / png)
                 written.append(out_dir / png)
     finally:

@@ -334,12 +334,13 @@ class RenderedJob:
     job: JobSettings
     job_id: str
     nodes: list[str]
-    bind_host: str           # where vLLM listens
+    bind_host: str           # where the key-checking proxy listens (llmlab.proxy)
     host: str                # what clients dial (the connection file's host)
-    port: int
+    port: int                # the proxy's port; vLLM itself listens on the Unix socket ``uds`` only
+    uds: str
     model_path: str
     flags: list[str]         # after the model: layout flags, then name/host/port, then extra args
-    env: dict[str, str]      # exported for Ray and vLLM (no key: the launcher adds VLLM_API_KEY for vLLM only)
+    env: dict[str, str]      # exported for Ray and vLLM (no secret: Ray's token and the API key stay in files)
     ray: RayLayout | None
     python: str = "python3"
 
@@ -368,7 +369,8 @@ class RenderedJob:
                          f"{', '.join(self.ray.workers)}; ports {self.ray.port_base}-{self.ray.max_port()}")
         else:
             lines.append("Ray: not needed (one node: vLLM starts its own worker processes)")
-        lines.append(f"vLLM listens on {self.bind_host}:{self.port}; clients use {self.base_url}")
+        lines.append(f"vLLM listens on {self.uds} (private); its key-checking proxy on {self.bind_host}:{self.port}; "
+                     f"clients use {self.base_url}")
         return "\n".join(lines)
 
     def shell(self) -> str:
@@ -376,7 +378,7 @@ class RenderedJob:
         q = shlex.quote
         out = [f"summary={q(self.summary())}", f"job_name={q(self.job.name)}", f"engine={q(self.job.engine)}",
                f"served_model={q(self.job.name)}",
-               f"bind_host={q(self.bind_host)}", f"host={q(self.host)}", f"port={self.port}",
+               f"bind_host={q(self.bind_host)}", f"host={q(self.host)}", f"port={self.port}", f"uds={q(self.uds)}",
                f"expected_nodes={self.job.nodes}", f"tp={self.job.tp}", f"pp={self.job.pp}",
                f"ray_timeout={self.job.ray_timeout:g}", f"ready_timeout={self.job.ready_timeout:g}",
                f"serve_argv=({' '.join(map(q, self.argv))})", f"serve_line={q(self.serve_line)}",
@@ -401,7 +403,7 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     and vLLM caches), ``LLMLAB_MAX_MODEL_LEN``, ``LLMLAB_EXTRA_VLLM_ARGS``, ``LLMLAB_BIND_HOST``,
     ``LLMLAB_ADVERTISE_HOST``, ``LLMLAB_LOOPBACK``, ``LLMLAB_RAY_HEAD_IP``, ``LLMLAB_RAY_PORT_BASE``,
     ``LLMLAB_RAY_HEAD_ARGS``, ``LLMLAB_RAY_WORKER_ARGS``, ``LLMLAB_RAY_TIMEOUT``, ``LLMLAB_READY_TIMEOUT``,
-    ``LLMLAB_NCCL_IB``.
+    ``LLMLAB_NCCL_IB``; ``LLMLAB_RUN_DIR`` (the launcher's private directory for vLLM's socket).
     """
     env = dict(os.environ if env is None else env)
     if isinstance(job, str):
@@ -423,9 +425,13 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     host = env.get("LLMLAB_ADVERTISE_HOST") or ("127.0.0.1" if loopback else socket.gethostname())
     port = port or free_port(bind_host)
     path = model_path(job, env)
-    flags = vllm_flags(job) + ["--served-model-name", job.name, "--host", bind_host, "--port", str(port)]
+    # vLLM on a Unix socket in a 0700 directory: only the job's user reaches it; the proxy on bind_host:port checks
+    # the key of every request and forwards only /v1/*, /health and /metrics (llmlab.proxy says why).
+    run_dir = env.get("LLMLAB_RUN_DIR") or f"{env.get('TMPDIR') or '/tmp'}/llmlab-run-{job_id}"
+    uds = f"{run_dir}/vllm.sock"
+    flags = vllm_flags(job) + ["--served-model-name", job.name, "--uds", uds]
     flags += list(job.extra_args) + shlex.split(env.get("LLMLAB_EXTRA_VLLM_ARGS", ""))
-    run_env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    run_env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_RPC_BASE_PATH": run_dir}
     if job.engine == "cpu":
         run_env.update(VLLM_CPU_KVCACHE_SPACE=str(job.kv_cache_gib), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if env.get("LLMLAB_CACHE_DIR"):
@@ -449,9 +455,43 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
         # No Python workers started ahead of need (one per CPU by default): vLLM creates its own actors, and
         # the pre-started ones compete with Ray's agents, which must be up within a fixed 15 s.
         run_env["RAY_enable_worker_prestart"] = "0"
-        # Hook for Ray token authentication (RAY_AUTH_MODE=token, Ray >= 2.52): passed to every node as given.
-        run_env.update({k: env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH") if env.get(k)})
-    return RenderedJob(job, str(job_id), nodes, bind_host, host, port, path, flags, run_env, ray, python)
+        # Token authentication for every Ray connection (head, workers, vLLM's ray.init): without it, anyone who
+        # reaches the head node's ports can submit a Ray task, i.e. run code as the job's user.
+        check_ray_tokens(env.get("LLMLAB_RAY_VERSION") or installed_ray_version(), env.get("RAY_AUTH_MODE"))
+        run_env["RAY_AUTH_MODE"] = "token"
+        run_env["RAY_AUTH_TOKEN_PATH"] = ray_token_file(job_id, env)  # the launcher writes it, 0600, per job
+    return RenderedJob(job, str(job_id), nodes, bind_host, host, port, uds, path, flags, run_env, ray, python)
+
+
+RAY_TOKEN_VERSION = (2, 52)  # the first Ray with RAY_AUTH_MODE=token
+
+
+def installed_ray_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ray")
+    except PackageNotFoundError:
+        return "0"
+
+
+def check_ray_tokens(version: str, mode: str | None = None) -> None:
+    """Refuse a multi-node layout whose Ray cannot require a token (or was told not to): an open Ray head lets
+    every user of the cluster run code as you."""
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    if parts < RAY_TOKEN_VERSION:
+        raise SettingsError(f"Ray {version} has no token authentication (RAY_AUTH_MODE=token needs Ray >= "
+                            f"{'.'.join(map(str, RAY_TOKEN_VERSION))}); without it anyone who reaches the head node "
+                            "can run code as you. Upgrade Ray (pip install 'ray>=2.52') or use a one-node layout.")
+    if mode and mode.lower() != "token":
+        raise SettingsError(f"RAY_AUTH_MODE={mode}: llmlab starts Ray only with token authentication; unset "
+                            "RAY_AUTH_MODE (the launcher sets it to token, with a per-job token file).")
+
+
+def ray_token_file(job_id: str, env: dict) -> str:
+    """The job's Ray token: a 0600 file under LLMLAB_HOME (on the shared home, so every node reads the same)."""
+    home = env.get("LLMLAB_HOME") or str(Path.home() / ".llmlab")
+    return f"{home}/keys/ray-job-{job_id}.token"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -720,7 +760,8 @@ def load_progress(log: str | Path) -> LoadProgress:
     return LoadProgress(phase_name, int(m[2]), int(m[3]), m[4], m[5], ready)
 
 
-def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, poll: float = 2.0) -> bool:
+def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, poll: float = 2.0,
+                     api_key: str | None = None) -> bool:
     """Poll ``/health`` while vLLM loads; print the phase / shard progress whenever it changes.
 
     Returns True once /health answers 200; prints the reason (exit, time-out) with the log's last lines
@@ -729,7 +770,7 @@ def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, 
     from llmlab.server import health, pid_alive
 
     start, last = time.monotonic(), ""
-    while not health(host, port):
+    while not health(host, port, api_key=api_key):
         if not pid_alive(pid):
             say(f"FAILED: vLLM exited while starting. Last lines of {log}:\n{tail(log, 25)}")
             return False
@@ -827,7 +868,8 @@ def _cmd_wait_ray(a) -> int:
 
 def _cmd_wait_ready(a) -> int:
     t0 = time.monotonic()
-    if not wait_until_ready(a.host, a.port, a.pid, Path(a.log), a.timeout, a.poll):
+    key = Path(a.key_file).read_text().strip()  # /health goes through the proxy, which wants the key
+    if not wait_until_ready(a.host, a.port, a.pid, Path(a.log), a.timeout, a.poll, api_key=key):
         return 1
     extra = {"nodes": a.nodes.split(), "tp": a.tp, "pp": a.pp, "engine": a.engine, "log": a.log, "pid": a.pid,
              "ray_address": a.ray_address or None, "ready_after_s": round(time.monotonic() - t0 + a.elapsed, 1)}

@@ -5,20 +5,25 @@
 # models.toml (nodes, GPUs, TP, PP, dtype, context).  What this script does, in order:
 #   1. renders the job (llmlab.cluster): the vllm serve line, a free port, the Ray layout and its ports;
 #   2. writes a random API key to a 0600 file under $LLMLAB_HOME (default ~/.llmlab) -- never printed;
-#   3. multi-node only: starts Ray with srun (head on the first node, one worker per other node) and waits
-#      until `ray status` shows every node and GPU; a node whose Ray exits is retried (a bad argument is
-#      not), and the job fails with that node's log, or with the missing nodes after the time-out;
-#   4. starts vLLM with the key in its environment (VLLM_API_KEY: not in `ps`, not in any log), prints the
-#      model-load progress, waits for /health, then writes the connection file that llmlab.connect() reads
-#      and prints how to use the server;
-#   5. on exit, scancel or the time limit: removes the connection file, stops vLLM and Ray, removes the key.
+#   3. multi-node only: starts Ray with srun (head on the first node, one worker per other node), with token
+#      authentication (RAY_AUTH_MODE=token, a per-job 0600 token file), and waits until `ray status` shows
+#      every node and GPU; a node whose Ray exits is retried (a bad argument is not), and the job fails with
+#      that node's log, or with the missing nodes after the time-out;
+#   4. starts vLLM on a Unix socket in a private (0700) directory, and in front of it llmlab.proxy on the
+#      job's port, which checks the key (read from its file: not in `ps`, not in any log) on every request and
+#      forwards only /v1/*, /health and /metrics; prints the model-load progress, waits for /health, then
+#      writes the connection file that llmlab.connect() reads and prints how to use the server;
+#   5. on exit, scancel or the time limit: removes the connection file, stops the proxy, vLLM and Ray, removes
+#      the key, the Ray token and the socket directory.
 #
 # Knobs (environment; sbatch passes yours to the job): LLMLAB_HOME, LLMLAB_PYTHON, LLMLAB_MODEL_PATH,
 # LLMLAB_MODEL_DIR, LLMLAB_CACHE_DIR, LLMLAB_MAX_MODEL_LEN, LLMLAB_EXTRA_VLLM_ARGS, LLMLAB_RAY_TIMEOUT,
-# LLMLAB_READY_TIMEOUT, LLMLAB_NCCL_IB=1, LLMLAB_RAY_*; LLMLAB_DRY_RUN=1 prints what would run and exits.
+# LLMLAB_READY_TIMEOUT, LLMLAB_NCCL_IB=1, LLMLAB_RAY_*, LLMLAB_KEYS (a file or directory of registered
+# 'sha256:<hex>' key digests the proxy also accepts); LLMLAB_DRY_RUN=1 prints what would run and exits.
 # slurm/README.md explains each.  Partition, account and time come from sbatch's own flags or SBATCH_*.
 set -euo pipefail
 umask 077  # everything this job writes (key, connection file, logs) is readable by its user only
+unset VLLM_API_KEY  # vLLM behind the proxy takes no key; one inherited from the user's shell would refuse the proxy
 
 say() { printf '[llmlab %(%H:%M:%S)T] %s\n' -1 "$*"; }
 die() { say "FAILED: $*"; exit 1; }
@@ -44,12 +49,17 @@ fi
 
 # Set by the rendered settings below (declared here for readers and for shellcheck).
 summary='' engine='' served_model='' host='' port='' expected_nodes='' tp='' pp='' ray_timeout='' ready_timeout=''
-serve_line='' ray_address='' ray_expected_gpus=0 ray_head_cmd='' ray_temp_dir=''
+serve_line='' ray_address='' ray_expected_gpus=0 ray_head_cmd='' ray_temp_dir='' bind_host='' uds=''
 serve_argv=() nodes=() ray_worker_cmds=()
-port_arg=()
-[[ $dry_run == 1 ]] && port_arg=(--port 8000)  # a real run picks a free port on the head node
+port_arg=() run_dir=''
+if [[ $dry_run == 1 ]]; then
+  port_arg=(--port 8000)  # a real run picks a free port on the head node
+else  # vLLM's socket: a private directory on the head node's local disk (mktemp -d makes it 0700)
+  run_dir=$(mktemp -d "${TMPDIR:-/tmp}/llmlab-run-$job_id.XXXXXX")
+  export LLMLAB_RUN_DIR=$run_dir
+fi
 rendered=$("$PY" -m llmlab.cluster render "$job" --shell --job-id "$job_id" --nodes "${node_list[*]}" \
-  --python "$PY" "${port_arg[@]}") || exit 1
+  --python "$PY" "${port_arg[@]}") || { [[ -n $run_dir ]] && rm -rf -- "$run_dir"; exit 1; }
 eval "$rendered"
 
 if [[ $dry_run == 1 ]]; then
@@ -63,6 +73,7 @@ if [[ $dry_run == 1 ]]; then
   fi
   echo "vLLM:       $serve_line"
   echo "runs as:    ${serve_argv[*]}"
+  echo "proxy:      $PY -m llmlab.proxy --listen $bind_host:$port --upstream unix:$uds --key-file KEY_FILE"
   env_lines=$(grep '^export ' <<<"$rendered" | sed 's/^export /            /') || true
   echo "env:"
   echo "$env_lines"
@@ -77,7 +88,7 @@ vllm_log=$log_dir/vllm.log
 mkdir -p "$log_dir" "$home/keys" "$home/servers"
 printf '%s' "$rendered" >"$log_dir/rendered.sh"  # what ran, for the record (no secret in it)
 
-vllm_pid='' helper_pid='' cleaned=''
+vllm_pid='' proxy_pid='' helper_pid='' cleaned=''
 ray_pids=() ray_steps=() attempt=1
 stop_grace=${LLMLAB_STOP_GRACE:-20}
 
@@ -106,6 +117,10 @@ cleanup() {
     kill -TERM -- "-$vllm_pid" 2>/dev/null || true
     wait_gone "-$vllm_pid" "$stop_grace" || kill -KILL -- "-$vllm_pid" 2>/dev/null || true
   fi
+  if [[ -n $proxy_pid ]]; then
+    kill -TERM "$proxy_pid" 2>/dev/null || true
+    wait_gone "$proxy_pid" 5 || kill -KILL "$proxy_pid" 2>/dev/null || true
+  fi
   if ((${#ray_pids[@]})); then
     say "stopping Ray on ${nodes[*]}"
     stop_ray  # srun passes SIGTERM to `ray start --block`, which stops that node's Ray processes
@@ -117,6 +132,8 @@ cleanup() {
     rm -rf -- "$ray_temp_dir" || true
   fi
   rm -f "$key_file"
+  [[ -n $ray_head_cmd ]] && rm -f "$RAY_AUTH_TOKEN_PATH"
+  [[ -n $run_dir ]] && rm -rf -- "$run_dir"
   say "stopped; connection file and key removed"
 }
 # shellcheck disable=SC2329
@@ -134,6 +151,10 @@ say "job $job_id on ${nodes[*]}"
 echo "$summary"
 "$PY" -c 'import secrets; print(secrets.token_urlsafe(32))' >"$key_file"
 say "API key written to $key_file (mode 0600)"
+if [[ -n $ray_head_cmd ]]; then  # RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH come from the rendered settings
+  "$PY" -c 'import secrets; print(secrets.token_hex(32))' >"$RAY_AUTH_TOKEN_PATH"
+  say "Ray token written to $RAY_AUTH_TOKEN_PATH (mode 0600); Ray accepts no connection without it"
+fi
 
 # Helpers run in the background and are awaited, so that a signal reaches the trap at once.
 run_helper() {
@@ -209,10 +230,15 @@ fi
 
 say "starting vLLM (log: $vllm_log)"
 echo "$serve_line"
-# The key reaches vLLM through its environment only; setsid makes vLLM and its engine processes one group,
-# so the clean-up can stop them all.
-VLLM_API_KEY=$(<"$key_file") setsid "${serve_argv[@]}" >"$vllm_log" 2>&1 </dev/null &
+# setsid makes vLLM and its engine processes one group, so the clean-up can stop them all.  vLLM listens on
+# $uds only; the proxy is the job's one listener that other users can reach (its key comes from the key file).
+setsid "${serve_argv[@]}" >"$vllm_log" 2>&1 </dev/null &
 vllm_pid=$!
+keys_arg=()
+[[ -n ${LLMLAB_KEYS:-} ]] && keys_arg=(--keys "$LLMLAB_KEYS")
+"$PY" -m llmlab.proxy --listen "$bind_host:$port" --upstream "unix:$uds" --key-file "$key_file" \
+  --watch-pid "$vllm_pid" "${keys_arg[@]}" >"$log_dir/proxy.log" 2>&1 </dev/null &
+proxy_pid=$!
 run_helper wait-ready --host "$host" --port "$port" --pid "$vllm_pid" --log "$vllm_log" --model "$served_model" \
   --key-file "$key_file" --connection-file "$conn_file" --job-id "$job_id" --engine "$engine" --tp "$tp" \
   --pp "$pp" --nodes "${nodes[*]}" --ray-address "$ray_address" --timeout "$ready_timeout" --elapsed "$SECONDS" ||

@@ -24,7 +24,8 @@ def cmd_launch(a) -> int:
                      dtype=a.dtype, max_model_len=a.max_model_len,
                      extra_args=shlex.split(a.extra_vllm_args) if a.extra_vllm_args else None)
     plan = jobs.prepare(a.model, account=a.account, partition=a.partition, time_limit=a.time,
-                        extra_sbatch=a.sbatch or [], command=shlex.join(sys.argv[2:]), **overrides)
+                        extra_sbatch=a.sbatch or [], command=shlex.join(sys.argv[2:]), share=a.share,
+                        share_dir=a.share_dir, **overrides)
     if not a.dry_run:
         jobs.require_slurm("sbatch")  # before the plan: on a laptop, say so first
     dry = jobs.dry_run_lines(plan)
@@ -178,6 +179,9 @@ def add_commands(sub) -> None:
     p.add_argument("--time", help="time limit, e.g. 04:00:00 (default: the model's job script)")
     p.add_argument("--sbatch", action="append", metavar="OPTION", help="one more sbatch option, e.g. "
                    "--sbatch=--constraint=h100 (repeatable)")
+    p.add_argument("--share", metavar="GROUP", help="a workshop server: members of this UNIX group may use it, each "
+                   "with a key of their own (docs/workshop.md)")
+    p.add_argument("--share-dir", metavar="DIR", help="where learners find it (default $LLMLAB_SHARE_ROOT/GROUP)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the job script; submit nothing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_launch)
@@ -209,6 +213,11 @@ def add_commands(sub) -> None:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("revoke", help="shut one learner out of a shared server (it keeps running)")
+    p.add_argument("job_id")
+    p.add_argument("user", help="the learner's user name")
+    p.set_defaults(func=lambda a: print(jobs.revoke(a.job_id, a.user)) or 0)
 
     p = sub.add_parser("list", help="the shipped server settings and their checked plans")
     p.add_argument("--json", action="store_true")

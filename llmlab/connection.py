@@ -11,12 +11,13 @@ The same notebook must run on a laptop, in CI and on a GPU cluster, so no notebo
 
 Connection file format (JSON, one object, written atomically with mode 0600)::
 
-    {"kind": "slurm" | "embedded",     # who started the server
+    {"kind": "slurm" | "embedded" | "shared",  # who started the server; shared: a room's (llmlab.share)
      "host": "node042", "port": 8123,  # where it listens; base URL = http://host:port/v1
      "model": "llama3.1-70b",          # the served model name
      "api_key_file": "/home/me/.llmlab/keys/123.key",  # a 0600 file holding the key (never the key)
      "job_id": "123" | null, "started": "2026-11-22T17:00:00+00:00",
      "status": "ready" | "loading",    # optional; "loading" makes connect() say so instead of falling back
+     "share_dir": "/shared/ws", "group": "ws",  # kind "shared" only: see llmlab.share (one key per learner)
      ...}                              # optional extras: pid, log, nodes, tp, pp, phase
 
 ``~/.llmlab`` can be moved with ``LLMLAB_HOME`` (the tests do, so they never touch a learner's server).
@@ -90,6 +91,9 @@ def read_connection_file(path: Path) -> dict:
     except FileNotFoundError:
         raise ServerUnavailable(f"The connection file {path} does not exist: the job that wrote it has ended "
                                 "(its clean-up removes it). Start a server, or unset LLMLAB_CONNECTION_FILE.") from None
+    except PermissionError:
+        raise ServerError(f"You cannot read the connection file {path} (permission denied): a shared server's "
+                          "file is readable by its group only; ask its owner to add you to the group.") from None
     except json.JSONDecodeError as e:
         raise ServerError(f"The connection file {path} is not valid JSON ({e}). Delete it and restart "
                           "the server that writes it.") from None
@@ -146,6 +150,13 @@ def resolve() -> tuple[str, str | None, str, str]:
             raise ServerUnavailable(f"The server of {job} is still loading the model ({info.get('phase', 'starting')}, "
                                     f"since {info.get('started', '?')}); try again in a few minutes, or watch its "
                                     "progress with `llmlab status`.")
+        from llmlab import share
+
+        if share.is_shared_for_me(info):  # a room's server: this learner's own key, registered on first use
+            key, fresh = share.learner_key(info)
+            if fresh:
+                share.wait_until_accepted(base_url_of(info), key)
+            return base_url_of(info), key, info["model"], f"the shared server of {job} (connection file {path})"
         return base_url_of(info), read_key(info["api_key_file"]), info["model"], f"{job} (connection file {path})"
     from llmlab import server
 

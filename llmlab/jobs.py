@@ -188,6 +188,7 @@ class Launch:
     report: dict
     script: str
     sbatch_options: dict[str, str]
+    share: tuple[str, Path] | None = None
     submitted: dict = field(default_factory=dict)
 
     @property
@@ -196,7 +197,7 @@ class Launch:
 
 
 def render_script(job: cluster.JobSettings, options: dict[str, str], extra_sbatch: list[str] = (),
-                  python: str | None = None, command: str = "") -> str:
+                  python: str | None = None, command: str = "", share: tuple[str, Path] | None = None) -> str:
     """The job script: ``#SBATCH`` lines, the settings embedded, then the shared launcher.  Resubmitting it
     with plain ``sbatch`` runs the same server again (it names this course's files by absolute path)."""
     home = llmlab_home()
@@ -211,6 +212,8 @@ def render_script(job: cluster.JobSettings, options: dict[str, str], extra_sbatc
               f"export LLMLAB_SLURM_DIR={shlex.quote(str(cluster.slurm_dir()))}",
               f"export LLMLAB_PYTHON=${{LLMLAB_PYTHON:-{shlex.quote(python or sys.executable)}}}",
               'mkdir -p "$LLMLAB_HOME/logs/job-$SLURM_JOB_ID"',
+              *([f"export LLMLAB_SHARE_GROUP={shlex.quote(share[0])}",
+                 f"export LLMLAB_SHARE_DIR={shlex.quote(str(share[1]))}"] if share else []),
               f"cat >{settings_path} <<'LLMLAB_SETTINGS'", settings_toml(job).rstrip(), "LLMLAB_SETTINGS",
               f"export LLMLAB_SETTINGS_FILE={settings_path}",
               f'exec bash "$LLMLAB_SLURM_DIR/llmlab-serve.sh" {shlex.quote(job.name)}']
@@ -218,10 +221,16 @@ def render_script(job: cluster.JobSettings, options: dict[str, str], extra_sbatc
 
 
 def prepare(name: str, *, account: str | None = None, partition: str | None = None, time_limit: str | None = None,
-            extra_sbatch: list[str] = (), command: str = "", **overrides) -> Launch:
-    """Settings + overrides -> a checked layout and the rendered job script (nothing submitted)."""
+            extra_sbatch: list[str] = (), command: str = "", share: str | None = None,
+            share_dir: str | None = None, **overrides) -> Launch:
+    """Settings + overrides -> a checked layout and the rendered job script (nothing submitted).
+
+    ``share``: a UNIX group whose members may use the server, each with a key of their own (``llmlab.share``);
+    ``share_dir`` (default ``$LLMLAB_SHARE_ROOT/GROUP``) is where they find it.
+    """
     job = settings(name, **overrides)
     report = check_layout(job)
+    shared = (share, share_directory(share, share_dir)) if share else None
     shipped = shipped_directives(name)
     options = {"job-name": f"llmlab-{job.name}", "nodes": str(job.nodes), "ntasks-per-node": "1"}
     if job.gpus_per_node:
@@ -233,8 +242,24 @@ def prepare(name: str, *, account: str | None = None, partition: str | None = No
     if partition:
         options["partition"] = partition
     options["output"] = str(llmlab_home() / "logs" / "llmlab-%j.out")
-    script = render_script(job, options, list(extra_sbatch), command=command)
-    return Launch(job, report, script, options)
+    script = render_script(job, options, list(extra_sbatch), command=command, share=shared)
+    return Launch(job, report, script, options, share=shared)
+
+
+def share_directory(group: str, share_dir: str | None) -> Path:
+    """Create the group's share directory (``llmlab.share``) before submitting, so that a wrong group or path
+    fails now, in one sentence, and not inside the job."""
+    from llmlab import share
+    from llmlab.connection import ServerError
+
+    where = share_dir or (os.environ.get("LLMLAB_SHARE_ROOT") and Path(os.environ["LLMLAB_SHARE_ROOT"]) / group)
+    if not where:
+        raise JobError("--share needs a folder your learners can reach: --share-dir DIR (e.g. /scratch/course/ws) "
+                       "or LLMLAB_SHARE_ROOT.")
+    try:
+        return share.prepare_dir(where, group)
+    except ServerError as e:
+        raise JobError(str(e)) from None
 
 
 def dry_run_lines(launch: Launch) -> str:
@@ -294,7 +319,8 @@ def launch(plan: Launch) -> dict:
     record = {"job_id": job_id, "name": plan.job.name, "model": plan.job.model, "script": str(script),
               "output": plan.sbatch_options["output"].replace("%j", job_id),
               "submitted": datetime.now(UTC).isoformat(timespec="seconds"),
-              "layout": {k: plan.report[k] for k in ("nodes", "gpus", "tp", "pp", "context")}}
+              "layout": {k: plan.report[k] for k in ("nodes", "gpus", "tp", "pp", "context")},
+              "share": {"group": plan.share[0], "dir": str(plan.share[1])} if plan.share else None}
     (jobs_dir() / f"{job_id}.json").write_text(json.dumps(record, indent=1))
     plan.submitted = record
     return record
@@ -406,9 +432,33 @@ def _ready_status(st: JobStatus, conn: Path) -> JobStatus:
     st = replace(st, url=url, model=info["model"], api_key_file=info["api_key_file"], nodes=info.get("nodes") or [],
                  use=f"client, model = llmlab.connect()  # or LLMLAB_CONNECTION_FILE={conn}")
     if cluster.is_alive(info, timeout=5):
-        return replace(st, state="READY", detail=f"{info['model']} at {url}")
+        return replace(st, state="READY", detail=f"{info['model']} at {url}{_shared(info)}")
     return replace(st, state="FAILED", detail=f"the server at {url} was READY but does not answer /health now",
                    reason="the server stopped answering after READY", use=None)
+
+
+def _shared(info: dict) -> str:
+    """", shared with group G: N learners" for a workshop server (``llmlab launch --share``)."""
+    if not info.get("share_dir"):
+        return ""
+    from llmlab import share
+
+    who = share.learners(info["share_dir"])
+    active = sum(v == "registered" for v in who.values())
+    revoked = len(who) - active
+    return (f", shared with group {info.get('group')}: {active} learner(s) registered"
+            + (f", {revoked} revoked" if revoked else ""))
+
+
+def revoke(job_id: str, name: str) -> str:
+    """Shut one learner out of a shared server (``llmlab revoke JOB USER``); the server keeps running."""
+    from llmlab import share
+
+    info = _connection(job_id)
+    if not info.get("share_dir"):
+        raise JobError(f"Job {job_id} is not shared (launch it with --share GROUP): there is nobody to revoke.")
+    share.revoke(info["share_dir"], name)
+    return f"{name} can no longer use job {job_id}'s server (their key stops working within a second)"
 
 
 def status(job_id: str) -> JobStatus:

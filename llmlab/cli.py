@@ -186,6 +186,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_rehearse(args) -> int:
+    """Dummy-weight rehearsal of a layout on this machine's GPUs (logic in ``llmlab.rehearse``)."""
+    from llmlab import rehearse
+
+    try:
+        conc = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        print(f"llmlab rehearse: --concurrency takes numbers separated by commas (e.g. 1,8,64), got "
+              f"{args.concurrency!r}.", file=sys.stderr)
+        return 2
+    try:
+        result = rehearse.rehearse(args.model, tp=args.tp, pp=args.pp, max_model_len=args.max_model_len,
+                                   gpu_memory_utilization=args.gpu_memory_utilization, concurrency=conc,
+                                   out=args.out, engine=args.engine, kv_cache_gib=args.kv_cache_gib,
+                                   input_len=args.input_len, output_len=args.output_len,
+                                   ready_timeout=args.timeout, progress=not args.json,
+                                   say=(lambda *a, **k: None) if args.json else print)
+    except (rehearse.RehearseError, ValueError, KeyError) as e:
+        print(f"llmlab rehearse: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmlab", description="The tools of llmlab, a course on LLM inference.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -272,6 +297,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--stop", action="append", help="a stop string (repeatable)")
     sp.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even past the end-of-text token")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("rehearse", help="start a layout with dummy weights on this machine's GPUs: memory, "
+                       "bandwidth, decode speed vs the course's arithmetic")
+    p.add_argument("model", help="a job of slurm/models.toml (its exact layout) or a shipped model / config.json")
+    p.add_argument("--tp", type=int, help="tensor parallel size (default: the job's, else 1)")
+    p.add_argument("--pp", type=int, help="pipeline parallel size (default: the job's, else 1)")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the job's, else the model's)")
+    p.add_argument("--gpu-memory-utilization", type=float, help="share of each GPU vLLM may use (default: 0.9)")
+    p.add_argument("--concurrency", default="1,8,64", help="sweep levels, comma-separated (default 1,8,64)")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=256, help="generated tokens per request")
+    p.add_argument("--out", help="output folder (default: ./rehearsals/<gpu>-<model>-tp<N>)")
+    p.add_argument("--engine", choices=["gpu", "cpu"], default="gpu", help="cpu: vLLM's CPU build (tiny model)")
+    p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache in whole GiB (CPU engine only)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    p.add_argument("--json", action="store_true", help="print rehearsal.json instead of progress lines")
+    p.set_defaults(func=cmd_rehearse)
     cli_jobs.add_commands(sub)
     return parser
 

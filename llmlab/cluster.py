@@ -873,9 +873,16 @@ def _cmd_wait_ready(a) -> int:
         return 1
     extra = {"nodes": a.nodes.split(), "tp": a.tp, "pp": a.pp, "engine": a.engine, "log": a.log, "pid": a.pid,
              "ray_address": a.ray_address or None, "ready_after_s": round(time.monotonic() - t0 + a.elapsed, 1)}
-    write_connection_file(Path(a.connection_file), kind="slurm", host=a.host, port=a.port, model=a.model,
-                          api_key_file=Path(a.key_file), job_id=a.job_id, **extra)
+    if os.environ.get("LLMLAB_SHARE_DIR"):  # llmlab launch --share GROUP: where the group's learners look
+        extra.update(share_dir=os.environ["LLMLAB_SHARE_DIR"], group=os.environ.get("LLMLAB_SHARE_GROUP"))
+    info = write_connection_file(Path(a.connection_file), kind="slurm", host=a.host, port=a.port, model=a.model,
+                                 api_key_file=Path(a.key_file), job_id=a.job_id, **extra)
     url = f"http://{a.host}:{a.port}/v1"
+    if extra.get("share_dir"):
+        from llmlab import share
+
+        shared = share.publish(extra["share_dir"], read_connection_file(info))
+        say(f"shared with group {extra['group']}: learners set LLMLAB_CONNECTION_FILE={shared}")
     say(f"READY: {a.model} at {url} (job {a.job_id}, {extra['ready_after_s']:g} s after the job started)")
     print(f"  notebook:  client, model = llmlab.connect()    # finds {a.connection_file}\n"
           f"  pinned:    LLMLAB_CONNECTION_FILE={a.connection_file}\n"

@@ -19,7 +19,8 @@
 # Knobs (environment; sbatch passes yours to the job): LLMLAB_HOME, LLMLAB_PYTHON, LLMLAB_MODEL_PATH,
 # LLMLAB_MODEL_DIR, LLMLAB_CACHE_DIR, LLMLAB_MAX_MODEL_LEN, LLMLAB_EXTRA_VLLM_ARGS, LLMLAB_RAY_TIMEOUT,
 # LLMLAB_READY_TIMEOUT, LLMLAB_NCCL_IB=1, LLMLAB_RAY_*, LLMLAB_KEYS (a file or directory of registered
-# 'sha256:<hex>' key digests the proxy also accepts); LLMLAB_DRY_RUN=1 prints what would run and exits.
+# 'sha256:<hex>' key digests the proxy also accepts), LLMLAB_SHARE_DIR + LLMLAB_SHARE_GROUP (a workshop server:
+# llmlab.share); LLMLAB_DRY_RUN=1 prints what would run and exits.
 # slurm/README.md explains each.  Partition, account and time come from sbatch's own flags or SBATCH_*.
 set -euo pipefail
 umask 077  # everything this job writes (key, connection file, logs) is readable by its user only
@@ -111,6 +112,7 @@ cleanup() {
   cleaned=1
   trap - TERM INT HUP
   rm -f "$conn_file"  # first: nobody connects to a server that is going away
+  [[ -n ${LLMLAB_SHARE_DIR:-} ]] && rm -f "$LLMLAB_SHARE_DIR/server.json"
   [[ -n $helper_pid ]] && { kill -TERM "$helper_pid" 2>/dev/null || true; }
   if [[ -n $vllm_pid ]] && kill -0 -- "-$vllm_pid" 2>/dev/null; then
     say "stopping vLLM (pid $vllm_pid)"
@@ -235,6 +237,8 @@ echo "$serve_line"
 setsid "${serve_argv[@]}" >"$vllm_log" 2>&1 </dev/null &
 vllm_pid=$!
 keys_arg=()
+# A workshop server (llmlab launch --share GROUP): the learners register their key digests in the share's keys/.
+[[ -n ${LLMLAB_SHARE_DIR:-} ]] && LLMLAB_KEYS=${LLMLAB_KEYS:-$LLMLAB_SHARE_DIR/keys}
 [[ -n ${LLMLAB_KEYS:-} ]] && keys_arg=(--keys "$LLMLAB_KEYS")
 "$PY" -m llmlab.proxy --listen "$bind_host:$port" --upstream "unix:$uds" --key-file "$key_file" \
   --watch-pid "$vllm_pid" "${keys_arg[@]}" >"$log_dir/proxy.log" 2>&1 </dev/null &

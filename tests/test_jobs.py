@@ -204,3 +204,23 @@ def test_a_wrong_model_path_fails_with_that_reason(slurm_env, monkeypatch):  # n
     assert "FAILED" in out.stdout and "the model path does not exist" in out.stdout
     print(f"\nllmlab status {record['job_id']}: {st}")
     wait_for(lambda: not job_processes(record["job_id"]), 60, "the job's processes to end")
+
+
+@pytest.mark.parametrize("output, vllm_log, reason", [
+    ("[llmlab 10:00:00] FAILED: vLLM exited while starting. Last lines of x/vllm.log:\n",
+     "ERROR [core.py] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n", "out of memory"),
+    ("[llmlab 10:00:00] FAILED: Ray on node2 exited before the cluster was complete. Last lines of r.log:\n", "",
+     "Ray did not come up on every node"),
+    ("[llmlab 10:00:00] FAILED: vLLM exited while starting.\n",
+     "api_server.py: error: unrecognized arguments: --bogus\n", "vLLM rejected an argument"),
+    ("[llmlab 10:00:00] READY: m at http://h:1/v1\n[llmlab 11:00:00] FAILED: vLLM exited on its own (code 1). Last "
+     "lines of x:\n", "INFO ... Application startup complete.\n", "vLLM exited after it was ready"),
+    ("[llmlab 10:00:00] vLLM: loading weights\n", "ERROR something\n", None),
+])
+def test_failure_reasons_from_the_launchers_output(output, vllm_log, reason):
+    found = jobs.failure(output, vllm_log)
+    if reason is None:
+        assert found is None  # no FAILED line from the launcher: not failed, whatever vLLM logged
+    else:
+        assert found[0].startswith(reason), found
+        assert "Last lines of" not in found[0]

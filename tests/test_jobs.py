@@ -135,7 +135,7 @@ def use_testbed(monkeypatch, env: dict) -> None:
 
 
 @needs_slurm
-def test_launch_to_ready_then_request_metrics_logs_and_stop(slurm_env, monkeypatch):  # noqa: F811
+def test_launch_to_ready_then_request_metrics_logs_and_stop(slurm_env, monkeypatch, capsys):  # noqa: F811
     use_testbed(monkeypatch, slurm_env)
     t0 = time.monotonic()
     record = jobs.launch(jobs.prepare(CPU_JOB))
@@ -143,7 +143,8 @@ def test_launch_to_ready_then_request_metrics_logs_and_stop(slurm_env, monkeypat
     seen: list[jobs.JobStatus] = []
     try:
         ready = jobs.wait(job_id, timeout=900, poll=0.5, on_change=seen.append)
-        print(f"\nllmlab launch {CPU_JOB} -> READY in {time.monotonic() - t0:.1f} s")
+        with capsys.disabled():  # the figure for the record, shown in CI's log too
+            print(f"\nllmlab launch {CPU_JOB} -> READY in {time.monotonic() - t0:.1f} s")
         assert ready.state == "READY", f"{ready}\n{Path(ready.output).read_text() if ready.output else ''}"
         states = [s.state for s in seen]
         order = [s for i, s in enumerate(states) if i == 0 or states[i - 1] != s]

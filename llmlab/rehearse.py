@@ -4,7 +4,8 @@ Why: whether Llama 3.1 70B fits the 4 GPUs of a partition, with what context and
 otherwise learnt after a 140 GB download and a 40-minute load.  vLLM starts any architecture with random
 weights (``--load-format dummy``) from its ``config.json`` alone, and llmlab ships the configs.  So
 :func:`rehearse` starts the *job script's own* ``vllm serve`` flags (:func:`llmlab.cluster.vllm_flags` for
-the job of ``slurm/models.toml``) on a dummy model directory, listening on 127.0.0.1, and then checks the course's arithmetic against the hardware:
+the job of ``slurm/models.toml``) on a dummy model directory, listening on 127.0.0.1, and then checks the
+course's arithmetic against the hardware:
 
 - **memory**: the start-up log's weights, peak activation, non-torch and CUDA-graph memory and KV cache
   (:func:`parse_memory_log`); the KV tokens ``llmlab.memory`` predicts from those figures must equal the

@@ -25,7 +25,7 @@ def cmd_launch(a) -> int:
                      extra_args=shlex.split(a.extra_vllm_args) if a.extra_vllm_args else None)
     plan = jobs.prepare(a.model, account=a.account, partition=a.partition, time_limit=a.time,
                         extra_sbatch=a.sbatch or [], command=shlex.join(sys.argv[2:]), share=a.share,
-                        share_dir=a.share_dir, **overrides)
+                        share_dir=a.share_dir, rehearse=a.rehearse, **overrides)
     if not a.dry_run:
         jobs.require_slurm("sbatch")  # before the plan: on a laptop, say so first
     dry = jobs.dry_run_lines(plan)
@@ -182,6 +182,8 @@ def add_commands(sub) -> None:
     p.add_argument("--share", metavar="GROUP", help="a workshop server: members of this UNIX group may use it, each "
                    "with a key of their own (docs/workshop.md)")
     p.add_argument("--share-dir", metavar="DIR", help="where learners find it (default $LLMLAB_SHARE_ROOT/GROUP)")
+    p.add_argument("--rehearse", action="store_true", help="run `llmlab rehearse` on the layout in the allocation "
+                   "(dummy weights: memory and speed before downloading the real ones)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the job script; submit nothing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_launch)

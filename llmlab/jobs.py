@@ -36,6 +36,7 @@ from llmlab import cluster, memory
 from llmlab.connection import llmlab_home, read_connection_file, read_key
 
 STATES = ("PENDING", "STARTING", "LOADING", "READY", "FAILED", "STOPPED")
+REHEARSAL_DIR = "$LLMLAB_HOME/logs/job-$SLURM_JOB_ID/rehearsal"  # where `launch --rehearse` writes its results
 DEFAULT_TIME = "04:00:00"
 # SLURM states of a job that still holds its nodes, and those that mean it ended badly.
 ACTIVE = {"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "RESIZING", "SIGNALING"}
@@ -189,6 +190,7 @@ class Launch:
     script: str
     sbatch_options: dict[str, str]
     share: tuple[str, Path] | None = None
+    rehearse: bool = False
     submitted: dict = field(default_factory=dict)
 
     @property
@@ -197,7 +199,8 @@ class Launch:
 
 
 def render_script(job: cluster.JobSettings, options: dict[str, str], extra_sbatch: list[str] = (),
-                  python: str | None = None, command: str = "", share: tuple[str, Path] | None = None) -> str:
+                  python: str | None = None, command: str = "", share: tuple[str, Path] | None = None,
+                  rehearse: bool = False) -> str:
     """The job script: ``#SBATCH`` lines, the settings embedded, then the shared launcher.  Resubmitting it
     with plain ``sbatch`` runs the same server again (it names this course's files by absolute path)."""
     home = llmlab_home()
@@ -216,19 +219,27 @@ def render_script(job: cluster.JobSettings, options: dict[str, str], extra_sbatc
                  f"export LLMLAB_SHARE_DIR={shlex.quote(str(share[1]))}"] if share else []),
               f"cat >{settings_path} <<'LLMLAB_SETTINGS'", settings_toml(job).rstrip(), "LLMLAB_SETTINGS",
               f"export LLMLAB_SETTINGS_FILE={settings_path}",
+              f'exec "$LLMLAB_PYTHON" -m llmlab rehearse {shlex.quote(job.name)} --engine {job.engine} '
+              f'--out "{REHEARSAL_DIR}"' if rehearse else
               f'exec bash "$LLMLAB_SLURM_DIR/llmlab-serve.sh" {shlex.quote(job.name)}']
     return "\n".join(lines) + "\n"
 
 
 def prepare(name: str, *, account: str | None = None, partition: str | None = None, time_limit: str | None = None,
             extra_sbatch: list[str] = (), command: str = "", share: str | None = None,
-            share_dir: str | None = None, **overrides) -> Launch:
+            share_dir: str | None = None, rehearse: bool = False, **overrides) -> Launch:
     """Settings + overrides -> a checked layout and the rendered job script (nothing submitted).
 
     ``share``: a UNIX group whose members may use the server, each with a key of their own (``llmlab.share``);
-    ``share_dir`` (default ``$LLMLAB_SHARE_ROOT/GROUP``) is where they find it.
+    ``share_dir`` (default ``$LLMLAB_SHARE_ROOT/GROUP``) is where they find it.  ``rehearse``: the job runs
+    ``llmlab rehearse`` on the layout (dummy weights, one node) instead of serving it.
     """
     job = settings(name, **overrides)
+    if rehearse and job.nodes > 1:
+        raise JobError(f"A rehearsal runs on one node, and {job.name} spans {job.nodes}: rehearse a layout of one "
+                       "node, --nodes 1 --gpus-per-node N --tp T --pp P with T x P = N (PP then stays inside it).")
+    if rehearse and share:
+        raise JobError("--rehearse and --share do not go together: a rehearsal serves nobody.")
     report = check_layout(job)
     shared = (share, share_directory(share, share_dir)) if share else None
     shipped = shipped_directives(name)
@@ -242,8 +253,8 @@ def prepare(name: str, *, account: str | None = None, partition: str | None = No
     if partition:
         options["partition"] = partition
     options["output"] = str(llmlab_home() / "logs" / "llmlab-%j.out")
-    script = render_script(job, options, list(extra_sbatch), command=command, share=shared)
-    return Launch(job, report, script, options, share=shared)
+    script = render_script(job, options, list(extra_sbatch), command=command, share=shared, rehearse=rehearse)
+    return Launch(job, report, script, options, share=shared, rehearse=rehearse)
 
 
 def share_directory(group: str, share_dir: str | None) -> Path:
@@ -320,7 +331,8 @@ def launch(plan: Launch) -> dict:
               "output": plan.sbatch_options["output"].replace("%j", job_id),
               "submitted": datetime.now(UTC).isoformat(timespec="seconds"),
               "layout": {k: plan.report[k] for k in ("nodes", "gpus", "tp", "pp", "context")},
-              "share": {"group": plan.share[0], "dir": str(plan.share[1])} if plan.share else None}
+              "share": {"group": plan.share[0], "dir": str(plan.share[1])} if plan.share else None,
+              "rehearse": plan.rehearse}
     (jobs_dir() / f"{job_id}.json").write_text(json.dumps(record, indent=1))
     plan.submitted = record
     return record
@@ -461,6 +473,17 @@ def revoke(job_id: str, name: str) -> str:
     return f"{name} can no longer use job {job_id}'s server (their key stops working within a second)"
 
 
+def _rehearsal_status(st: JobStatus, slurm_state: str | None, output: str, result: Path) -> JobStatus:
+    """A ``launch --rehearse`` job: running (its last progress line), done (where the results are), or failed."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    if slurm_state in ACTIVE:
+        return replace(st, state="LOADING", detail=f"rehearsing: {lines[-1] if lines else 'starting'}")
+    if result.exists():
+        return replace(st, state="STOPPED", detail=f"rehearsal done: {result}")
+    return replace(st, state="FAILED", detail=f"the rehearsal wrote no {result.name} (SLURM: {slurm_state})",
+                   reason="rehearsal failed", log_lines=lines[-6:])
+
+
 def status(job_id: str) -> JobStatus:
     """The state of one llmlab server job, from SLURM and the files the launcher writes."""
     job_id = str(job_id)
@@ -476,6 +499,8 @@ def status(job_id: str) -> JobStatus:
     slurm_state = (info or {}).get("JobState")
     st = JobStatus(job_id, "STARTING", "", name=name, slurm_state=slurm_state, output=out_path, log_dir=str(log_dir))
     failed = failure(output, vllm_log)
+    if slurm_state != "PENDING" and (rec or {}).get("rehearse"):
+        return _rehearsal_status(st, slurm_state, output, log_dir / "rehearsal" / "rehearsal.json")
     if slurm_state == "PENDING":
         reason = info.get("Reason", "None")
         return replace(st, state="PENDING", detail="waiting for nodes" + ("" if reason == "None" else

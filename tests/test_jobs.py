@@ -225,3 +225,16 @@ def test_failure_reasons_from_the_launchers_output(output, vllm_log, reason):
     else:
         assert found[0].startswith(reason), found
         assert "Last lines of" not in found[0]
+
+
+@needs_slurm
+def test_launch_rehearse_runs_llmlab_rehearse_in_the_allocation(slurm_env, monkeypatch):  # noqa: F811
+    use_testbed(monkeypatch, slurm_env)
+    record = jobs.launch(jobs.prepare(CPU_JOB, nodes=1, rehearse=True))
+    done = jobs.wait(record["job_id"], timeout=900, poll=2)
+    assert done.state == "STOPPED" and done.detail.startswith("rehearsal done"), str(done)
+    result = json.loads((cluster.job_log_dir(record["job_id"]) / "rehearsal" / "rehearsal.json").read_text())
+    assert result["model"] == "llmlab-tiny" and result["kv_tokens_predicted"] == result["kv_tokens_logged"]
+    assert "rehearsing llmlab-tiny" in Path(record["output"]).read_text()
+    with pytest.raises(jobs.JobError, match="A rehearsal runs on one node"):
+        jobs.prepare(CPU_JOB, rehearse=True)  # two nodes

@@ -61,7 +61,10 @@ def render(tmp_path: Path, values: dict, env: dict | None = None,
            user: str | None = None) -> subprocess.CompletedProcess:
     (tmp_path / "values.json").write_text(json.dumps(values))
     out = tmp_path / "staged"
-    cmd = ["ruby", str(RENDER), str(tmp_path / "values.json"), str(APP), str(out)]
+    renderer, app = RENDER, APP
+    if user:  # the checkout may sit in a folder the other account cannot enter: give it copies
+        renderer, app = Path(shutil.copy(RENDER, tmp_path)), Path(shutil.copytree(APP, tmp_path / "app"))
+    cmd = ["ruby", str(renderer), str(tmp_path / "values.json"), str(app), str(out)]
     if user:  # as another account, for permission checks (root may read everything)
         gid = pwd.getpwuid(int(user)).pw_gid
         cmd = ["setpriv", f"--reuid={user}", f"--regid={gid}", "--clear-groups", *cmd]

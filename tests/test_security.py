@@ -394,3 +394,75 @@ def test_server_still_answers_and_is_not_paused_after_the_suite(embedded, api_ke
     client, model = llmlab.connect(quiet=True)
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
+
+
+# --------------------------------------------------------------------------------------------------
+# A real SLURM job (CPU mode, Ray over 2 nodes) under the CI test bed
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slurm_job(tmp_path_factory):
+    """The CPU job of slurm/, submitted to the test bed, once its connection file is there; cancelled after."""
+    import slurm_testbed
+    from test_slurm import job_processes, job_state, submit, wait_for
+
+    if slurm_testbed.skip_reason():
+        pytest.skip(slurm_testbed.skip_reason())
+    env = slurm_testbed.ensure()
+    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", LLMLAB_PYTHON=sys.executable)
+    out = tmp_path_factory.mktemp("slurm-attack")
+    job_id = submit(env, out)
+    conn = Path(os.environ["LLMLAB_HOME"]) / "servers" / f"job-{job_id}.json"
+
+    def ready():
+        state, _ = job_state(env, job_id)
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (out / f"slurm-{job_id}.out").read_text()
+        return conn.exists()
+
+    try:
+        wait_for(ready, 900, f"job {job_id}'s connection file", poll=2)
+        info = json.loads(conn.read_text())
+        yield {**info, "key": read_key(info["api_key_file"]), "output": out / f"slurm-{job_id}.out",
+               "token_file": Path(os.environ["LLMLAB_HOME"]) / "keys" / f"ray-job-{job_id}.token"}
+    finally:
+        subprocess.run(["scancel", job_id], env=env, check=True)
+        wait_for(lambda: not job_processes(job_id), 90, f"job {job_id}'s processes to end")
+
+
+def test_slurm_job_completions_without_or_with_wrong_key_is_401(attacker, slurm_job):
+    url = f"http://{slurm_job['host']}:{slurm_job['port']}/v1/completions"
+    assert attacker_http(attacker, url, method="POST", body={**COMPLETION, "model": slurm_job["model"]}) == 401
+    assert attacker_http(attacker, url, key="wrong", method="POST", body=COMPLETION) == 401
+
+
+def test_slurm_job_unguarded_routes_and_traversal_are_refused(attacker, slurm_job):
+    base = f"http://{slurm_job['host']}:{slurm_job['port']}"
+    for path in ("/invocations", "/tokenize", "/docs", "/openapi.json"):
+        assert attacker_http(attacker, base + path, method="POST") == 401
+        assert owner_http(base + path, slurm_job["key"], "POST") == 404
+    assert owner_http(base + "/v1/%2e%2e/invocations", slurm_job["key"], "POST",
+                      raw_path="/v1/%2e%2e/invocations") == 400
+
+
+def test_slurm_job_ray_refuses_a_client_without_the_token(attacker, slurm_job):
+    ip, port = slurm_job["ray_address"].rsplit(":", 1)
+    attack = grpc_status(lambda *c, stdin=None: as_attacker(attacker, *c, stdin=stdin), ip, int(port), GCS_METHOD)
+    assert attack == "16"
+    assert grpc_status(_owner, ip, int(port), GCS_METHOD, read_key(slurm_job["token_file"])) == "0"
+
+
+def test_slurm_job_key_and_token_files_are_unreadable(attacker, slurm_job):
+    for path in (slurm_job["api_key_file"], slurm_job["token_file"]):
+        out = as_attacker(attacker, "cat", str(path))
+        assert out.returncode != 0 and not out.stdout
+
+
+def test_slurm_job_secrets_are_in_no_ps_output_nor_job_output(attacker, slurm_job):
+    token = read_key(slurm_job["token_file"])
+    args = as_attacker(attacker, "ps", "-eo", "args").stdout.decode()
+    assert "raylet" in args and "llmlab.proxy" in args
+    assert slurm_job["key"] not in args and token not in args
+    text = slurm_job["output"].read_text()
+    assert "READY" in text and slurm_job["key"] not in text and token not in text
+    client, model = llmlab.connect(f"http://{slurm_job['host']}:{slurm_job['port']}/v1", slurm_job["key"], quiet=True)
+    assert client.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1

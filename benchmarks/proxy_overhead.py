@@ -83,7 +83,12 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     args = p.parse_args()
-    os.environ.setdefault("LLMLAB_HOME", tempfile.mkdtemp(prefix="llmlab-bench-"))
+    with tempfile.TemporaryDirectory(prefix="llmlab-bench-") as home:  # a private server: keys, logs, then gone
+        os.environ.setdefault("LLMLAB_HOME", home)
+        run(args)
+
+
+def run(args) -> None:
     from llmlab import loadtest, server
 
     t0 = time.monotonic()

@@ -129,7 +129,7 @@ def cmd_logs(a) -> int:
         return 0
     import subprocess
 
-    follow = [str(p) for p in files if p.name in ("vllm.log",) or p.suffix == ".out"]
+    follow = [str(p) for p in files if p.name == "vllm.log" or p.suffix == ".out"]
     try:
         return subprocess.call(["tail", "-n0", "-F", *follow])
     except KeyboardInterrupt:

@@ -35,7 +35,6 @@ from pathlib import Path
 from llmlab import cluster, memory
 from llmlab.connection import llmlab_home, read_connection_file, read_key
 
-STATES = ("PENDING", "STARTING", "LOADING", "READY", "FAILED", "STOPPED")
 REHEARSAL_DIR = "$LLMLAB_HOME/logs/job-$SLURM_JOB_ID/rehearsal"  # where `launch --rehearse` writes its results
 DEFAULT_TIME = "04:00:00"
 # SLURM states of a job that still holds its nodes, and those that mean it ended badly.
@@ -498,14 +497,13 @@ def status(job_id: str) -> JobStatus:
     output, vllm_log = _read(out_path), _read(log_dir / "vllm.log")
     slurm_state = (info or {}).get("JobState")
     st = JobStatus(job_id, "STARTING", "", name=name, slurm_state=slurm_state, output=out_path, log_dir=str(log_dir))
-    failed = failure(output, vllm_log)
     if slurm_state != "PENDING" and (rec or {}).get("rehearse"):
         return _rehearsal_status(st, slurm_state, output, log_dir / "rehearsal" / "rehearsal.json")
     if slurm_state == "PENDING":
         reason = info.get("Reason", "None")
         return replace(st, state="PENDING", detail="waiting for nodes" + ("" if reason == "None" else
                                                                           f" (SLURM's reason: {reason})"))
-    if failed:
+    if failed := failure(output, vllm_log):
         return replace(st, state="FAILED", detail=failed[0], reason=failed[0], log_lines=failed[1])
     if slurm_state in ACTIVE:
         conn = cluster.connection_file_of(job_id)

@@ -43,9 +43,10 @@ def user() -> str:
 
 
 def key_line(key: str) -> str:
-    """What a learner registers: the sha256 of the key (the format ``llmlab.proxy`` reads), never the key."""
-    return (f"sha256:{hashlib.sha256(key.strip().encode()).hexdigest()}  "
-            f"{user()}@{socket.gethostname()} {datetime.now(UTC):%Y-%m-%dT%H:%MZ}\n")
+    """What a learner registers: the proxy's own digest line for the key (never the key), with who and when."""
+    from llmlab.proxy import key_digest_line
+
+    return key_digest_line(key, f"{user()}@{socket.gethostname()} {datetime.now(UTC):%Y-%m-%dT%H:%MZ}") + "\n"
 
 
 # --------------------------------------------------------------------------------------------------

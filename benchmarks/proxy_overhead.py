@@ -10,10 +10,14 @@ workload (random-token prompts, ``ignore_eos``, temperature 0) with ``llmlab.loa
 
 at concurrency 1 and 32, ``--repeats`` times, alternating which goes first.  A shared machine drifts by tens of
 percent from minute to minute, so the figures are *paired* ratios (proxy / direct within one repeat), with their
-median and range.  On a 2-core machine the proxy competes with the engine for the same cores: what it costs here
-is an upper bound for a GPU node, where the engine's work is not on the CPU.
+median and range.  On a 2-core machine the proxy competes with the engine for the same cores.
+
+On a GPU node the question is another one: the engine's work is not on the CPU, but one proxy process has a
+ceiling of tokens per second.  ``--model`` serves a job of ``slurm/models.toml`` with dummy weights (as
+``llmlab rehearse`` does, its layout flags included) behind the proxy, the way the SLURM launcher serves it:
 
     .venv/bin/python benchmarks/proxy_overhead.py --repeats 5
+    python benchmarks/proxy_overhead.py --model llama3.1-8b --concurrency 1 64 256 --output-len 128
 
 Figures, not pass/fail: see CONVENTIONS.md.
 """
@@ -21,11 +25,16 @@ Figures, not pass/fail: see CONVENTIONS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import os
+import secrets
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -82,47 +91,95 @@ def main() -> None:
     p.add_argument("--requests-per-slot", type=int, default=4, help="requests = this x concurrency (at least 16)")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--model", help="a GPU job of slurm/models.toml, served with dummy weights (default: the "
+                                   "embedded tiny model on vLLM-CPU)")
+    p.add_argument("--tp", type=int, help="tensor parallel size for --model (default: the job's)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="llmlab-bench-") as home:  # a private server: keys, logs, then gone
         os.environ.setdefault("LLMLAB_HOME", home)
-        run(args)
+        engine = gpu_server(args, Path(home)) if args.model else embedded_server(args)
+        with engine as srv:
+            run(args, srv)
 
 
-def run(args) -> None:
+@contextlib.contextmanager
+def embedded_server(args):
     from llmlab import loadtest, server
 
     t0 = time.monotonic()
     with server.EmbeddedServer() as srv:
         print(f"embedded server ready in {time.monotonic() - t0:.0f} s: proxy {srv.base_url}, vLLM on {srv.uds}")
-        key, model = srv.api_key, srv.name
-        rows = {c: [] for c in args.concurrency}
-        proxy = proxy_pid(srv.proc.pid)
-        warm = loadtest.synthetic_workload(8, args.input_len, args.output_len, seed=99)
-        measure(proxy_client(srv.base_url, key, 8), model, warm, 8, args.output_len)  # warm-up, not counted
-        for rep in range(args.repeats):
-            for c in args.concurrency:
-                jobs = loadtest.synthetic_workload(max(16, args.requests_per_slot * c), args.input_len,
-                                                   args.output_len, seed=rep)
-                clients = {"proxy": proxy_client(srv.base_url, key, c), "direct": direct_client(str(srv.uds), c)}
-                order = ["proxy", "direct"] if rep % 2 == 0 else ["direct", "proxy"]
-                got, cpu = {}, 0.0
-                for way in order:
-                    before = cpu_seconds(proxy)
-                    got[way] = measure(clients[way], model, jobs, c, args.output_len)
-                    cpu = cpu_seconds(proxy) - before if way == "proxy" else cpu
-                pr, di = got["proxy"], got["direct"]
-                row = {"tput_ratio": pr["output_tokens_per_s"] / di["output_tokens_per_s"],
-                       "ttft_ratio": pr["ttft_p50"] / di["ttft_p50"],
-                       "ttft_added_ms": (pr["ttft_p50"] - di["ttft_p50"]) * 1e3,
-                       "tpot_added_ms": (pr["tpot_p50"] - di["tpot_p50"]) * 1e3,
-                       "cpu_us_per_token": cpu / pr["output_tokens"] * 1e6,
-                       "direct_tput": di["output_tokens_per_s"], "direct_ttft_ms": di["ttft_p50"] * 1e3}
-                rows[c].append(row)
-                print(f"repeat {rep + 1} c={c:<3} ({' then '.join(order)}): output tok/s direct "
-                      f"{di['output_tokens_per_s']:7.0f} proxy {pr['output_tokens_per_s']:7.0f} "
-                      f"(x{row['tput_ratio']:.3f}); TTFT p50 direct {di['ttft_p50'] * 1e3:6.1f} ms proxy "
-                      f"{pr['ttft_p50'] * 1e3:6.1f} ms ({row['ttft_added_ms']:+.1f} ms); TPOT p50 "
-                      f"{row['tpot_added_ms']:+.2f} ms; proxy CPU {row['cpu_us_per_token']:.0f} us/token", flush=True)
+        yield SimpleNamespace(base_url=srv.base_url, api_key=srv.api_key, uds=srv.uds, name=srv.name,
+                              group=srv.proc.pid, workload=lambda n, seed: loadtest.synthetic_workload(
+                                  n, args.input_len, args.output_len, seed=seed))
+
+
+@contextlib.contextmanager
+def gpu_server(args, folder: Path):
+    """``args.model`` with dummy weights, vLLM on a Unix socket in a 0700 directory and llmlab.proxy in front:
+    the SLURM launcher's arrangement, started with llmlab.server's own pair of commands."""
+    from llmlab import rehearse, server
+    from llmlab.connection import write_private
+
+    job = rehearse.rehearsal_job(args.model, tp=args.tp)
+    tok = rehearse.make_dummy_model(job.model, folder / "model")
+    argv, env, _ = rehearse.serve_argv(job, folder / "model", 0)
+    at = argv.index("--host")
+    run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))
+    argv[at:at + 4] = ["--uds", str(run_dir / "vllm.sock")]  # instead of --host 127.0.0.1 --port N
+    key = secrets.token_urlsafe(32)
+    key_file = write_private(folder / "keys" / "bench.key", key + "\n")
+    port = server.free_port("127.0.0.1")
+    env = {**os.environ, **env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if importlib.util.find_spec("flashinfer") is None:
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # as llmlab.rehearse: the engine dies at start without it
+    command = server.pair_command(server.proxy_command(f"127.0.0.1:{port}", run_dir / "vllm.sock", key_file),
+                                  argv, folder / "proxy.log")
+    log_path = folder / "server.log"
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    try:
+        server.wait_for_health("127.0.0.1", port, proc.pid, log_path, 900, False, exit_code=proc.poll, api_key=key)
+        print(f"{job.model} TP={job.tp} (dummy weights) ready in {time.monotonic() - t0:.0f} s behind the proxy")
+        yield SimpleNamespace(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, uds=run_dir / "vllm.sock",
+                              name=job.name, group=proc.pid, workload=lambda n, seed: rehearse.workload(
+                                  n, tok["prompt_ids"], args.input_len, args.output_len, seed=seed))
+    finally:
+        server.terminate(proc.pid, 30)
+        proc.wait()
+
+
+def run(args, srv) -> None:
+    key, model = srv.api_key, srv.name
+    rows = {c: [] for c in args.concurrency}
+    proxy = proxy_pid(srv.group)
+    warm = srv.workload(8, 99)
+    measure(proxy_client(srv.base_url, key, 8), model, warm, 8, args.output_len)  # warm-up, not counted
+    for rep in range(args.repeats):
+        for c in args.concurrency:
+            jobs = srv.workload(max(16, args.requests_per_slot * c), rep)
+            clients = {"proxy": proxy_client(srv.base_url, key, c), "direct": direct_client(str(srv.uds), c)}
+            order = ["proxy", "direct"] if rep % 2 == 0 else ["direct", "proxy"]
+            got, cpu = {}, 0.0
+            for way in order:
+                before = cpu_seconds(proxy)
+                got[way] = measure(clients[way], model, jobs, c, args.output_len)
+                cpu = cpu_seconds(proxy) - before if way == "proxy" else cpu
+            pr, di = got["proxy"], got["direct"]
+            row = {"tput_ratio": pr["output_tokens_per_s"] / di["output_tokens_per_s"],
+                   "ttft_ratio": pr["ttft_p50"] / di["ttft_p50"],
+                   "ttft_added_ms": (pr["ttft_p50"] - di["ttft_p50"]) * 1e3,
+                   "tpot_added_ms": (pr["tpot_p50"] - di["tpot_p50"]) * 1e3,
+                   "cpu_us_per_token": cpu / pr["output_tokens"] * 1e6,
+                   "direct_tput": di["output_tokens_per_s"], "direct_ttft_ms": di["ttft_p50"] * 1e3}
+            rows[c].append(row)
+            print(f"repeat {rep + 1} c={c:<3} ({' then '.join(order)}): output tok/s direct "
+                  f"{di['output_tokens_per_s']:7.0f} proxy {pr['output_tokens_per_s']:7.0f} "
+                  f"(x{row['tput_ratio']:.3f}); TTFT p50 direct {di['ttft_p50'] * 1e3:6.1f} ms proxy "
+                  f"{pr['ttft_p50'] * 1e3:6.1f} ms ({row['ttft_added_ms']:+.1f} ms); TPOT p50 "
+                  f"{row['tpot_added_ms']:+.2f} ms; proxy CPU {row['cpu_us_per_token']:.0f} us/token", flush=True)
     print(f"\nproxy / direct, median [min .. max] of {args.repeats} paired repeats "
           f"({args.input_len} prompt tokens, {args.output_len} output tokens, ignore_eos):")
     for c, r in rows.items():

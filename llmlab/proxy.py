@@ -18,10 +18,12 @@ and the one listener others can reach is this proxy, which
 
 Why this and not nginx: nginx would be a second server to install (Debian or conda-forge) on laptops, OOD
 nodes and clusters where learners have neither root nor conda, and it cannot read a directory of key hashes
-that changes while it runs without a reload or a Lua/njs module.  This is ~250 lines on libraries vLLM
-already depends on and installs everywhere it runs: uvicorn (with httptools + uvloop, the same HTTP stack
-vLLM's own server runs on) for the listening side, and aiohttp's ``UnixConnector`` (C-accelerated parser,
-streaming reads) for the upstream side.  ``benchmarks/proxy_overhead.py`` measures what it costs.
+that changes while it runs without a reload or a Lua/njs module.  This is a few hundred lines on two C-backed
+libraries vLLM already depends on and installs everywhere it runs: ``httptools`` (llhttp, the HTTP parser of
+vLLM's own uvicorn and of Node.js) and ``uvloop``.  It is written at the protocol level, not as an ASGI app:
+parse, judge, then relay vLLM's answer piece by piece with one write each.  A first version on uvicorn + aiohttp
+spent 2-3x the CPU per streamed token, which on a 2-core laptop is taken straight from the engine
+(``benchmarks/proxy_overhead.py`` measures both ways of reaching vLLM).
 
 Run: ``python -m llmlab.proxy --listen HOST:PORT --upstream unix:/run/dir/vllm.sock --key-file FILE
 [--keys DIR_OR_FILE] [--watch-pid PID]``.  Secrets only through files (never the command line): ``--key-file``
@@ -33,16 +35,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import collections
 import hashlib
 import hmac
 import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
+from http import HTTPStatus
 from pathlib import Path
+from urllib.parse import unquote
+
+import httptools
 
 log = logging.getLogger("llmlab.proxy")
 
@@ -180,132 +187,346 @@ def allowed(path: str) -> bool:
     return path in ALLOWED_EXACT or (path.startswith(ALLOWED_PREFIX) and len(path) > len(ALLOWED_PREFIX))
 
 
-async def _json(send, status: int, message: str, extra_headers: list | None = None) -> None:
+# Methods the OpenAI-compatible API and /health, /metrics use.  HEAD is not among them: a HEAD answer carries a
+# Content-Length and no body, which this proxy would have to special-case for no client that needs it.
+METHODS = {"GET", "POST", "DELETE"}
+MAX_HEAD = 64 * 2**10  # bytes of a request line + headers; uvicorn's h11 allows 16 KiB, nginx 8 KiB by default
+IDLE_TIMEOUT = 30.0  # seconds a connection may sit without a request (uvicorn's keep-alive is 5 s, nginx's 75 s)
+REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+           413: "Content Too Large", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
+           503: "Service Unavailable"}
+
+
+def status_line(status: int) -> bytes:
+    reason = REASONS.get(status) or (HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "")
+    return b"HTTP/1.1 %d %b" % (status, reason.encode())
+
+
+def error_response(status: int, message: str, extra: tuple[bytes, ...] = (), close: bool = False) -> bytes:
+    """A whole JSON error answer in the OpenAI shape ``{"error": {"message", "code"}}``, head and body."""
     body = json.dumps({"error": {"message": message, "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *(extra_headers or [])]})
-    await send({"type": "http.response.body", "body": body})
+    head = [status_line(status), b"content-type: application/json",
+            b"content-length: %d" % len(body), *extra] + ([b"connection: close"] if close else [])
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+class Request:
+    """One request as the client sent it: collected by ``httptools`` callbacks, judged when its head is complete."""
+
+    def __init__(self):
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body = bytearray()
+        self.method = b"GET"
+        self.refusal: bytes | None = None  # the whole error answer, if the request is refused
+        self.keep_alive = True
+        self.http10 = False
+
+
+class Upstream(asyncio.Protocol):
+    """vLLM's answer to one request, relayed as it arrives.
+
+    ``httptools`` parses the answer (C code, no copies): the head is rewritten for the client (hop-by-hop headers
+    dropped), and each piece of body goes out the moment it is parsed, re-framed as one chunk of the client's
+    chunked answer.  This is the whole per-token cost of the proxy: one parse, one small format, one write; the
+    ASGI + aiohttp design before it spent 2-3x the CPU per token (``benchmarks/proxy_overhead.py``).
+    """
+
+    def __init__(self, client: Client, request: Request):
+        self.client, self.request = client, request
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunked = True  # re-frame the body as chunks (else: vLLM sent a Content-Length, which is kept)
+        self.head_sent = self.complete = False
+        self.transport: asyncio.Transport | None = None
+        self.done = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            log.warning("vLLM sent an answer that does not parse (%s); the client's connection is closed", e)
+            self.transport.close()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        names = {k.lower() for k, _ in self.headers}
+        self.chunked = b"content-length" not in names or b"transfer-encoding" in names
+        keep = [(k, v) for k, v in self.headers if k.decode("latin-1").lower() not in HOP_BY_HOP
+                and not (self.chunked and k.lower() == b"content-length")]
+        if self.request.http10:  # an HTTP/1.0 client knows no chunks: the body ends when the connection does
+            self.chunked, self.request.keep_alive = False, self.request.keep_alive and not self.chunked
+        elif self.chunked:
+            keep.append((b"transfer-encoding", b"chunked"))
+        if not self.request.keep_alive:
+            keep.append((b"connection", b"close"))
+        head = b"".join(k + b": " + v + b"\r\n" for k, v in keep)
+        self.client.write(status_line(status) + b"\r\n" + head + b"\r\n")
+        self.head_sent = True
+
+    def on_body(self, body: bytes) -> None:
+        self.client.write(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
+
+    def on_message_complete(self) -> None:
+        if self.chunked:
+            self.client.write(b"0\r\n\r\n")
+        self.complete = True
+        self.transport.close()  # one connection per request (it asked for Connection: close)
+
+    def connection_lost(self, exc) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+class Client(asyncio.Protocol):
+    """One client connection: parse each request (``httptools``, the parser vLLM's own uvicorn runs), judge it
+    (path, key, allow-list, method, size) before its body is kept, and forward the ones that pass, in order.
+
+    Requests are answered one at a time per connection; pipelined ones wait in ``queue``.  The upstream request
+    is rebuilt from the parsed one (own Host, Content-Length and Connection headers; no client Authorization,
+    Expect or Transfer-Encoding), so what vLLM parses is exactly what was judged here.
+    """
+
+    def __init__(self, proxy: Proxy):
+        self.proxy = proxy
+        self.parser = httptools.HttpRequestParser(self)
+        self.current = Request()
+        self.in_head, self.head_size = True, 0  # bytes of the current request's head so far (MAX_HEAD)
+        self.broken = False  # the parser met bytes that are not HTTP: answer 400 and close
+        self.queue: collections.deque[Request] = collections.deque()
+        self.transport: asyncio.Transport | None = None
+        self.upstream: Upstream | None = None
+        self.worker: asyncio.Task | None = None
+        self.idle: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    # -- the client's side of the connection
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self._arm_idle()
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        if self.idle:
+            self.idle.cancel()
+        if self.upstream and self.upstream.transport:
+            # vLLM sees its connection close and aborts the generation instead of finishing it for nobody.
+            self.upstream.transport.close()
+        if self.worker:
+            self.worker.cancel()
+
+    def pause_writing(self) -> None:  # a slow reader: stop reading vLLM until it catches up
+        if self.upstream and self.upstream.transport:
+            self.upstream.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.upstream and self.upstream.transport:
+            self.upstream.transport.resume_reading()
+
+    def write(self, data: bytes) -> None:
+        if not self.closed:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.transport.close()
+
+    def _arm_idle(self) -> None:
+        self.idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT, self.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self.broken:
+            return
+        if self.in_head:
+            self.head_size += len(data)
+            if self.head_size > MAX_HEAD:
+                self._refuse_now(431, f"Refused: request line and headers larger than {MAX_HEAD // 2**10} KiB.")
+                return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # refused in on_headers_complete already
+            pass
+        except httptools.HttpParserError as e:
+            if not self.broken:
+                self._refuse_now(400, f"Refused: malformed HTTP request ({e}).")
+        else:
+            if sum(len(r.body) for r in self.queue) > MAX_BODY:  # a client that pipelines without reading
+                self.transport.pause_reading()
+
+    def _refuse_now(self, status: int, message: str) -> None:
+        """What cannot be answered in turn (bytes that are not HTTP): answered after the requests before it, then
+        the connection is closed; nothing more is read from it."""
+        self.broken = True
+        self.transport.pause_reading()
+        request = Request()
+        request.refusal, request.keep_alive = error_response(status, message, close=True), False
+        self.queue.append(request)
+        self._start()
+
+    # -- httptools callbacks, for the request being parsed
+    def on_message_begin(self) -> None:
+        self.current, self.in_head = Request(), True
+
+    def on_url(self, url: bytes) -> None:
+        self.current.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.current.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        r = self.current
+        self.in_head, self.head_size = False, 0
+        r.method, r.keep_alive = self.parser.get_method(), self.parser.should_keep_alive()
+        r.http10 = self.parser.get_http_version() == "1.0"
+        r.refusal = self.proxy.judge(r)
+        if self.parser.should_upgrade():
+            self._refuse_now(400, "Refused: protocol upgrades (websockets, h2c) are not forwarded.")
+        elif int(next((v for k, v in r.headers if k.lower() == b"content-length"), b"0")) > MAX_BODY:
+            self._refuse_now(413, f"Request body larger than {MAX_BODY // 2**20} MiB.")  # before it is sent
+        elif r.refusal is None and not self.queue and self.worker is None and any(
+                k.lower() == b"expect" and v.lower() == b"100-continue" for k, v in r.headers):
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        r = self.current
+        if r.refusal is None and not self.broken:
+            r.body += body
+            if len(r.body) > MAX_BODY:
+                r.body.clear()
+                r.refusal = error_response(413, f"Request body larger than {MAX_BODY // 2**20} MiB.", close=True)
+                r.keep_alive = False
+
+    def on_message_complete(self) -> None:
+        if self.broken:  # answered by _refuse_now; nothing of this request is forwarded
+            return
+        self.queue.append(self.current)
+        self._start()
+
+    # -- answering, one request at a time
+    def _start(self) -> None:
+        if self.worker is None and self.queue:
+            if self.idle:
+                self.idle.cancel()
+            self.worker = asyncio.ensure_future(self._answer_queue())
+
+    async def _answer_queue(self) -> None:
+        try:
+            while self.queue and not self.closed:
+                request = self.queue.popleft()
+                if request.refusal is not None:
+                    self.write(request.refusal)
+                else:
+                    await self._forward(request)
+                if not request.keep_alive:
+                    self.close()
+                elif not self.broken and not self.closed and not self.transport.is_reading():
+                    self.transport.resume_reading()
+        finally:
+            self.worker = None
+        if not self.closed:
+            self._arm_idle()
+
+    async def _forward(self, request: Request) -> None:
+        upstream = Upstream(self, request)
+        try:
+            await self.proxy.connect(lambda: upstream)
+        except OSError as e:
+            log.info("upstream %s: %s", self.proxy.upstream, e)  # expected while vLLM loads
+            self.write(error_response(503, "The vLLM server behind this proxy does not answer (still loading, "
+                                           "or it stopped); `llmlab status` shows which."))
+            return
+        self.upstream = upstream
+        try:
+            upstream.transport.write(self.proxy.upstream_head(request) + request.body)
+            await upstream.done
+        finally:
+            self.upstream = None
+        if not upstream.complete:  # vLLM went away mid-answer
+            if upstream.head_sent:
+                request.keep_alive = False  # the client's answer is cut short: only a closed connection says so
+            else:
+                self.write(error_response(502, "The vLLM server closed the connection without an answer; "
+                                               "`llmlab logs` shows why."))
 
 
 class Proxy:
-    """The ASGI application (``uvicorn`` serves it).  One aiohttp session holds the upstream connections."""
+    """What every connection shares: the keys, the upstream's address, and how a request is judged."""
 
     def __init__(self, upstream: str, keys: KeyRing, upstream_key: str | None = None):
         if upstream.startswith("unix:"):
-            self.uds, self.base = upstream[5:], "http://vllm"
+            self.uds, self.address = upstream[5:], None
         elif upstream.startswith("http://"):
-            self.uds, self.base = None, upstream.rstrip("/")
+            host, _, port = upstream[7:].rstrip("/").rpartition(":")
+            if not host or not port.isdigit():
+                raise ProxyError(f"--upstream {upstream!r}: give http://127.0.0.1:PORT.")
+            self.uds, self.address = None, (host.strip("[]"), int(port))
         else:
             raise ProxyError(f"--upstream {upstream!r}: give unix:/path/to/vllm.sock or http://127.0.0.1:PORT.")
-        self.keys, self.upstream_key = keys, upstream_key
-        self.session = None
+        self.upstream, self.keys = upstream, keys
+        self.auth = b"authorization: Bearer %b\r\n" % upstream_key.encode() if upstream_key else b""
 
-    async def _startup(self) -> None:
-        import aiohttp
+    async def connect(self, factory) -> None:
+        loop = asyncio.get_running_loop()
+        if self.uds:
+            await loop.create_unix_connection(factory, self.uds)
+        else:
+            await asyncio.wait_for(loop.create_connection(factory, *self.address), 30)
 
-        connector = (aiohttp.UnixConnector(path=self.uds, limit=0) if self.uds
-                     else aiohttp.TCPConnector(limit=0))
-        # No read time-out: a long generation may take minutes between request and last token.
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await self._startup()
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    if self.session is not None:
-                        await self.session.close()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":  # websockets: nothing on the allow-list speaks them
-            if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1008})
-            return
-        path = scope["path"]
-        why = check_path(scope.get("raw_path") or path.encode(), path)
-        if why:
-            return await _json(send, 400, f"Refused: {why}.")
-        headers = scope["headers"]
-        authorization = next((v.decode("latin-1") for k, v in headers if k == b"authorization"), None)
-        if not self.keys.accepts(authorization):
-            return await _json(send, 401, "Unauthorized: missing or wrong API key (send 'Authorization: Bearer "
-                                          "<key>'; llmlab.connect() reads it from the server's key file).",
-                               [(b"www-authenticate", b"Bearer")])
-        if not allowed(path):
-            return await _json(send, 404, f"Not Found: this server forwards only {ALLOWED_PREFIX}*, "
-                                          f"{' and '.join(ALLOWED_EXACT)}.")
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > MAX_BODY:
-                return await _json(send, 413, f"Request body larger than {MAX_BODY // 2**20} MiB.")
-            if not message.get("more_body"):
-                break
-        forward = asyncio.ensure_future(self._forward(scope, bytes(body), send))
-        watch = asyncio.ensure_future(_disconnected(receive))
-        done, _ = await asyncio.wait({forward, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if forward in done:
-            watch.cancel()
-            forward.result()
-            return
-        # The client went away: cancelling the forward closes the upstream connection, and vLLM aborts the request.
-        forward.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await forward
-
-    async def _forward(self, scope, body: bytes, send) -> None:
-        import aiohttp
-
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                   if k.decode("latin-1").lower() not in HOP_BY_HOP and k != b"content-length"]
-        if self.upstream_key:
-            headers.append(("Authorization", f"Bearer {self.upstream_key}"))
-        raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
-        url = self.base + raw + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
+    def judge(self, r: Request) -> bytes | None:
+        """The refusal for a request whose head is complete, or None to forward it.  The order matters: a path
+        that is not normal is refused before the key is looked at, and the allow-list only after the key, so
+        that nobody without a key learns which routes exist."""
         try:
-            async with self.session.request(scope["method"], url, headers=headers, data=body or None,
-                                            allow_redirects=False, skip_auto_headers=("User-Agent",
-                                                                                       "Accept-Encoding")) as up:
-                out = [(k.lower(), v) for k, v in up.raw_headers
-                       if k.decode("latin-1").lower() not in HOP_BY_HOP]
-                await send({"type": "http.response.start", "status": up.status, "headers": out})
-                async for chunk in up.content.iter_any():  # what arrived, as it arrived: no buffering
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
-        except (aiohttp.ClientConnectionError, OSError) as e:
-            log.info("upstream %s: %s", self.uds or self.base, e)  # expected while vLLM loads
-            await _json(send, 503, "The vLLM server behind this proxy does not answer (still loading, or it "
-                                   "stopped); `llmlab status` shows which.")
+            url = httptools.parse_url(r.url)
+        except httptools.HttpParserInvalidURLError:
+            return error_response(400, "Refused: the request target is not a URL path.")
+        raw = url.path or b"/"
+        path = unquote(raw.decode("latin-1"))
+        why = check_path(raw, path)
+        if why:
+            return error_response(400, f"Refused: {why}.")
+        authorization = next((v.decode("latin-1") for k, v in r.headers if k.lower() == b"authorization"), None)
+        if not self.keys.accepts(authorization):
+            return error_response(401, "Unauthorized: missing or wrong API key (send 'Authorization: Bearer <key>'; "
+                                       "llmlab.connect() reads it from the server's key file).",
+                                  (b"www-authenticate: Bearer",))
+        if not allowed(path):
+            return error_response(404, f"Not Found: this server forwards only {ALLOWED_PREFIX}*, "
+                                       f"{' and '.join(ALLOWED_EXACT)}.")
+        method = r.method.decode("latin-1")
+        if method not in METHODS:
+            return error_response(405, f"Method {method} is not forwarded (only {', '.join(sorted(METHODS))}).")
+        r.url = raw + (b"?" + url.query if url.query else b"")  # origin form, even if the client sent a full URL
+        return None
+
+    def upstream_head(self, r: Request) -> bytes:
+        """The request line and headers vLLM gets: the client's end-to-end headers, then our own framing."""
+        skip = HOP_BY_HOP | {"content-length", "expect"}
+        head = [b"%b %b HTTP/1.1\r\nhost: vllm\r\n" % (r.method, r.url)]
+        head += [k + b": " + v + b"\r\n" for k, v in r.headers if k.decode("latin-1").lower() not in skip]
+        return b"".join(head) + self.auth + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(r.body)
 
 
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _watch_pid(pid: int, server) -> None:
+async def _watch_pid(pid: int, stop: asyncio.Event) -> None:
     """Stop serving once the process we front (vLLM) has gone: a proxy for nothing would only answer 503."""
     from llmlab.server import pid_alive
 
     while pid_alive(pid):
         await asyncio.sleep(1.0)
     log.warning("upstream process %d has exited; the proxy stops", pid)
-    server.should_exit = True
+    stop.set()
 
 
 def serve(listen: str, upstream: str, key_file: Path, keys: Path | None = None, upstream_key_file: Path | None = None,
-          watch_pid: int | None = None, log_level: str = "warning") -> None:
+          watch_pid: int | None = None) -> None:
     """Run the proxy until SIGTERM/SIGINT (or until ``watch_pid`` exits)."""
-    import uvicorn
-
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise ProxyError(f"--listen {listen!r}: give HOST:PORT, e.g. 127.0.0.1:8000.")
@@ -315,24 +536,27 @@ def serve(listen: str, upstream: str, key_file: Path, keys: Path | None = None, 
             upstream_key = Path(upstream_key_file).read_text().strip()
         except OSError as e:
             raise ProxyError(f"Cannot read the upstream key file {upstream_key_file} ({e.strerror}).") from None
-    app = Proxy(upstream, KeyRing(key_file, keys), upstream_key)
-    config = uvicorn.Config(app, host=host.strip("[]"), port=int(port), http="httptools",
-                            lifespan="on", access_log=False, log_level=log_level, server_header=False,
-                            date_header=False, timeout_keep_alive=30)
-    server = uvicorn.Server(config)
+    proxy = Proxy(upstream, KeyRing(key_file, keys), upstream_key)
 
     async def main() -> None:
-        watcher = asyncio.ensure_future(_watch_pid(watch_pid, server)) if watch_pid else None
+        loop, stop = asyncio.get_running_loop(), asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         try:
-            await server.serve()
-        finally:
-            if watcher:
-                watcher.cancel()
+            server = await loop.create_server(lambda: Client(proxy), host.strip("[]"), int(port), reuse_address=True)
+        except OSError as e:
+            raise ProxyError(f"Cannot listen on {listen} ({e.strerror}); pick a free port.") from None
+        log.info("listening on %s, forwarding to %s", listen, upstream)
+        watcher = asyncio.ensure_future(_watch_pid(watch_pid, stop)) if watch_pid else None
+        await stop.wait()
+        server.close()
+        if watcher:
+            watcher.cancel()
 
     try:
         import uvloop
         factory = uvloop.new_event_loop
-    except ImportError:  # uvicorn's plain asyncio loop works too, a little slower
+    except ImportError:  # asyncio's own loop works too, a little slower
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main())
@@ -352,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="[llmlab proxy %(asctime)s] %(message)s",
                         datefmt="%H:%M:%S")
     try:
-        serve(a.listen, a.upstream, a.key_file, a.keys, a.upstream_key_file, a.watch_pid, a.log_level)
+        serve(a.listen, a.upstream, a.key_file, a.keys, a.upstream_key_file, a.watch_pid)
     except ProxyError as e:
         print(f"llmlab proxy: {e}", file=sys.stderr)
         return 2

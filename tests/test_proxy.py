@@ -155,3 +155,104 @@ def test_stream_is_not_buffered_and_a_client_that_leaves_aborts_the_generation(e
     # aborted: fewer than the 400 tokens asked for, and not counted as finished (vLLM 0.32 counts no aborts)
     assert metric(port, api_key, "vllm:generation_tokens_total") - tokens < 400
     assert metric(port, api_key, "vllm:request_success_total") == finished
+
+
+# -- HTTP at the byte level: what the proxy's own parser must get right (the real server behind it) -------------
+
+def _exchange(port: int, data: bytes, timeout: float = 30) -> bytes:
+    """Send raw bytes, read until the proxy closes the connection (each case ends with a closing request)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        received = b""
+        while chunk := s.recv(65536):
+            received += chunk
+    return received
+
+
+def _statuses(answer: bytes) -> list[int]:
+    return [int(m) for m in re.findall(rb"HTTP/1\.[01] (\d{3}) ", answer)]  # bodies hold no such text
+
+
+def _get_line(path: str, key: str | None, close: bool = False, version: str = "1.1") -> bytes:
+    return (f"GET {path} HTTP/{version}\r\nHost: x\r\n" + (f"Authorization: Bearer {key}\r\n" if key else "")
+            + ("Connection: close\r\n" if close else "") + "\r\n").encode()
+
+
+def test_keep_alive_answers_several_requests_on_one_connection(embedded, api_key):
+    answer = _exchange(embedded["port"], _get_line("/v1/models", api_key) + _get_line("/health", api_key)
+                       + _get_line("/v1/models", api_key, close=True))
+    assert _statuses(answer) == [200, 200, 200] and answer.count(b'"llmlab-tiny"') >= 2
+
+
+def test_a_pipelined_request_without_the_key_is_judged_on_its_own(embedded, api_key):
+    """Request smuggling: a second request behind an authorised one, in the same packet, is still checked."""
+    answer = _exchange(embedded["port"], _get_line("/v1/models", api_key) + _get_line("/tokenize", None)
+                       + _get_line("/invocations", api_key) + _get_line("/v1/models", None, close=True))
+    assert _statuses(answer) == [200, 401, 404, 401]
+
+
+def test_ambiguous_body_length_is_refused(embedded, api_key):
+    body = b'{"model": "llmlab-tiny", "prompt": "Once", "max_tokens": 2}'
+    data = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\nContent-Length: "
+            f"{len(body)}\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+    data += b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    assert _statuses(_exchange(embedded["port"], data)) == [400]
+
+
+def test_a_chunked_request_body_is_forwarded(embedded, api_key):
+    body = b'{"model": "llmlab-tiny", "prompt": "Once upon", "max_tokens": 3}'
+    data = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\nContent-Type: "
+            "application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n").encode()
+    data += b"".join(b"%x\r\n%b\r\n" % (len(part), part) for part in (body[:10], body[10:])) + b"0\r\n\r\n"
+    answer = _exchange(embedded["port"], data)
+    assert _statuses(answer) == [200] and b'"completion_tokens":3' in answer.replace(b" ", b"")
+
+
+def test_expect_100_continue_is_honoured(embedded, api_key):
+    body = b'{"model": "llmlab-tiny", "prompt": "Once", "max_tokens": 2}'
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(body)}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", embedded["port"]), timeout=30) as s:
+        s.sendall(head.encode())
+        assert s.recv(65536).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")  # before the body is sent
+        s.sendall(body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert _statuses(answer) == [200]
+
+
+@pytest.mark.parametrize("data, status", [
+    (b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nConnection: close\r\n\r\n", 405),
+    (b"PUT /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nConnection: close\r\n\r\n", 405),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nX-Big: " + b"a" * 70000 + b"\r\n\r\n", 431),
+    (b"this is not HTTP\r\n\r\n", 400),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nUpgrade: websocket\r\n"
+     b"Connection: Upgrade\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Length: 99999999999\r\n\r\n",
+     413),
+], ids=["head", "put", "huge-head", "not-http", "websocket-upgrade", "huge-body"])
+def test_requests_the_proxy_does_not_forward_are_answered_and_closed(embedded, api_key, data, status):
+    answer = _exchange(embedded["port"], data.replace(b"{key}", api_key.encode()))
+    assert _statuses(answer) == [status] and b'"error"' in answer
+
+
+def test_http_1_0_gets_its_answer_and_the_connection_closes(embedded, api_key):
+    answer = _exchange(embedded["port"], _get_line("/v1/models", api_key, version="1.0"))
+    assert _statuses(answer) == [200] and answer.rstrip().endswith(b"}") and b"chunked" not in answer.lower()
+
+
+def test_upstream_that_does_not_answer_is_503_with_the_reason(tmp_path):
+    key = "owner-" + os.urandom(16).hex()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmlab.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
+                             f"unix:{tmp_path}/no-vllm.sock", "--key-file", str(write_private(tmp_path / "k", key))])
+    try:
+        deadline = time.monotonic() + 60
+        while (got := _get(f"http://127.0.0.1:{port}/v1/models", key))[0] == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+            time.sleep(0.3)
+        assert got[0] == 503 and b"llmlab status" in got[1]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0  # SIGTERM is a clean stop

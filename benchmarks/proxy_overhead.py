@@ -149,6 +149,7 @@ def gpu_server(args, folder: Path):
     finally:
         server.terminate(proc.pid, 30)
         proc.wait()
+        print(f"proxy log (last lines):\n{server.last_lines(folder / 'proxy.log')}")
 
 
 def run(args, srv) -> None:

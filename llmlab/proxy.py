@@ -191,6 +191,9 @@ def allowed(path: str) -> bool:
 # Content-Length and no body, which this proxy would have to special-case for no client that needs it.
 METHODS = {"GET", "POST", "DELETE"}
 MAX_HEAD = 64 * 2**10  # bytes of a request line + headers; uvicorn's h11 allows 16 KiB, nginx 8 KiB by default
+# Connections the kernel may hold before we accept them.  asyncio's default of 100 is too few for a workshop's
+# burst (30 learners x a threaded cell of 8-32 requests): the rest see SYN retries, a second or more each.
+BACKLOG = 2048  # uvicorn's (vLLM's) default
 IDLE_TIMEOUT = 30.0  # seconds a connection may sit without a request (uvicorn's keep-alive is 5 s, nginx's 75 s)
 REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
            413: "Content Too Large", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
@@ -543,7 +546,8 @@ def serve(listen: str, upstream: str, key_file: Path, keys: Path | None = None, 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
-            server = await loop.create_server(lambda: Client(proxy), host.strip("[]"), int(port), reuse_address=True)
+            server = await loop.create_server(lambda: Client(proxy), host.strip("[]"), int(port), reuse_address=True,
+                                              backlog=BACKLOG)
         except OSError as e:
             raise ProxyError(f"Cannot listen on {listen} ({e.strerror}); pick a free port.") from None
         log.info("listening on %s, forwarding to %s", listen, upstream)

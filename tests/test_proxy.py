@@ -105,6 +105,14 @@ def test_embedded_server_is_behind_the_proxy_on_a_private_socket(embedded, api_k
     assert b"vllm:num_requests_running" in _get(base + "/metrics", api_key)[1]
 
 
+def test_proxy_listens_with_a_backlog_for_a_burst_of_connections(embedded):
+    """asyncio's default backlog (100) makes a burst of new connections (a workshop's threaded cells, a c=256 load
+    test) wait on SYN retries of a second or more; ``ss`` shows a listening socket's backlog as its Send-Q."""
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{embedded['port']}"], capture_output=True, text=True, check=True)
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert int(out.stdout.split()[2]) == min(proxy.BACKLOG, somaxconn)
+
+
 def test_registered_key_works_and_revocation_needs_no_restart(embedded, tmp_path):
     """A second proxy on the same socket with a keys directory: what a workshop's shared server does."""
     owner = write_private(tmp_path / "owner.key", "owner-" + os.urandom(16).hex())

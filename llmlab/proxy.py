@@ -22,8 +22,8 @@ that changes while it runs without a reload or a Lua/njs module.  This is a few 
 libraries vLLM already depends on and installs everywhere it runs: ``httptools`` (llhttp, the HTTP parser of
 vLLM's own uvicorn and of Node.js) and ``uvloop``.  It is written at the protocol level, not as an ASGI app:
 parse, judge, then relay vLLM's answer piece by piece with one write each.  A first version on uvicorn + aiohttp
-spent 2-3x the CPU per streamed token, which on a 2-core laptop is taken straight from the engine
-(``benchmarks/proxy_overhead.py`` measures both ways of reaching vLLM).
+spent about twice the CPU per streamed token on a 2-core machine (81 against 38-70 us at 32 streams, 264 against
+78-156 us at 1), and a 2-core laptop takes that from vLLM (``benchmarks/proxy_overhead.py``; docs/security.md).
 
 Run: ``python -m llmlab.proxy --listen HOST:PORT --upstream unix:/run/dir/vllm.sock --key-file FILE
 [--keys DIR_OR_FILE] [--watch-pid PID]``.  Secrets only through files (never the command line): ``--key-file``
@@ -231,8 +231,7 @@ class Upstream(asyncio.Protocol):
 
     ``httptools`` parses the answer (C code, no copies): the head is rewritten for the client (hop-by-hop headers
     dropped), and each piece of body goes out the moment it is parsed, re-framed as one chunk of the client's
-    chunked answer.  This is the whole per-token cost of the proxy: one parse, one small format, one write; the
-    ASGI + aiohttp design before it spent 2-3x the CPU per token (``benchmarks/proxy_overhead.py``).
+    chunked answer.  This is the whole per-token cost of the proxy: one parse, one small format, one write.
     """
 
     def __init__(self, client: Client, request: Request):

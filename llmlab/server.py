@@ -89,7 +89,9 @@ def proxy_cpus() -> list[int]:
     own frontend (API server and scheduler; its log says ``reserved_cpus=[N]``) and binds its compute threads
     away from.  Why: with the tiny model the frontend core is the bottleneck, and a proxy that takes turns on it
     slows every stream.  On 2 cores, pinned: x1.318 [0.841 .. 1.625] of direct throughput at 32 streams, against
-    x0.78 unpinned (benchmarks/proxy_overhead.py, docs/security.md).  One CPU: nothing to choose."""
+    x0.78 unpinned (benchmarks/proxy_overhead.py, docs/security.md).  One CPU, or no affinity API (macOS): no pin."""
+    if not hasattr(os, "sched_getaffinity"):
+        return []
     cpus = sorted(os.sched_getaffinity(0))
     return cpus[:-1] if len(cpus) > 1 else cpus
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import os
 import secrets
 import statistics
@@ -126,16 +125,12 @@ def gpu_server(args, folder: Path):
 
     job = rehearse.rehearsal_job(args.model, tp=args.tp)
     tok = rehearse.make_dummy_model(job.model, folder / "model")
-    argv, env, _ = rehearse.serve_argv(job, folder / "model", 0)
-    at = argv.index("--host")
     run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))
-    argv[at:at + 4] = ["--uds", str(run_dir / "vllm.sock")]  # instead of --host 127.0.0.1 --port N
+    argv, env, _ = rehearse.serve_argv(job, folder / "model", 0, uds=run_dir / "vllm.sock")
     key = secrets.token_urlsafe(32)
     key_file = write_private(folder / "keys" / "bench.key", key + "\n")
     port = server.free_port("127.0.0.1")
-    env = {**os.environ, **env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if importlib.util.find_spec("flashinfer") is None:
-        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # as llmlab.rehearse: the engine dies at start without it
+    env = {**os.environ, **env}
     command = server.pair_command(server.proxy_command(f"127.0.0.1:{port}", run_dir / "vllm.sock", key_file),
                                   argv, folder / "proxy.log")
     log_path = folder / "server.log"

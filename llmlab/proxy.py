@@ -56,10 +56,10 @@ log = logging.getLogger("llmlab.proxy")
 ALLOWED_EXACT = ("/health", "/metrics")
 ALLOWED_PREFIX = "/v1/"
 MAX_BODY = 32 * 2**20  # bytes of one request body; a prompt of a million tokens is ~4 MB
-# Headers that describe one hop, not the message (RFC 9110 7.6.1), plus the client's credentials and the
-# server's own Server/Date (uvicorn's are switched off: the upstream's pass through once).
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-              "transfer-encoding", "upgrade", "host", "authorization"}
+# Headers that describe one hop, not the message (RFC 9110 7.6.1), plus Host and the client's credentials:
+# never passed on in either direction (the proxy writes its own framing and Host).
+HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
+              b"transfer-encoding", b"upgrade", b"host", b"authorization"}
 DIGEST_LINE = re.compile(r"^(?:sha256:)?([0-9a-fA-F]{64})\b")
 # Percent-encodings that change how a path splits or normalises: '.', '/', '\', '%' (double encoding), NUL.
 ENCODED_SEPARATOR = re.compile(r"%(2e|2f|5c|25|00)", re.IGNORECASE)
@@ -201,7 +201,10 @@ REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Meth
 
 
 def status_line(status: int) -> bytes:
-    reason = REASONS.get(status) or (HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "")
+    try:
+        reason = REASONS.get(status) or HTTPStatus(status).phrase
+    except ValueError:  # a status code Python does not name: the reason phrase is optional
+        reason = ""
     return b"HTTP/1.1 %d %b" % (status, reason.encode())
 
 
@@ -260,7 +263,7 @@ class Upstream(asyncio.Protocol):
         status = self.parser.get_status_code()
         names = {k.lower() for k, _ in self.headers}
         self.chunked = b"content-length" not in names or b"transfer-encoding" in names
-        keep = [(k, v) for k, v in self.headers if k.decode("latin-1").lower() not in HOP_BY_HOP
+        keep = [(k, v) for k, v in self.headers if k.lower() not in HOP_BY_HOP
                 and not (self.chunked and k.lower() == b"content-length")]
         if self.request.http10:  # an HTTP/1.0 client knows no chunks: the body ends when the connection does
             self.chunked, self.request.keep_alive = False, self.request.keep_alive and not self.chunked
@@ -510,9 +513,9 @@ class Proxy:
 
     def upstream_head(self, r: Request) -> bytes:
         """The request line and headers vLLM gets: the client's end-to-end headers, then our own framing."""
-        skip = HOP_BY_HOP | {"content-length", "expect"}
+        skip = HOP_BY_HOP | {b"content-length", b"expect"}
         head = [b"%b %b HTTP/1.1\r\nhost: vllm\r\n" % (r.method, r.url)]
-        head += [k + b": " + v + b"\r\n" for k, v in r.headers if k.decode("latin-1").lower() not in skip]
+        head += [k + b": " + v + b"\r\n" for k, v in r.headers if k.lower() not in skip]
         return b"".join(head) + self.auth + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(r.body)
 
 

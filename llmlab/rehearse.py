@@ -507,23 +507,30 @@ def rehearsal_job(model: str, *, tp: int | None = None, pp: int | None = None, m
     return job
 
 
-def serve_argv(job, model_dir: Path, port: int) -> tuple[list[str], dict[str, str], str]:
+def serve_argv(job, model_dir: Path, port: int, uds: Path | None = None) -> tuple[list[str], dict[str, str], str]:
     """The launcher's ``vllm serve`` line for ``job`` (``cluster.vllm_flags``: the layout flags the job script
-    uses, and the job's extra flags) on the dummy model, with ``--load-format dummy``, served on 127.0.0.1.
+    uses, and the job's extra flags) on the dummy model, with ``--load-format dummy``, served on 127.0.0.1:port,
+    or on the Unix socket ``uds`` as the launcher serves it behind llmlab.proxy.
 
     One change for a rehearsal on one node: PP uses vLLM's own processes (``mp``) instead of Ray, which the
-    launcher needs only to span nodes.  Returns (argv, extra environment, the ``vllm serve`` line)."""
+    launcher needs only to span nodes.  Returns (argv, extra environment, the ``vllm serve`` line); the
+    environment is offline (dummy weights need no download) and, on a GPU without FlashInfer, turns off its
+    sampler (else the engine dies at start: No module named 'flashinfer')."""
+    import importlib.util
+
     from llmlab import cluster
 
     flags = cluster.vllm_flags(job)
     if "--distributed-executor-backend" in flags:
         flags[flags.index("--distributed-executor-backend") + 1] = "mp"
-    flags += ["--served-model-name", job.name, "--host", "127.0.0.1", "--port", str(port), *job.extra_args,
-              "--load-format", "dummy"]
+    listen = ["--uds", str(uds)] if uds else ["--host", "127.0.0.1", "--port", str(port)]
+    flags += ["--served-model-name", job.name, *listen, *job.extra_args, "--load-format", "dummy"]
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *flags]
-    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if job.engine == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(job.kv_cache_gib)
+    elif importlib.util.find_spec("flashinfer") is None:
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     return argv, env, shlex.join(["vllm", "serve", str(model_dir), *flags])
 
 
@@ -706,12 +713,8 @@ def rehearse(model: str, *, tp: int | None = None, pp: int | None = None, max_mo
 
     port = embedded.free_port("127.0.0.1")
     argv, env, line = serve_argv(job, model_dir, port)
-    env = {**os.environ, **env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, **env}
     if engine == "gpu":
-        import importlib.util
-
-        if importlib.util.find_spec("flashinfer") is None:
-            env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # else the engine dies at start: No module named 'flashinfer'
         probe = write_probe(out / "probe")
         package_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe), package_root, env.get("PYTHONPATH")) if p)

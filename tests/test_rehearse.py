@@ -135,6 +135,9 @@ def test_the_serve_line_is_the_jobs_with_dummy_weights(tmp_path):
     assert " ".join(flags) in " ".join(argv) and argv[-2:] == ["--load-format", "dummy"]
     assert line.startswith(f"vllm serve {tmp_path} --tensor-parallel-size 2 --max-model-len 131072")
     assert not any("key" in a.lower() for a in argv) and "VLLM_API_KEY" not in env
+    assert env["HF_HUB_OFFLINE"] == "1" and argv[argv.index("--port") + 1] == "8123"
+    uds_argv, _, _ = rehearse.serve_argv(job, tmp_path, 0, uds=tmp_path / "vllm.sock")  # the launcher's way
+    assert uds_argv[uds_argv.index("--uds") + 1] == str(tmp_path / "vllm.sock") and "--port" not in uds_argv
 
 
 def test_pipeline_stages_on_one_node_use_vllms_own_processes(tmp_path):

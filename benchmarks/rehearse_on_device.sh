@@ -9,6 +9,7 @@
 #   PIECES=3 benchmarks/rehearse_on_device.sh                      # a call that only brings a piece
 #   PIECES=3 benchmarks/rehearse_on_device.sh llama3.1-8b:1 llama3.1-8b:2
 #   PIECES=3 benchmarks/rehearse_on_device.sh proxy --model llama3.1-8b ...   # benchmarks/proxy_overhead.py
+#   PIECES=3 benchmarks/rehearse_on_device.sh launch llama3.1-8b               # benchmarks/launcher_on_gpu.py
 #
 # Environment: PIECES (how many pieces make the set), OUT (results folder), CONCURRENCY (default 1,8,64,256),
 # READY_TIMEOUT (seconds for /health, default 420).  NVLink multicast stays off (the lending workplace asks
@@ -39,6 +40,13 @@ fi
 export PYTHONPATH=$site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 python3 -c "import sys, torch, vllm; print('python', sys.version.split()[0], 'torch', torch.__version__, 'vllm', vllm.__version__)"
+if [ "$1" = launch ]; then  # the SLURM launcher's GPU path, end to end (benchmarks/launcher_on_gpu.py)
+    shift
+    status=0
+    PYTHONPATH=$site:$PWD python3 benchmarks/launcher_on_gpu.py "$@" --out "$out/launch" || status=$?
+    tar -czf "$out/launch.tar.gz" -C "$out" launch && rm -rf "$out/launch"
+    exit "$status"
+fi
 if [ "$1" = proxy ]; then  # the proxy's cost on a GPU node (its proxy subprocess imports llmlab from here)
     shift
     PYTHONPATH=$site:$PWD exec python3 benchmarks/proxy_overhead.py "$@"

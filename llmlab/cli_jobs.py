@@ -12,7 +12,7 @@ import shlex
 import sys
 import time
 
-from llmlab import jobs
+from llmlab import doctor, jobs
 
 
 def _json(obj) -> None:
@@ -28,6 +28,8 @@ def cmd_launch(a) -> int:
                         share_dir=a.share_dir, rehearse=a.rehearse, **overrides)
     if not a.dry_run:
         jobs.require_slurm("sbatch")  # before the plan: on a laptop, say so first
+    if plan.job.engine == "gpu" and (untested := doctor.vllm_outside_range(doctor.installed_vllm())):
+        print(f"warning: {untested}", file=sys.stderr)
     dry = jobs.dry_run_lines(plan)
     if a.json and a.dry_run:
         _json({"plan": plan.report, "script": plan.script, "launcher": dry})

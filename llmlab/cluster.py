@@ -715,6 +715,14 @@ SHARDS = re.compile(r"Loading (?:safetensors|pt|bin)? ?checkpoint shards:\s*(\d+
                     r"\[([\d:]+)<([\d:?]+)")
 
 
+# One record of vLLM's log ("(EngineCore pid=7) INFO 11-22 21:02:38 [model_runner.py:305] ...").  vLLM prints a
+# handful while it imports; many more with none of the phase markers that llmlab knows means a release whose
+# lines changed: `llmlab status` then says the phase is unknown, never a stale or wrong one.
+VLLM_RECORD = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:INFO|WARNING|DEBUG|ERROR) \d", re.M)
+UNKNOWN_AFTER = 12
+PHASE_UNKNOWN = "phase unknown (vLLM's log has no start-up line llmlab knows: `llmlab logs` shows it)"
+
+
 @dataclass
 class LoadProgress:
     """Where a vLLM server is in its start-up, from its log."""
@@ -750,6 +758,8 @@ def load_progress(log: str | Path) -> LoadProgress:
         text = log
     done = [label for marker, label in PHASES if marker in text]
     phase_name = done[-1] if done else "importing vLLM"
+    if not done and len(VLLM_RECORD.findall(text)) > UNKNOWN_AFTER:
+        phase_name = PHASE_UNKNOWN  # a vLLM whose lines llmlab does not know: say so rather than guess
     shards = list(SHARDS.finditer(text))
     if shards and "Loading weights took" not in text:
         phase_name = "loading weights"
@@ -852,6 +862,10 @@ def _cmd_render(a) -> int:
     rendered = render(a.job, job_id=a.job_id, nodes=a.nodes.split() if a.nodes else None, port=a.port,
                       python=a.python)
     print(rendered.shell() if a.shell else rendered.summary() + "\n" + rendered.serve_line)
+    from llmlab.doctor import installed_vllm, vllm_outside_range
+
+    if untested := vllm_outside_range(installed_vllm()):
+        say(f"warning: {untested}", file=sys.stderr)  # in the job's output, before anything starts
     return 0
 
 

@@ -503,12 +503,16 @@ def status(job_id: str) -> JobStatus:
         reason = info.get("Reason", "None")
         return replace(st, state="PENDING", detail="waiting for nodes" + ("" if reason == "None" else
                                                                           f" (SLURM's reason: {reason})"))
+    conn = cluster.connection_file_of(job_id)
+    if slurm_state in ACTIVE and conn.exists():
+        # A server that answers is READY, whatever its logs say on the way: a Ray attempt that failed and was
+        # retried prints FAILED, and vLLM logs handled exceptions with tracebacks.
+        ready = _ready_status(st, conn)
+        if ready.state == "READY" or not failure(output, vllm_log):
+            return ready
     if failed := failure(output, vllm_log):
         return replace(st, state="FAILED", detail=failed[0], reason=failed[0], log_lines=failed[1])
     if slurm_state in ACTIVE:
-        conn = cluster.connection_file_of(job_id)
-        if conn.exists():
-            return _ready_status(st, conn)
         if slurm_state == "COMPLETING" or "shutting down" in output:
             return replace(st, state="STOPPED", detail="stopping (the launcher is cleaning up)")
         if vllm_log or "starting vLLM" in output:

@@ -349,6 +349,9 @@ def make_dummy_model(model, out_dir: Path) -> dict:
     config, _ = memory.load_config(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    # A chat template, so that /v1/chat/completions answers as it does for an instruct checkpoint (the tiny
+    # model's plain "Role: text" one: a dummy model's words mean nothing in any template).
+    shutil.copy(memory.MODELS_DIR / memory.TINY_NAME / "chat_template.jinja", out_dir / "chat_template.jinja")
     return make_tokenizer(config, out_dir)
 
 

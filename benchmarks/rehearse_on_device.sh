@@ -43,8 +43,8 @@ python3 -c "import sys, torch, vllm; print('python', sys.version.split()[0], 'to
 if [ "$1" = launch ]; then  # the SLURM launcher's GPU path, end to end (benchmarks/launcher_on_gpu.py)
     shift
     status=0
-    PYTHONPATH=$site:$PWD python3 benchmarks/launcher_on_gpu.py "$@" --out "$out/launch" || status=$?
-    tar -czf "$out/launch.tar.gz" -C "$out" launch && rm -rf "$out/launch"
+    PYTHONPATH=$site:$PWD python3 benchmarks/launcher_on_gpu.py "$@" --out "$out/launch${LAUNCH_TAG:-}" || status=$?
+    tar -czf "$out/launch${LAUNCH_TAG:-}.tar.gz" -C "$out" "launch${LAUNCH_TAG:-}" && rm -rf "$out/launch${LAUNCH_TAG:-}"
     exit "$status"
 fi
 if [ "$1" = proxy ]; then  # the proxy's cost on a GPU node (its proxy subprocess imports llmlab from here)

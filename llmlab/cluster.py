@@ -748,7 +748,7 @@ def load_progress(log: str | Path) -> LoadProgress:
     """Parse a vLLM log into the start-up phase and the weight-shard progress: a ``Path`` is read, a ``str``
     is the log's text.  vLLM redraws its shard progress bar with carriage returns; the last one counts.
     """
-    from llmlab.server import PHASES
+    from llmlab.server import WEIGHTS_LOADED, phases_seen
 
     if isinstance(log, Path):
         try:
@@ -757,12 +757,12 @@ def load_progress(log: str | Path) -> LoadProgress:
             return LoadProgress("waiting for the job to start vLLM")
     else:
         text = log
-    done = [label for marker, label in PHASES if marker in text]
+    done = phases_seen(text)
     phase_name = done[-1] if done else "importing vLLM"
     if not done and len(VLLM_RECORD.findall(text)) > UNKNOWN_AFTER:
         phase_name = PHASE_UNKNOWN  # a vLLM whose lines llmlab does not know: say so rather than guess
     shards = list(SHARDS.finditer(text))
-    if shards and "Loading weights took" not in text:
+    if shards and not WEIGHTS_LOADED.search(text):
         phase_name = "loading weights"
     ready = "Application startup complete" in text
     if not shards:
@@ -881,10 +881,37 @@ def _cmd_wait_ray(a) -> int:
     return 1 if _dead_step(steps) else 3  # 1: a node's Ray exited (worth a retry); 3: the time-out
 
 
+def seconds_left(squeue_l: str) -> int | None:
+    """The job's remaining time from ``squeue -o %L`` ("1-02:03:04", "02:03:04", "03:04"); None if unlimited."""
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", squeue_l.strip())
+    if not m:
+        return None  # UNLIMITED, NOT_SET, INVALID, or no squeue
+    days, hours, minutes, secs = (int(g or 0) for g in m.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + secs
+
+
+def capped_timeout(timeout: float, time_left: str, stop_grace: float) -> tuple[float, str | None]:
+    """A wait that ends before SLURM kills the job: the time left minus the clean-up's grace and a margin.
+
+    Why: a 405B load takes ~40 min; a job submitted with --time=00:30:00 would otherwise wait for /health until
+    SLURM killed it mid-load, with no word on why.  Returns (seconds, the sentence to print when capped)."""
+    left = seconds_left(time_left)
+    if left is None:
+        return timeout, None
+    room = max(left - stop_grace - 30, 0)
+    if room >= timeout:
+        return timeout, None
+    return room, (f"the job's time limit leaves {left} s, so the wait for vLLM ends after {room:g} s (before "
+                  f"SLURM's kill), not after the {timeout:g} s of LLMLAB_READY_TIMEOUT: a longer --time gives it more")
+
+
 def _cmd_wait_ready(a) -> int:
     t0 = time.monotonic()
     key = Path(a.key_file).read_text().strip()  # /health goes through the proxy, which wants the key
-    if not wait_until_ready(a.host, a.port, a.pid, Path(a.log), a.timeout, a.poll, api_key=key):
+    timeout, why = capped_timeout(a.timeout, a.time_left, a.stop_grace)
+    if why:
+        say(f"note: {why}")
+    if not wait_until_ready(a.host, a.port, a.pid, Path(a.log), timeout, a.poll, api_key=key):
         return 1
     extra = {"nodes": a.nodes.split(), "tp": a.tp, "pp": a.pp, "engine": a.engine, "log": a.log, "pid": a.pid,
              "ray_address": a.ray_address or None, "ready_after_s": round(time.monotonic() - t0 + a.elapsed, 1)}
@@ -942,6 +969,8 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--timeout", type=float, default=5400)
     h.add_argument("--poll", type=float, default=2)
     h.add_argument("--elapsed", type=float, default=0, help="seconds the job ran before vLLM started")
+    h.add_argument("--time-left", default="", help="the job's remaining time as `squeue -o %%L` prints it")
+    h.add_argument("--stop-grace", type=float, default=20, help="seconds the clean-up may take (LLMLAB_STOP_GRACE)")
     h.set_defaults(func=_cmd_wait_ready)
     g = sub.add_parser("progress")
     g.add_argument("log")

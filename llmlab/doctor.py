@@ -18,7 +18,8 @@ from llmlab.connection import find_connection_file
 # pyproject's `gpu` extra and environment.yml bound vLLM to VLLM_RANGE; tests/test_packaging.py keeps them in step.
 VLLM_TESTED = {
     "0.26.0": "CUDA build: the launcher's one-node job and rehearsals on an H100 and 2 x H200 (benchmarks/results)",
-    "0.27.0": "CPU build: `make test-versions`", "0.28.0": "CPU build: `make test-versions`",
+    "0.27.0": "CPU build: `make test-versions`", "0.27.1": "CPU build: `make test-versions`",
+    "0.28.0": "CPU build: `make test-versions`",
     "0.29.0": "CPU build: `make test-versions`", "0.30.0": "CPU build: `make test-versions`",
     "0.31.0": "CPU build: `make test-versions`",
     "0.32.0": "CPU build: every CI run (the embedded server and the SLURM test bed)",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -236,14 +237,24 @@ class EmbeddedServer:
         self.stop()
 
 
-# Log lines that mark the engine's start-up phases, in order, and what a learner should read for each.
+# Log lines that mark the engine's start-up phases, in order, and what a learner should read for each.  Some
+# phases have two spellings: vLLM's GPU model runner (0.26) says "Model loading took", the CPU build "Loading
+# weights took"; only the GPU compiles for long and captures CUDA graphs.  tests/fixtures/vllm/ holds real logs.
 PHASES = [
-    ("non-default args", "reading the model config"),
-    ("Resolved architecture", "starting the engine"),
-    ("Loading weights took", "weights loaded, warming up"),
-    ("KV cache size", "KV cache allocated"),
-    ("Starting vLLM server", "starting the HTTP server"),
+    (re.compile(r"non-default args"), "reading the model config"),
+    (re.compile(r"Resolved architecture"), "starting the engine"),
+    (re.compile(r"Loading weights took|Model loading took"), "weights loaded, warming up"),
+    (re.compile(r"Dynamo bytecode transform time"), "compiling the model (torch.compile)"),
+    (re.compile(r"KV cache size"), "KV cache allocated"),
+    (re.compile(r"Capturing CUDA graphs"), "capturing CUDA graphs"),
+    (re.compile(r"Starting vLLM server"), "starting the HTTP server"),
 ]
+WEIGHTS_LOADED = PHASES[2][0]
+
+
+def phases_seen(text: str) -> list[str]:
+    """The start-up phases a vLLM log has reached, in order."""
+    return [label for marker, label in PHASES if marker.search(text)]
 
 
 def phase(log_path: Path) -> str:
@@ -252,7 +263,7 @@ def phase(log_path: Path) -> str:
         text = log_path.read_text(errors="replace")
     except OSError:
         return "starting"
-    done = [label for marker, label in PHASES if marker in text]
+    done = phases_seen(text)
     return done[-1] if done else "importing vLLM"
 
 

@@ -110,9 +110,15 @@ wait_gone() {
 cleanup() {
   [[ -n $cleaned ]] && return
   cleaned=1
-  trap - TERM INT HUP
+  # A second signal (scancel again, the time limit, a closed terminal) must not cut the clean-up short: a SIGTERM
+  # that arrived while vLLM was being stopped once left the key behind (seen on the H100: a failed start, then
+  # the SIGTERM that scancel sends).
+  trap '' TERM INT HUP
   rm -f "$conn_file"  # first: nobody connects to a server that is going away
   [[ -n ${LLMLAB_SHARE_DIR:-} ]] && rm -f "$LLMLAB_SHARE_DIR/server.json"
+  # Secrets next, before the slow steps: the proxy holds the key in memory, Ray its token.
+  rm -f "$key_file"
+  [[ -n $ray_head_cmd ]] && rm -f "$RAY_AUTH_TOKEN_PATH"
   [[ -n $helper_pid ]] && { kill -TERM "$helper_pid" 2>/dev/null || true; }
   if [[ -n $vllm_pid ]] && kill -0 -- "-$vllm_pid" 2>/dev/null; then
     say "stopping vLLM (pid $vllm_pid)"
@@ -133,8 +139,6 @@ cleanup() {
     for ((t = 0; t < 10; t++)); do pgrep -f -- "$ray_temp_dir" >/dev/null || break; sleep 1; done
     rm -rf -- "$ray_temp_dir" || true
   fi
-  rm -f "$key_file"
-  [[ -n $ray_head_cmd ]] && rm -f "$RAY_AUTH_TOKEN_PATH"
   [[ -n $run_dir ]] && rm -rf -- "$run_dir"
   say "stopped; connection file and key removed"
 }
@@ -243,10 +247,13 @@ keys_arg=()
 "$PY" -m llmlab.proxy --listen "$bind_host:$port" --upstream "unix:$uds" --key-file "$key_file" \
   --watch-pid "$vllm_pid" "${keys_arg[@]}" >"$log_dir/proxy.log" 2>&1 </dev/null &
 proxy_pid=$!
+# The wait ends before the job's time limit does (squeue's %L: the time left), so a load that cannot finish in
+# time fails with that reason instead of being killed mid-load.
+time_left=$(squeue -h -j "$job_id" -o %L 2>/dev/null || true)
 run_helper wait-ready --host "$host" --port "$port" --pid "$vllm_pid" --log "$vllm_log" --model "$served_model" \
   --key-file "$key_file" --connection-file "$conn_file" --job-id "$job_id" --engine "$engine" --tp "$tp" \
-  --pp "$pp" --nodes "${nodes[*]}" --ray-address "$ray_address" --timeout "$ready_timeout" --elapsed "$SECONDS" ||
-  exit 1
+  --pp "$pp" --nodes "${nodes[*]}" --ray-address "$ray_address" --timeout "$ready_timeout" --elapsed "$SECONDS" \
+  --time-left "$time_left" --stop-grace "$stop_grace" || exit 1
 
 rc=0
 wait "$vllm_pid" || rc=$?

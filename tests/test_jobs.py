@@ -227,6 +227,56 @@ def test_failure_reasons_from_the_launchers_output(output, vllm_log, reason):
         assert "Last lines of" not in found[0]
 
 
+GPU_LOGS = Path(__file__).parent / "fixtures"
+
+
+def replay(monkeypatch, tmp_path, output: str, vllm_log: str, job_id: str = "900001") -> list[str]:
+    """``llmlab status`` at every line of a real job's logs, as a person polling it would have seen it."""
+    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path))
+    out = tmp_path / "job.out"
+    monkeypatch.setattr(jobs, "scontrol_job", lambda _: {"JobState": "RUNNING", "JobName": "llmlab-llama3.1-8b",
+                                                         "StdOut": str(out)})
+    log = cluster.job_log_dir(job_id) / "vllm.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out_lines = output.splitlines(keepends=True)
+    started = next(i for i, line in enumerate(out_lines) if "starting vLLM" in line) + 1
+    out.write_text("".join(out_lines[:started]))
+    seen, text = [], ""
+    for line in vllm_log.splitlines(keepends=True):
+        text += line
+        log.write_text(text)
+        st = jobs.status(job_id)
+        if not seen or seen[-1] != f"{st.state}: {st.detail}":
+            seen.append(f"{st.state}: {st.detail}")
+    out.write_text(output)
+    st = jobs.status(job_id)
+    seen.append(f"{st.state}: {st.detail}")
+    return seen
+
+
+def test_status_follows_the_gpu_launchers_real_log(tmp_path, monkeypatch):
+    """The launcher's job on an H100 (vLLM 0.26.0, benchmarks/launcher_on_gpu.py): every phase, in order."""
+    d = GPU_LOGS / "vllm" / "0.26.0"
+    output = (d / "job.out").read_text().split("[llmlab 11:48:23] READY")[0]  # before READY: no server to ask now
+    seen = replay(monkeypatch, tmp_path, output, (d / "vllm.log").read_text())
+    assert seen == ["LOADING: importing vLLM", "LOADING: reading the model config", "LOADING: starting the engine",
+                    "LOADING: weights loaded, warming up", "LOADING: compiling the model (torch.compile)",
+                    "LOADING: KV cache allocated", "LOADING: capturing CUDA graphs",
+                    "LOADING: starting the HTTP server",
+                    "LOADING: vLLM answers; the launcher is publishing the connection file",
+                    "LOADING: vLLM answers; the launcher is publishing the connection file"], seen
+
+
+def test_status_names_the_out_of_memory_of_a_real_gpu_start(tmp_path, monkeypatch):
+    """--gpu-memory-utilization 0.1 for an 8B model on an H100: FAILED, out of memory, with vLLM's own line."""
+    d = GPU_LOGS / "launch" / "h100-llama3.1-8b-oom"
+    seen = replay(monkeypatch, tmp_path, (d / "job.out").read_text(), (d / "vllm.log").read_text(), "900002")
+    assert not any(s.startswith("FAILED") for s in seen[:-1]), seen  # tracebacks on the way are not the verdict
+    st = jobs.status("900002")
+    assert st.state == "FAILED" and st.reason.startswith("out of memory"), str(st)
+    assert any("memory" in line.lower() for line in st.log_lines), st.log_lines
+
+
 RETRIED_RAY = ("[llmlab 10:00:00] FAILED: Ray on node2 exited before the cluster was complete. Last lines of r.log:\n"
                "[llmlab 10:00:01] Ray did not start on every node (attempt 1 of 3); starting it again in 10 s\n"
                "[llmlab 10:00:40] Ray cluster complete: 2 nodes, 16 GPUs\n[llmlab 10:00:40] starting vLLM\n")

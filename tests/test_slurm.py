@@ -472,3 +472,47 @@ def test_a_log_without_any_known_line_says_the_phase_is_unknown():
     assert cluster.load_progress(renamed[:200]).phase == "importing vLLM"  # a few lines: still importing
     known = renamed + "(APIServer pid=6) INFO 11-23 10:01:00 [api_utils.py:273] non-default args: {}\n"
     assert cluster.load_progress(known).phase == "reading the model config"
+
+
+def test_a_second_sigterm_during_the_clean_up_still_removes_the_key(tmp_path):
+    """scancel, then the time limit (or scancel twice): the clean-up must finish, secrets included.  Before the fix,
+    the second SIGTERM killed the launcher while it stopped vLLM, and the key stayed (seen on the H100)."""
+    settings = tmp_path / "models.toml"
+    settings.write_text('["cpu1"]\nmodel = "llmlab-tiny"\nengine = "cpu"\nnodes = 1\ngpus_per_node = 0\n'
+                        'tp = 1\npp = 1\n')
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(LLMLAB_PYTHON=sys.executable, LLMLAB_HOME=str(home), LLMLAB_SETTINGS_FILE=str(settings),
+               SLURM_JOB_ID="777", LLMLAB_NODES="node1", LLMLAB_STOP_GRACE="20")
+    out = tmp_path / "job.out"
+    with out.open("w") as f:
+        job = subprocess.Popen(["bash", str(SLURM / "llmlab-serve.sh"), "cpu1"], stdout=f, stderr=subprocess.STDOUT,
+                               env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "starting vLLM" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        key = home / "keys" / "job-777.key"
+        assert key.exists(), out.read_text()
+        job.send_signal(subprocess.signal.SIGTERM)
+        while "stopping vLLM" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job.send_signal(subprocess.signal.SIGTERM)  # while vLLM is being stopped
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+    text = out.read_text()
+    assert "stopped; connection file and key removed" in text, text
+    assert not key.exists() and not list((home / "servers").glob("*.json"))
+
+
+def test_the_readiness_wait_never_outlasts_the_jobs_time_limit():
+    assert cluster.seconds_left("1-02:03:04") == 93784 and cluster.seconds_left("02:03:04") == 7384
+    assert cluster.seconds_left("03:04") == 184 and cluster.seconds_left("UNLIMITED") is None
+    assert cluster.seconds_left("") is None and cluster.seconds_left("NOT_SET") is None
+    assert cluster.capped_timeout(5400, "UNLIMITED", 20) == (5400, None)
+    assert cluster.capped_timeout(600, "2:00:00", 20) == (600, None)
+    timeout, why = cluster.capped_timeout(5400, "30:00", 20)  # a 405B job submitted with --time=00:30:00
+    assert timeout == 1800 - 20 - 30 and "time limit leaves 1800 s" in why and "--time" in why
+    assert cluster.capped_timeout(5400, "00:40", 20)[0] == 0

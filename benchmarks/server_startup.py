@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import llmlab
-from llmlab.server import EmbeddedServer
+from llmlab.serve.embedded import EmbeddedServer
 
 
 def one_run(extra_args: list[str]) -> tuple[float, float]:

@@ -1,5 +1,5 @@
 import sys
 
-from llmlab.cli import main
+from llmlab.ops.cli import main
 
 sys.exit(main())

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from llmlab import memory
-from llmlab.connection import llmlab_home, read_connection_file, servers_dir, write_connection_file
+from llmlab.serve.info import llmlab_home, read_connection_file, servers_dir, write_connection_file
 
 SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
 
@@ -334,7 +334,7 @@ class RenderedJob:
     job: JobSettings
     job_id: str
     nodes: list[str]
-    bind_host: str           # where the key-checking proxy listens (llmlab.proxy)
+    bind_host: str           # where the key-checking proxy listens (llmlab.serve.proxy)
     host: str                # what clients dial (the connection file's host)
     port: int                # the proxy's port; vLLM itself listens on the Unix socket ``uds`` only
     uds: str
@@ -351,8 +351,8 @@ class RenderedJob:
 
     @property
     def argv(self) -> list[str]:
-        """What the launcher executes: ``serve_line`` through :func:`llmlab.server.vllm_serve`."""
-        from llmlab.server import vllm_serve
+        """What the launcher executes: ``serve_line`` through :func:`llmlab.serve.vllm.vllm_serve`."""
+        from llmlab.serve.vllm import vllm_serve
 
         return vllm_serve(self.python, self.model_path, self.flags)
 
@@ -427,7 +427,7 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     port = port or free_port(bind_host)
     path = model_path(job, env)
     # vLLM on a Unix socket in a 0700 directory: only the job's user reaches it; the proxy on bind_host:port checks
-    # the key of every request and forwards only /v1/*, /health and /metrics (llmlab.proxy says why).
+    # the key of every request and forwards only /v1/*, /health and /metrics (llmlab.serve.proxy says why).
     run_dir = env.get("LLMLAB_RUN_DIR") or f"{env.get('TMPDIR') or '/tmp'}/llmlab-run-{job_id}"
     uds = f"{run_dir}/vllm.sock"
     flags = vllm_flags(job) + ["--served-model-name", job.name, "--uds", uds]
@@ -599,7 +599,7 @@ def parse_ray_status(text: str) -> tuple[int, float]:
 
 
 def tail(path: Path | str, n: int = 12) -> str:
-    from llmlab.server import last_lines
+    from llmlab.serve.proc import last_lines
 
     return last_lines(Path(path), n)
 
@@ -634,7 +634,7 @@ def raylet_failure(temp_dir: str) -> str | None:
 
 
 def _dead_step(steps: dict[str, tuple[int, str]]) -> str | None:
-    from llmlab.server import pid_alive
+    from llmlab.serve.proc import pid_alive
 
     return next((node for node, (pid, _) in steps.items() if not pid_alive(pid)), None)
 
@@ -748,7 +748,7 @@ def load_progress(log: str | Path) -> LoadProgress:
     """Parse a vLLM log into the start-up phase and the weight-shard progress: a ``Path`` is read, a ``str``
     is the log's text.  vLLM redraws its shard progress bar with carriage returns; the last one counts.
     """
-    from llmlab.server import WEIGHTS_LOADED, phases_seen
+    from llmlab.serve.vllm import WEIGHTS_LOADED, phases_seen
 
     if isinstance(log, Path):
         try:
@@ -778,7 +778,7 @@ def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, 
     Returns True once /health answers 200; prints the reason (exit, time-out) with the log's last lines
     and returns False otherwise.
     """
-    from llmlab.server import health, pid_alive
+    from llmlab.serve.proc import health, pid_alive
 
     start, last = time.monotonic(), ""
     while not health(host, port, api_key=api_key):
@@ -805,7 +805,8 @@ def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, 
 def is_alive(info: dict, timeout: float = 2.0) -> bool:
     """Does the server of a connection file answer ``/health``?  Asked with the server's key (its proxy wants
     the key on every request), read from the connection file's key file."""
-    from llmlab.server import health, key_of
+    from llmlab.serve.embedded import key_of
+    from llmlab.serve.proc import health
 
     return health(info["host"], info["port"], timeout, api_key=key_of(info))
 
@@ -813,7 +814,7 @@ def is_alive(info: dict, timeout: float = 2.0) -> bool:
 def servers(check: bool = True, embedded: bool = True) -> list[dict]:
     """Every llmlab server this user has published: SLURM jobs' connection files, newest first, then the
     embedded server.  ``alive`` says whether it answers now.  The key never appears, only its file."""
-    from llmlab.server import state_file
+    from llmlab.serve.embedded import state_file
 
     files = sorted(servers_dir().glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
     if embedded and state_file().exists():
@@ -863,7 +864,7 @@ def _cmd_render(a) -> int:
     rendered = render(a.job, job_id=a.job_id, nodes=a.nodes.split() if a.nodes else None, port=a.port,
                       python=a.python)
     print(rendered.shell() if a.shell else rendered.summary() + "\n" + rendered.serve_line)
-    from llmlab.doctor import installed_vllm, vllm_outside_range
+    from llmlab.serve.vllm import installed_vllm, vllm_outside_range
 
     if untested := vllm_outside_range(installed_vllm()):
         say(f"warning: {untested}", file=sys.stderr)  # in the job's output, before anything starts
@@ -921,7 +922,7 @@ def _cmd_wait_ready(a) -> int:
                                  api_key_file=Path(a.key_file), job_id=a.job_id, **extra)
     url = f"http://{a.host}:{a.port}/v1"
     if extra.get("share_dir"):
-        from llmlab import share
+        from llmlab.serve import share
 
         shared = share.publish(extra["share_dir"], read_connection_file(info))
         say(f"shared with group {extra['group']}: learners set LLMLAB_CONNECTION_FILE={shared}")

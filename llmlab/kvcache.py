@@ -434,7 +434,7 @@ def metrics_url(base_url: str) -> str:
 def fetch_metrics(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> Metrics:
     """Scrape a vLLM server's ``/metrics`` and parse it.  The key goes along as a Bearer token: vLLM
     itself guards only ``/v1``, but a proxy in front of a shared server may guard every route."""
-    from llmlab.connection import AuthenticationFailed, ServerError, ServerUnavailable
+    from llmlab.serve.info import AuthenticationFailed, ServerError, ServerUnavailable
 
     url = metrics_url(str(base_url))
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
@@ -464,7 +464,7 @@ def load_model(path: str | Path = TINY_MODEL):
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        from llmlab.connection import ServerError
+        from llmlab.serve.info import ServerError
 
         raise ServerError(f"No model at {path}: the shipped tiny model lives in llmlab/models/llmlab-tiny "
                           "(reinstall llmlab), or pass the directory of another Hugging Face model.")

@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from llmlab import memory, sampling
-from llmlab.connection import llmlab_home
-from llmlab.server import TINY_MODEL, last_lines, pid_alive, terminate
+from llmlab.serve.embedded import TINY_MODEL
+from llmlab.serve.info import llmlab_home
+from llmlab.serve.proc import last_lines, pid_alive, terminate
 
 DEFAULT_START_TIMEOUT = 600.0
 """Seconds for the engine to load: ~1 min for the tiny model on 2 idle cores, 2-3 min on a busy CI machine."""

@@ -513,7 +513,7 @@ def rehearsal_job(model: str, *, tp: int | None = None, pp: int | None = None, m
 def serve_argv(job, model_dir: Path, port: int, uds: Path | None = None) -> tuple[list[str], dict[str, str], str]:
     """The launcher's ``vllm serve`` line for ``job`` (``cluster.vllm_flags``: the layout flags the job script
     uses, and the job's extra flags) on the dummy model, with ``--load-format dummy``, served on 127.0.0.1:port,
-    or on the Unix socket ``uds`` as the launcher serves it behind llmlab.proxy.
+    or on the Unix socket ``uds`` as the launcher serves it behind llmlab.serve.proxy.
 
     One change for a rehearsal on one node: PP uses vLLM's own processes (``mp``) instead of Ray, which the
     launcher needs only to span nodes.  Returns (argv, extra environment, the ``vllm serve`` line); the
@@ -522,7 +522,7 @@ def serve_argv(job, model_dir: Path, port: int, uds: Path | None = None) -> tupl
     import importlib.util
 
     from llmlab import cluster
-    from llmlab.server import vllm_serve
+    from llmlab.serve.vllm import vllm_serve
 
     flags = cluster.vllm_flags(job)
     if "--distributed-executor-backend" in flags:
@@ -562,19 +562,19 @@ class Server:
         return self
 
     def wait_ready(self, timeout: float, progress: bool) -> None:
-        from llmlab import server
+        from llmlab.serve.vllm import wait_for_health
 
-        server.wait_for_health(self.host, self.port, self.proc.pid, self.log_path, timeout, progress,
-                               exit_code=self.proc.poll)
+        wait_for_health(self.host, self.port, self.proc.pid, self.log_path, timeout, progress,
+                        exit_code=self.proc.poll)
 
     def stop(self, grace: float = 30.0) -> bool:
         """SIGTERM the group, SIGKILL after ``grace``; True once no process of the group is left."""
         if self.proc is None:
             return True
-        from llmlab import server
+        from llmlab.serve.proc import terminate
 
         pgid = self.proc.pid
-        server.terminate(pgid, grace)
+        terminate(pgid, grace)
         with contextlib.suppress(Exception):
             self.proc.wait(timeout=10)
         deadline = time.monotonic() + 20
@@ -713,9 +713,9 @@ def rehearse(model: str, *, tp: int | None = None, pp: int | None = None, max_mo
     before = predict_kv_before_start(layout, gpu_bytes)
     model_dir = out / "model"
     tok = make_dummy_model(job.model, model_dir)
-    from llmlab import server as embedded
+    from llmlab.serve import proc
 
-    port = embedded.free_port("127.0.0.1")
+    port = proc.free_port("127.0.0.1")
     argv, env, line = serve_argv(job, model_dir, port)
     env = {**os.environ, **env}
     if engine == "gpu":

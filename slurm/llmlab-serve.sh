@@ -9,7 +9,7 @@
 #      authentication (RAY_AUTH_MODE=token, a per-job 0600 token file), and waits until `ray status` shows
 #      every node and GPU; a node whose Ray exits is retried (a bad argument is not), and the job fails with
 #      that node's log, or with the missing nodes after the time-out;
-#   4. starts vLLM on a Unix socket in a private (0700) directory, and in front of it llmlab.proxy on the
+#   4. starts vLLM on a Unix socket in a private (0700) directory, and in front of it llmlab.serve.proxy on the
 #      job's port, which checks the key (read from its file: not in `ps`, not in any log) on every request and
 #      forwards only /v1/*, /health and /metrics; prints the model-load progress, waits for /health, then
 #      writes the connection file that llmlab.connect() reads and prints how to use the server;
@@ -20,7 +20,7 @@
 # LLMLAB_MODEL_DIR, LLMLAB_CACHE_DIR, LLMLAB_MAX_MODEL_LEN, LLMLAB_EXTRA_VLLM_ARGS, LLMLAB_RAY_TIMEOUT,
 # LLMLAB_READY_TIMEOUT, LLMLAB_NCCL_IB=1, LLMLAB_RAY_*, LLMLAB_KEYS (a file or directory of registered
 # 'sha256:<hex>' key digests the proxy also accepts), LLMLAB_SHARE_DIR + LLMLAB_SHARE_GROUP (a workshop server:
-# llmlab.share); LLMLAB_DRY_RUN=1 prints what would run and exits.
+# llmlab.serve.share); LLMLAB_DRY_RUN=1 prints what would run and exits.
 # slurm/README.md explains each.  Partition, account and time come from sbatch's own flags or SBATCH_*.
 set -euo pipefail
 umask 077  # everything this job writes (key, connection file, logs) is readable by its user only
@@ -74,7 +74,7 @@ if [[ $dry_run == 1 ]]; then
   fi
   echo "vLLM:       $serve_line"
   echo "runs as:    ${serve_argv[*]}"
-  echo "proxy:      $PY -m llmlab.proxy --listen $bind_host:$port --upstream unix:$uds --key-file KEY_FILE"
+  echo "proxy:      $PY -m llmlab.serve.proxy --listen $bind_host:$port --upstream unix:$uds --key-file KEY_FILE"
   env_lines=$(grep '^export ' <<<"$rendered" | sed 's/^export /            /') || true
   echo "env:"
   echo "$env_lines"
@@ -244,7 +244,7 @@ keys_arg=()
 # A workshop server (llmlab launch --share GROUP): the learners register their key digests in the share's keys/.
 [[ -n ${LLMLAB_SHARE_DIR:-} ]] && LLMLAB_KEYS=${LLMLAB_KEYS:-$LLMLAB_SHARE_DIR/keys}
 [[ -n ${LLMLAB_KEYS:-} ]] && keys_arg=(--keys "$LLMLAB_KEYS")
-"$PY" -m llmlab.proxy --listen "$bind_host:$port" --upstream "unix:$uds" --key-file "$key_file" \
+"$PY" -m llmlab.serve.proxy --listen "$bind_host:$port" --upstream "unix:$uds" --key-file "$key_file" \
   --watch-pid "$vllm_pid" "${keys_arg[@]}" >"$log_dir/proxy.log" 2>&1 </dev/null &
 proxy_pid=$!
 # The wait ends before the job's time limit does (squeue's %L: the time left), so a load that cannot finish in

@@ -243,9 +243,9 @@ def screenshots(out_dir: Path) -> list[Path]:
                 cell_of(widget).screenshot(path=out_dir / png)
                 written.append(out_dir / png)
     finally:
-        from llmlab import server
+        from llmlab.serve import embedded
 
-        server.stop_embedded()
+        embedded.stop_embedded()
         shutil.rmtree(home, ignore_errors=True)
     return written
 

@@ -7,8 +7,8 @@ import sys
 import time
 import urllib.request
 
-from llmlab import server
-from llmlab.server import free_port
+from llmlab.serve.embedded import embedded_status
+from llmlab.serve.proc import free_port
 
 
 def llmlab(*args, **kw):
@@ -48,11 +48,11 @@ def test_lab_opens_jupyterlab_on_the_running_server_and_ctrl_c_ends_it(embedded,
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
-    assert server.embedded_status()["pid"] == embedded["pid"]
+    assert embedded_status()["pid"] == embedded["pid"]
 
 
 def test_doctor_names_a_vllm_outside_the_tested_range():
-    from llmlab import doctor
+    from llmlab.serve import vllm as doctor
 
     assert doctor.vllm_outside_range("0.32.0") is None and doctor.vllm_outside_range("0.26.0+cu130") is None
     assert doctor.vllm_outside_range(None) is None

@@ -8,15 +8,16 @@ import pytest
 
 import llmlab
 from llmlab import connection
-from llmlab.server import free_port
+from llmlab.serve import info as files
+from llmlab.serve.proc import free_port
 
 
 @pytest.fixture
 def slurm_file(tmp_path):
     """A SLURM job's connection file pointing at a closed port; removed afterwards, as the job's trap does."""
-    key = connection.write_private(tmp_path / "job.key", "secret-key\n")
-    path = connection.servers_dir() / "4242.json"
-    connection.write_connection_file(path, kind="slurm", host="127.0.0.1", port=free_port(), model="llama3.1-70b",
+    key = files.write_private(tmp_path / "job.key", "secret-key\n")
+    path = files.servers_dir() / "4242.json"
+    files.write_connection_file(path, kind="slurm", host="127.0.0.1", port=free_port(), model="llama3.1-70b",
                                      api_key_file=key, job_id="4242", nodes=2)
     yield path
     path.unlink(missing_ok=True)
@@ -24,7 +25,7 @@ def slurm_file(tmp_path):
 
 def test_connection_file_roundtrip_is_private(slurm_file):
     assert stat.S_IMODE(os.stat(slurm_file).st_mode) == 0o600
-    info = connection.read_connection_file(slurm_file)
+    info = files.read_connection_file(slurm_file)
     assert info["model"] == "llama3.1-70b" and info["job_id"] == "4242" and info["nodes"] == 2
     assert "secret-key" not in slurm_file.read_text()  # the file names the key file, never the key
 
@@ -33,10 +34,10 @@ def test_malformed_connection_file_names_the_field(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"host": "n1", "port": 1}))
     with pytest.raises(llmlab.ServerError, match="model, api_key_file"):
-        connection.read_connection_file(bad)
+        files.read_connection_file(bad)
     bad.write_text("{not json")
     with pytest.raises(llmlab.ServerError, match="not valid JSON"):
-        connection.read_connection_file(bad)
+        files.read_connection_file(bad)
 
 
 def test_slurm_connection_file_wins_over_embedded_and_down_server_is_one_sentence(slurm_file):
@@ -64,8 +65,8 @@ def test_connection_file_that_vanished(monkeypatch, tmp_path):
 
 
 def test_server_still_loading_is_one_sentence(tmp_path, monkeypatch):
-    key = connection.write_private(tmp_path / "job.key", "k\n")
-    path = connection.write_connection_file(tmp_path / "77.json", kind="slurm", host="127.0.0.1", port=free_port(),
+    key = files.write_private(tmp_path / "job.key", "k\n")
+    path = files.write_connection_file(tmp_path / "77.json", kind="slurm", host="127.0.0.1", port=free_port(),
                                             model="llama3.1-405b", api_key_file=key, job_id="77", status="loading",
                                             phase="Loading safetensors checkpoint shards 40%")
     monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(path))

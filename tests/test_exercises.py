@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from llmlab import exercises
+from llmlab.ops import exercises
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""The cluster CLI (llmlab.jobs, ``llmlab launch | status | metrics | logs | stop | list``).
+"""The cluster CLI (llmlab.ops.jobs, ``llmlab launch | status | metrics | logs | stop | list``).
 
 Pure tests (settings and overrides, the plan check, the rendered job script, the launcher's own dry run for
 every shipped GPU model) need no SLURM.  The rest run every command against the real slurmctld + two slurmd
@@ -23,8 +23,9 @@ import pytest
 from test_slurm import CPU_JOB, GPU_JOBS, dry_run, job_processes, needs_slurm, slurm_env, wait_for  # noqa: F401
 
 import llmlab
-from llmlab import cluster, jobs, kvcache, memory
-from llmlab.connection import read_key, servers_dir, write_connection_file
+from llmlab import cluster, kvcache, memory
+from llmlab.ops import jobs
+from llmlab.serve.info import read_key, servers_dir, write_connection_file
 
 
 def llmlab_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:

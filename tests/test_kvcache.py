@@ -197,8 +197,8 @@ def test_metrics_live_at_the_server_root(url):
 
 
 def test_no_server_is_one_sentence():
-    from llmlab.connection import ServerUnavailable
-    from llmlab.server import free_port
+    from llmlab.serve.info import ServerUnavailable
+    from llmlab.serve.proc import free_port
 
     with pytest.raises(ServerUnavailable, match="No server answers"):
         kc.fetch_metrics(f"http://127.0.0.1:{free_port()}/v1", "key", timeout=2)
@@ -252,7 +252,7 @@ def test_shipped_tiny_model_caches_what_memory_predicts():
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path):
-    from llmlab.connection import ServerError
+    from llmlab.serve.info import ServerError
 
     with pytest.raises(ServerError, match="No model at"):
         kc.load_model(tmp_path)
@@ -263,7 +263,7 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
 @pytest.fixture(scope="module")
 def live(embedded):
     import llmlab
-    from llmlab.connection import base_url_of, read_key
+    from llmlab.serve.info import base_url_of, read_key
 
     key = read_key(embedded["api_key_file"])
     client, model = llmlab.connect(base_url_of(embedded), key, quiet=True)

@@ -20,7 +20,7 @@ import pytest
 
 import llmlab
 from llmlab import loadtest as lt
-from llmlab.server import EmbeddedServer
+from llmlab.serve.embedded import EmbeddedServer
 
 # --- a fake OpenAI client that streams, stalls and fails as told --------------------------------------
 

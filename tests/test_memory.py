@@ -9,7 +9,7 @@ import json
 import pytest
 
 from llmlab import memory as m
-from llmlab.cli import main
+from llmlab.ops.cli import main
 
 PUBLISHED_PARAMS = {  # Hugging Face's totals for each shipped config
     "llama3.1-8b": 8_030_261_248,
@@ -410,7 +410,7 @@ def test_live_embedded_server_kv_log_matches_the_arithmetic(embedded):
 @pytest.mark.server
 def test_live_second_budget_and_odd_context_match_the_arithmetic(tmp_path):
     """A second server with 2 GiB of KV and a context (500) that is not a multiple of the 128-token block."""
-    from llmlab.server import EmbeddedServer
+    from llmlab.serve.embedded import EmbeddedServer
 
     with EmbeddedServer(kv_cache_gib=2, max_model_len=500, log_path=tmp_path / "kv.log") as srv:
         logged = m.parse_kv_log(srv.log_path.read_text(errors="replace"))

@@ -13,10 +13,12 @@ import time
 
 import pytest
 
-from llmlab import cli, memory, offline, sampling
-from llmlab import server as srv
+from llmlab import memory, offline, sampling
+from llmlab.ops import cli
+from llmlab.serve.embedded import TINY_MODEL
+from llmlab.serve.proc import terminate
 
-TINY = str(srv.TINY_MODEL)
+TINY = str(TINY_MODEL)
 
 
 def generate(*args, capsys):
@@ -71,7 +73,7 @@ def test_wrong_sampling_value_fails_with_llmlabs_message():
 def test_tiny_model_is_the_default():
     for name in (None, "llmlab-tiny", TINY):
         found = offline.resolve_model(name)
-        assert found.local and found.config.is_file() and found.name == str(srv.TINY_MODEL.resolve())
+        assert found.local and found.config.is_file() and found.name == str(TINY_MODEL.resolve())
 
 
 def test_missing_model_is_one_clear_sentence(tmp_path, monkeypatch):
@@ -187,7 +189,7 @@ def test_memory_of_a_process_tree_and_after_it_ends():
         m = offline.memory_of(proc.pid)
         assert m["processes"] == 2 and 0 < m["pss"] <= m["rss"] <= m["peak_rss"]
     finally:
-        srv.terminate(proc.pid, 1)
+        terminate(proc.pid, 1)
         proc.kill()
         proc.wait()
     assert offline.memory_of(proc.pid)["processes"] == 0
@@ -231,7 +233,7 @@ def test_cli_no_engine_installed(capsys, monkeypatch):
 
 def test_cli_no_engine_installed_exit_status():
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "from llmlab.cli import main; sys.exit(main(['generate', '--prompt', 'Hi']))")
+            "from llmlab.ops.cli import main; sys.exit(main(['generate', '--prompt', 'Hi']))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "vLLM is not installed" in result.stderr, result.stderr
 
@@ -272,7 +274,7 @@ def test_cli_generates_offline_next_to_the_server(tmp_path, embedded, api_key):
                              "--ignore-eos"], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
-    assert report["model"] == str(srv.TINY_MODEL.resolve()) and report["dtype"] == "float32"
+    assert report["model"] == str(TINY_MODEL.resolve()) and report["dtype"] == "float32"
     assert report["prompts"] == 3 and report["output_tokens"] == 48
     assert report["load_s"] > 0 and report["warmup_s"] > 0 and 0 < report["ttft_s"] < report["generation_s"]
     assert report["output_tokens_per_s"] == pytest.approx(48 / report["generation_s"])

@@ -38,7 +38,7 @@ def test_the_named_packages_are_real_dependencies():
 
 
 def test_the_gpu_extra_bounds_vllm_to_the_tested_range():
-    from llmlab import doctor
+    from llmlab.serve import vllm as doctor
 
     (gpu,) = PYPROJECT["optional-dependencies"]["gpu"]
     assert gpu == "vllm" + ",".join(doctor.VLLM_RANGE)

@@ -1,4 +1,4 @@
-"""llmlab.proxy: the key check, the path rules, and the proxy in front of the real embedded server.
+"""llmlab.serve.proxy: the key check, the path rules, and the proxy in front of the real embedded server.
 
 The attacker's view (a second UNIX user) is tests/test_security.py; here the owner's side: registered keys and
 their revocation, streaming that is not buffered, and a client that goes away aborting the generation in vLLM.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from llmlab import proxy
-from llmlab.connection import write_private
-from llmlab.server import free_port, health
+from llmlab.serve import proxy
+from llmlab.serve.info import write_private
+from llmlab.serve.proc import free_port, health
 
 
 @pytest.mark.parametrize("raw, path, refused", [
@@ -72,7 +72,7 @@ def test_keyring_refuses_an_unreadable_or_short_key(tmp_path):
 
 def test_bad_listen_address_is_one_sentence(tmp_path):
     key = write_private(tmp_path / "k", "k" * 32)
-    out = subprocess.run([sys.executable, "-m", "llmlab.proxy", "--listen", "nohostport", "--upstream",
+    out = subprocess.run([sys.executable, "-m", "llmlab.serve.proxy", "--listen", "nohostport", "--upstream",
                           f"unix:{tmp_path}/s", "--key-file", str(key)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "give HOST:PORT" in out.stderr and "Traceback" not in out.stderr
 
@@ -107,7 +107,7 @@ def test_embedded_server_is_behind_the_proxy_on_a_private_socket(embedded, api_k
 
 def test_embedded_proxy_keeps_off_the_core_vllm_reserves_for_its_frontend(embedded):
     """vLLM-CPU binds its compute threads away from its highest CPU and runs its API server there; the proxy
-    runs on the others (llmlab.server.proxy_cpus)."""
+    runs on the others (llmlab.serve.proxy.proxy_cpus)."""
     ours = sorted(os.sched_getaffinity(0))
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     proxies = []
@@ -116,7 +116,7 @@ def test_embedded_proxy_keeps_off_the_core_vllm_reserves_for_its_frontend(embedd
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"llmlab.proxy" in cmdline and f"127.0.0.1:{embedded['port']}".encode() in cmdline:
+        if b"llmlab.serve.proxy" in cmdline and f"127.0.0.1:{embedded['port']}".encode() in cmdline:
             proxies.append(pid)
     assert len(proxies) == 1
     assert sorted(os.sched_getaffinity(proxies[0])) == (ours[:-1] if len(ours) > 1 else ours)
@@ -140,7 +140,7 @@ def test_registered_key_works_and_revocation_needs_no_restart(embedded, tmp_path
     keys.mkdir()
     learner = "learner-" + os.urandom(16).hex()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmlab.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
+    proc = subprocess.Popen([sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
                              f"unix:{embedded['uds']}", "--key-file", str(owner), "--keys", str(keys)])
     try:
         url = f"http://127.0.0.1:{port}/v1/models"
@@ -273,7 +273,7 @@ def test_http_1_0_gets_its_answer_and_the_connection_closes(embedded, api_key):
 def test_upstream_that_does_not_answer_is_503_with_the_reason(tmp_path):
     key = "owner-" + os.urandom(16).hex()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmlab.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
+    proc = subprocess.Popen([sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
                              f"unix:{tmp_path}/no-vllm.sock", "--key-file", str(write_private(tmp_path / "k", key))])
     try:
         deadline = time.monotonic() + 60

@@ -1,7 +1,7 @@
 """The attacker's suite (docs/security.md): another user of the same machine attacks a running llmlab server.
 
 A second UNIX account (``llmlab-attacker``, created with useradd; CI runs as root) runs curl, cat and ps
-against the embedded server (vLLM on a private Unix socket behind llmlab.proxy) and against a Ray head started
+against the embedded server (vLLM on a private Unix socket behind llmlab.serve.proxy) and against a Ray head started
 with token authentication exactly as the SLURM launcher starts it.  Each case is its own test.  After every
 case the owner's request still works, and at the end the server is neither paused nor missing a request.
 Only the attacker's commands drop privileges; the owner's checks run as the test's own user.
@@ -27,8 +27,8 @@ import pytest
 
 import llmlab
 from llmlab import cluster
-from llmlab.connection import read_key, write_private
-from llmlab.server import pid_alive
+from llmlab.serve.info import read_key, write_private
+from llmlab.serve.proc import pid_alive
 
 ATTACKER = "llmlab-attacker"
 TOOLS = ("useradd", "setpriv", "curl", "ps")
@@ -202,9 +202,9 @@ def test_vllm_api_has_no_tcp_listener_besides_the_proxy(embedded):
             if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
                 listening.append((f[1], _cmd(inodes[f[9]])))
     assert all(address.startswith(("0100007F:", "00000000000000000000000001000000:")) for address, _ in listening)
-    api = [(address, cmd) for address, cmd in listening if "vllm.entrypoints" in cmd or "llmlab.proxy" in cmd]
+    api = [(address, cmd) for address, cmd in listening if "vllm.entrypoints" in cmd or "llmlab.serve.proxy" in cmd]
     assert [address for address, _ in api] == [f"0100007F:{embedded['port']:04X}"], listening
-    assert "llmlab.proxy" in api[0][1]
+    assert "llmlab.serve.proxy" in api[0][1]
 
 
 def _pgid(pid: str) -> int | None:
@@ -230,7 +230,7 @@ def test_attacker_cannot_read_the_servers_environment(attacker, embedded):
 
 def test_ps_shows_no_secret(attacker, api_key):
     args = as_attacker(attacker, "ps", "-eo", "args").stdout.decode()
-    assert "llmlab.proxy" in args and "--key-file" in args  # the attacker does see the processes ...
+    assert "llmlab.serve.proxy" in args and "--key-file" in args  # the attacker does see the processes ...
     assert api_key not in args  # ... but no key in their arguments
 
 
@@ -460,7 +460,7 @@ def test_slurm_job_key_and_token_files_are_unreadable(attacker, slurm_job):
 def test_slurm_job_secrets_are_in_no_ps_output_nor_job_output(attacker, slurm_job):
     token = read_key(slurm_job["token_file"])
     args = as_attacker(attacker, "ps", "-eo", "args").stdout.decode()
-    assert "raylet" in args and "llmlab.proxy" in args
+    assert "raylet" in args and "llmlab.serve.proxy" in args
     assert slurm_job["key"] not in args and token not in args
     text = slurm_job["output"].read_text()
     assert "READY" in text and slurm_job["key"] not in text and token not in text

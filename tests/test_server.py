@@ -10,8 +10,8 @@ import urllib.request
 import pytest
 
 import llmlab
-from llmlab import server
-from llmlab.connection import base_url_of
+from llmlab.serve import embedded as server
+from llmlab.serve.info import base_url_of
 
 
 def test_embedded_server_is_found_and_answers(embedded, capsys):

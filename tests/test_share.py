@@ -1,7 +1,7 @@
-"""One server for a room (llmlab.share): learners of a UNIX group, each with a key of their own.
+"""One server for a room (llmlab.serve.share): learners of a UNIX group, each with a key of their own.
 
 Real users and a real server: the test (root, as in CI) makes a group with one learner, and an outsider;
-the embedded vLLM server's socket gets a second llmlab.proxy that also accepts the keys registered in a share
+the embedded vLLM server's socket gets a second llmlab.serve.proxy that also accepts the keys registered in a share
 directory; and the same through SLURM with ``llmlab launch --share``.  As the learner, ``llmlab.connect()``
 makes and registers a key and generates text; the instructor revokes the learner without restarting
 anything; the outsider cannot even read where the server is.  Skipped (with the reason) only where the test
@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 from test_slurm import CPU_JOB, job_processes, needs_slurm, slurm_env, wait_for  # noqa: F401
 
-from llmlab import jobs, share
-from llmlab.connection import read_connection_file
-from llmlab.server import free_port, health, proxy_command
+from llmlab.ops import jobs
+from llmlab.serve import share
+from llmlab.serve.info import read_connection_file
+from llmlab.serve.proc import free_port, health
+from llmlab.serve.proxy import proxy_command
 
 GROUP, LEARNER, OUTSIDER = "llmlab-ws", "llmlab-learner", "llmlab-outsider"
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ import slurm_testbed
 
 import llmlab
 from llmlab import cluster, memory
-from llmlab.connection import read_key, servers_dir
+from llmlab.serve.info import read_key, servers_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "slurm"
@@ -301,7 +301,7 @@ def test_tp_vs_pp_arithmetic():
 
 def test_servers_lists_connection_files_without_keys(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMLAB_HOME", str(tmp_path))
-    from llmlab.connection import write_connection_file
+    from llmlab.serve.info import write_connection_file
 
     key = tmp_path / "keys" / "job-7.key"
     key.parent.mkdir()

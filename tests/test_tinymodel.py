@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmlab import tinymodel
-from llmlab.server import TINY_MODEL
+from llmlab.ops import tinymodel
+from llmlab.serve.embedded import TINY_MODEL
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 Why: ``llmlab status`` follows vLLM's start-up through its log lines, ``llmlab metrics`` and notebook 02 read
 its ``/metrics`` names, the launcher passes it flags, and rehearsals parse its memory lines.  vLLM renamed some
 of each between releases (0.28 put the KV size and the concurrency on one line; 0.29 deprecated the API server
-module llmlab runs).  ``llmlab.doctor.VLLM_TESTED`` names the releases; this file proves the claim:
+module llmlab runs).  ``llmlab.serve.vllm.VLLM_TESTED`` names the releases; this file proves the claim:
 
 - **Every CI run** replays the fixtures under ``tests/fixtures/vllm/<version>/`` (``vllm.log``, the start-up log
   of a real server; ``metrics.txt``, its ``/metrics`` after one request): the CUDA build's from the GPU runs
@@ -24,12 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from llmlab import cluster, doctor, kvcache, rehearse
-from llmlab.server import PHASES
+from llmlab import cluster, kvcache, rehearse
+from llmlab.serve import vllm
+from llmlab.serve.vllm import PHASES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 GPU_ONLY = {"compiling the model (torch.compile)", "capturing CUDA graphs"}  # the CPU build logs neither
-# Every /metrics name llmlab reads (llmlab.jobs.metrics, notebook 02's prefix-cache cells, llmlab.kvcache).
+# Every /metrics name llmlab reads (llmlab.ops.jobs.metrics, notebook 02's prefix-cache cells, llmlab.kvcache).
 METRICS = [kvcache.PREFIX_QUERIES, kvcache.PREFIX_HITS, kvcache.KV_USAGE, kvcache.PROMPT_TOKENS, kvcache.TTFT,
            kvcache.FINISHED, kvcache.CACHE_CONFIG, "vllm:generation_tokens_total", "vllm:num_requests_running",
            "vllm:num_requests_waiting", "vllm:e2e_request_latency_seconds"]
@@ -69,7 +70,7 @@ def fixture_versions() -> list[str]:
 
 
 def test_every_tested_release_has_fixtures():
-    assert set(fixture_versions()) == set(doctor.VLLM_TESTED), "llmlab.doctor.VLLM_TESTED names the fixtures"
+    assert set(fixture_versions()) == set(vllm.VLLM_TESTED), "llmlab.serve.vllm.VLLM_TESTED names the fixtures"
 
 
 @pytest.mark.parametrize("version", fixture_versions())
@@ -103,8 +104,8 @@ def live_versions() -> list[str]:
 
 LIVE = r"""
 import sys, urllib.request
-from llmlab import server
-srv = server.EmbeddedServer(max_model_len=512, log_path=__import__("pathlib").Path(sys.argv[1]) / "vllm.log")
+from llmlab.serve import embedded
+srv = embedded.EmbeddedServer(max_model_len=512, log_path=__import__("pathlib").Path(sys.argv[1]) / "vllm.log")
 try:
     srv.start().wait_ready(timeout=600, progress=False)
     import openai

@@ -25,7 +25,7 @@ parse, judge, then relay vLLM's answer piece by piece with one write each.  A fi
 spent about twice the CPU per streamed token on a 2-core machine (81 against 38-70 us at 32 streams, 264 against
 78-156 us at 1), and a 2-core laptop takes that from vLLM (``benchmarks/proxy_overhead.py``; docs/security.md).
 
-Run: ``python -m llmlab.proxy --listen HOST:PORT --upstream unix:/run/dir/vllm.sock --key-file FILE
+Run: ``python -m llmlab.serve.proxy --listen HOST:PORT --upstream unix:/run/dir/vllm.sock --key-file FILE
 [--keys DIR_OR_FILE] [--watch-pid PID]``.  Secrets only through files (never the command line): ``--key-file``
 holds the owner's key; an older vLLM without ``--uds`` is reached as ``--upstream http://127.0.0.1:PORT``
 with its internal key in ``--upstream-key-file``.
@@ -51,7 +51,7 @@ from urllib.parse import unquote
 
 import httptools
 
-log = logging.getLogger("llmlab.proxy")
+log = logging.getLogger("llmlab.serve.proxy")
 
 ALLOWED_EXACT = ("/health", "/metrics")
 ALLOWED_PREFIX = "/v1/"
@@ -521,7 +521,7 @@ class Proxy:
 
 async def _watch_pid(pid: int, stop: asyncio.Event) -> None:
     """Stop serving once the process we front (vLLM) has gone: a proxy for nothing would only answer 503."""
-    from llmlab.server import pid_alive
+    from llmlab.serve.proc import pid_alive
 
     while pid_alive(pid):
         await asyncio.sleep(1.0)
@@ -575,8 +575,28 @@ def pin(cpus: str) -> None:
         raise ProxyError(f"--cpus {cpus!r}: give CPU numbers this process may use, e.g. 0,1 ({e}).") from None
 
 
+def proxy_command(listen: str, uds: Path, key_file: Path, keys: Path | None = None,
+                  python: str = sys.executable, cpus: list[int] | None = None) -> list[str]:
+    """``python -m llmlab.serve.proxy`` in front of the socket: file paths only, never a key."""
+    cmd = [python, "-m", "llmlab.serve.proxy", "--listen", listen, "--upstream", f"unix:{uds}",
+           "--key-file", str(key_file)]
+    return cmd + (["--keys", str(keys)] if keys else []) + (["--cpus", ",".join(map(str, cpus))] if cpus else [])
+
+
+def proxy_cpus() -> list[int]:
+    """The CPUs for the embedded server's proxy: ours, but not the highest one, which vLLM-CPU reserves for its
+    own frontend (API server and scheduler; its log says ``reserved_cpus=[N]``) and binds its compute threads
+    away from.  Why: with the tiny model the frontend core is the bottleneck, and a proxy that takes turns on it
+    slows every stream.  On 2 cores, pinned: x1.318 [0.841 .. 1.625] of direct throughput at 32 streams, against
+    x0.78 unpinned (benchmarks/proxy_overhead.py, docs/security.md).  One CPU, or no affinity API (macOS): no pin."""
+    if not hasattr(os, "sched_getaffinity"):
+        return []
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:-1] if len(cpus) > 1 else cpus
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmlab.proxy", description="Key-checking reverse proxy in front "
+    p = argparse.ArgumentParser(prog="python -m llmlab.serve.proxy", description="Key-checking reverse proxy in front "
                                 "of a vLLM server (see the module docstring). Secrets only through files.")
     p.add_argument("--listen", required=True, help="HOST:PORT others connect to")
     p.add_argument("--upstream", required=True, help="unix:/path/vllm.sock, or http://127.0.0.1:PORT")
@@ -585,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upstream-key-file", type=Path, help="the internal key of an http:// upstream")
     p.add_argument("--watch-pid", type=int, help="exit when this process (vLLM) exits")
     p.add_argument("--log-level", default=os.environ.get("LLMLAB_PROXY_LOG_LEVEL", "warning"))
-    p.add_argument("--cpus", help="run on these CPUs only, e.g. 0,1 (see llmlab.server.proxy_cpus)")
+    p.add_argument("--cpus", help="run on these CPUs only, e.g. 0,1 (see proxy_cpus)")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="[llmlab proxy %(asctime)s] %(message)s",
                         datefmt="%H:%M:%S")

@@ -1,7 +1,7 @@
-"""``llmlab launch | status | metrics | logs | stop | list``: argument parsing and printing over ``llmlab.jobs``.
+"""``llmlab launch | status | metrics | logs | stop | list``: argument parsing and printing over ``llmlab.ops.jobs``.
 
 Kept apart from ``cli.py`` because these commands only make sense on a SLURM login node; the logic, which a
-notebook can call too, is in ``llmlab.jobs``.  Every command takes ``--json`` where a script or a grader may
+notebook can call too, is in ``llmlab.ops.jobs``.  Every command takes ``--json`` where a script or a grader may
 read it; errors are one sentence and exit code 2 (1 for a job that FAILED).
 """
 
@@ -12,7 +12,7 @@ import shlex
 import sys
 import time
 
-from llmlab import doctor, jobs
+from llmlab.ops import doctor, jobs
 
 
 def _json(obj) -> None:

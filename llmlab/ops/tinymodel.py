@@ -1,4 +1,4 @@
-"""Build the course's tiny Llama from a registry-packaged corpus: ``python -m llmlab.tinymodel``.
+"""Build the course's tiny Llama from a registry-packaged corpus: ``python -m llmlab.ops.tinymodel``.
 
 Why a model of our own: the notebooks must run on a laptop and in CI, where nothing may be downloaded
 from a model hub.  So the project trains a real (if small) ``LlamaForCausalLM`` once, deterministically,
@@ -24,7 +24,7 @@ import time
 import zlib
 from pathlib import Path
 
-MODEL_DIR = Path(__file__).parent / "models" / "llmlab-tiny"
+MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "llmlab-tiny"
 SWORD_MODULE = "usr/share/sword/modules/texts/ztext/engWEB2015eb"
 
 # The architecture: small enough to train in ~25 minutes on 2 CPU cores, with grouped-query attention
@@ -269,7 +269,7 @@ real model to serve on a laptop or in CI, with no download.  Not useful for anyt
 - weights: float32 safetensors (serve with `--dtype float32` to match transformers exactly)
 - corpus: the World English Bible, 2015 revision (public domain), from Debian's `sword-text-web`
   package: {paras:,} paragraphs, {corpus_tokens:,} tokens, the last 2 % held out
-- training: `python -m llmlab.tinymodel` (seed {seed}): {steps} steps of {batch} x {context} tokens
+- training: `python -m llmlab.ops.tinymodel` (seed {seed}): {steps} steps of {batch} x {context} tokens
   ({tokens_seen:,} tokens, {epochs:.1f} epochs), AdamW, peak lr {lr} with warm-up and cosine decay
 - time: {minutes} minutes on 2 CPU cores
 - final loss (cross-entropy, nats per token): train {train_loss}, held-out {val_loss}

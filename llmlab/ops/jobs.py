@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmlab import cluster, memory
-from llmlab.connection import llmlab_home, read_connection_file, read_key
+from llmlab.serve.info import llmlab_home, read_connection_file, read_key
 
 REHEARSAL_DIR = "$LLMLAB_HOME/logs/job-$SLURM_JOB_ID/rehearsal"  # where `launch --rehearse` writes its results
 DEFAULT_TIME = "04:00:00"
@@ -229,7 +229,7 @@ def prepare(name: str, *, account: str | None = None, partition: str | None = No
             share_dir: str | None = None, rehearse: bool = False, **overrides) -> Launch:
     """Settings + overrides -> a checked layout and the rendered job script (nothing submitted).
 
-    ``share``: a UNIX group whose members may use the server, each with a key of their own (``llmlab.share``);
+    ``share``: a UNIX group whose members may use the server, each with a key of their own (``llmlab.serve.share``);
     ``share_dir`` (default ``$LLMLAB_SHARE_ROOT/GROUP``) is where they find it.  ``rehearse``: the job runs
     ``llmlab rehearse`` on the layout (dummy weights, one node) instead of serving it.
     """
@@ -257,10 +257,10 @@ def prepare(name: str, *, account: str | None = None, partition: str | None = No
 
 
 def share_directory(group: str, share_dir: str | None) -> Path:
-    """Create the group's share directory (``llmlab.share``) before submitting, so that a wrong group or path
+    """Create the group's share directory (``llmlab.serve.share``) before submitting, so that a wrong group or path
     fails now, in one sentence, and not inside the job."""
-    from llmlab import share
-    from llmlab.connection import ServerError
+    from llmlab.serve import share
+    from llmlab.serve.info import ServerError
 
     where = share_dir or (os.environ.get("LLMLAB_SHARE_ROOT") and Path(os.environ["LLMLAB_SHARE_ROOT"]) / group)
     if not where:
@@ -452,7 +452,7 @@ def _shared(info: dict) -> str:
     """", shared with group G: N learners" for a workshop server (``llmlab launch --share``)."""
     if not info.get("share_dir"):
         return ""
-    from llmlab import share
+    from llmlab.serve import share
 
     who = share.learners(info["share_dir"])
     active = sum(v == "registered" for v in who.values())
@@ -463,7 +463,7 @@ def _shared(info: dict) -> str:
 
 def revoke(job_id: str, name: str) -> str:
     """Shut one learner out of a shared server (``llmlab revoke JOB USER``); the server keeps running."""
-    from llmlab import share
+    from llmlab.serve import share
 
     info = _connection(job_id)
     if not info.get("share_dir"):
@@ -556,7 +556,7 @@ def latest_job() -> str:
 
 def all_status() -> list[dict]:
     """Every llmlab server of this user: SLURM jobs (newest last) and the embedded server."""
-    from llmlab import server
+    from llmlab.serve import embedded
 
     rows = []
     if shutil.which("scontrol"):
@@ -565,7 +565,7 @@ def all_status() -> list[dict]:
                 rows.append(status(job_id).as_dict())
             except JobError as e:
                 rows.append({"job_id": job_id, "state": "?", "detail": str(e)})
-    emb = server.embedded_status()
+    emb = embedded.embedded_status()
     if emb:
         rows.append({"job_id": "embedded", "name": emb.get("model", "llmlab-tiny"),
                      "state": "READY" if emb["ready"] else "LOADING",
@@ -596,7 +596,7 @@ def wait(job_id: str, timeout: float = 7200, poll: float = 2.0, on_change=None) 
 
 def _connection(job_id: str) -> dict:
     if job_id == "embedded":
-        from llmlab.server import state_file
+        from llmlab.serve.embedded import state_file
 
         path = state_file()
     else:

@@ -15,7 +15,7 @@ see, owned by the instructor and the group, closed to everyone else::
 
 A learner's ``llmlab.connect()`` (with ``LLMLAB_CONNECTION_FILE=DIR/server.json``, which the OOD app sets)
 makes a random key in a 0600 file in *their* home, writes only its hash as ``keys/<their name>``, and uses it.
-The proxy in front of vLLM (``llmlab.proxy``) accepts the owner's key and every registered hash, re-reading
+The proxy in front of vLLM (``llmlab.serve.proxy``) accepts the owner's key and every registered hash, re-reading
 ``keys/`` as it changes.  The instructor revokes a learner with ``llmlab revoke JOB USER``: their file is
 replaced by one the instructor owns that registers nothing, and the sticky bit keeps the learner from
 putting theirs back.  The instructor's job cannot write into a learner's home, and need not.
@@ -33,7 +33,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from llmlab.connection import AuthenticationFailed, ServerError, llmlab_home, write_private
+from llmlab.serve.info import AuthenticationFailed, ServerError, llmlab_home, write_private
 
 REVOKED = "# revoked"
 
@@ -44,7 +44,7 @@ def user() -> str:
 
 def key_line(key: str) -> str:
     """What a learner registers: the proxy's own digest line for the key (never the key), with who and when."""
-    from llmlab.proxy import key_digest_line
+    from llmlab.serve.proxy import key_digest_line
 
     return key_digest_line(key, f"{user()}@{socket.gethostname()} {datetime.now(UTC):%Y-%m-%dT%H:%MZ}") + "\n"
 

@@ -1,4 +1,4 @@
-"""pytest plugin for the course's own suite (loaded with ``-p llmlab.testing`` from pyproject).
+"""pytest plugin for the course's own suite (loaded with ``-p llmlab.ops.testing`` from pyproject).
 
 - Gives the whole test session a private ``LLMLAB_HOME``, so tests never touch a learner's running server
   and nbval's notebook kernels (which inherit the environment) all find the one embedded server.
@@ -31,9 +31,9 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     """Stop the session's embedded server (started by a fixture or by a notebook's connect())."""
     if _HOME is not None:
-        from llmlab import server
+        from llmlab.serve import embedded
 
-        server.stop_embedded()
+        embedded.stop_embedded()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -46,13 +46,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def embedded() -> dict:
     """Connection info of the running embedded server (host, port, model, api_key_file, pid, log)."""
-    from llmlab import server
+    from llmlab.serve import embedded
 
-    return server.ensure_embedded(progress=False)
+    return embedded.ensure_embedded(progress=False)
 
 
 @pytest.fixture(scope="session")
 def api_key(embedded) -> str:
-    from llmlab.connection import read_key
+    from llmlab.serve.info import read_key
 
     return read_key(embedded["api_key_file"])

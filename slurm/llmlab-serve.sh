@@ -3,7 +3,7 @@
 #
 # The per-model job scripts next to this file end with `exec bash llmlab-serve.sh JOB`; JOB names a table of
 # models.toml (nodes, GPUs, TP, PP, dtype, context).  What this script does, in order:
-#   1. renders the job (llmlab.cluster): the vllm serve line, a free port, the Ray layout and its ports;
+#   1. renders the job (llmlab.ops.launcher): the vllm serve line, a free port, the Ray layout and its ports;
 #   2. writes a random API key to a 0600 file under $LLMLAB_HOME (default ~/.llmlab) -- never printed;
 #   3. multi-node only: starts Ray with srun (head on the first node, one worker per other node), with token
 #      authentication (RAY_AUTH_MODE=token, a per-job 0600 token file), and waits until `ray status` shows
@@ -32,7 +32,7 @@ die() { say "FAILED: $*"; exit 1; }
 job=${1:?usage: llmlab-serve.sh JOB  (a table of slurm/models.toml, e.g. llama3.1-70b)}
 PY=${LLMLAB_PYTHON:-python3}
 dry_run=${LLMLAB_DRY_RUN:-0}
-"$PY" -c 'import llmlab.cluster' 2>/dev/null ||
+"$PY" -c 'import llmlab.ops.launcher' 2>/dev/null ||
   die "'$PY' cannot import llmlab: activate the llmlab environment before sbatch (the job inherits it), or set LLMLAB_PYTHON"
 
 job_id=${SLURM_JOB_ID:-}
@@ -59,7 +59,7 @@ else  # vLLM's socket: a private directory on the head node's local disk (mktemp
   run_dir=$(mktemp -d "${TMPDIR:-/tmp}/llmlab-run-$job_id.XXXXXX")
   export LLMLAB_RUN_DIR=$run_dir
 fi
-rendered=$("$PY" -m llmlab.cluster render "$job" --shell --job-id "$job_id" --nodes "${node_list[*]}" \
+rendered=$("$PY" -m llmlab.ops.launcher render "$job" --shell --job-id "$job_id" --nodes "${node_list[*]}" \
   --python "$PY" "${port_arg[@]}") || { [[ -n $run_dir ]] && rm -rf -- "$run_dir"; exit 1; }
 eval "$rendered"
 
@@ -164,7 +164,7 @@ fi
 
 # Helpers run in the background and are awaited, so that a signal reaches the trap at once.
 run_helper() {
-  "$PY" -m llmlab.cluster "$@" &
+  "$PY" -m llmlab.ops.launcher "$@" &
   helper_pid=$!
   local rc=0
   wait "$helper_pid" || rc=$?

@@ -26,6 +26,7 @@ import llmlab
 from llmlab import cluster, kvcache, memory
 from llmlab.ops import jobs
 from llmlab.serve.info import read_key, servers_dir, write_connection_file
+from llmlab.serve.proc import free_port
 
 
 def llmlab_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -299,7 +300,7 @@ def test_a_server_that_answers_is_ready_whatever_its_logs_said(embedded, tmp_pat
                           api_key_file=embedded["api_key_file"], job_id=job_id)
     assert jobs.status(job_id).state == "READY"
     # The same files with nobody answering: now the launcher's FAILED line is the news, with its reason.
-    write_connection_file(conn, kind="slurm", host="127.0.0.1", port=cluster.free_port("127.0.0.1"),
+    write_connection_file(conn, kind="slurm", host="127.0.0.1", port=free_port("127.0.0.1"),
                           model="m", api_key_file=embedded["api_key_file"], job_id=job_id)
     st = jobs.status(job_id)
     assert st.state == "FAILED" and st.reason.startswith("Ray did not come up on every node"), str(st)

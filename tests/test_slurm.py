@@ -28,7 +28,9 @@ import slurm_testbed
 
 import llmlab
 from llmlab import cluster, memory
+from llmlab.ops import launcher
 from llmlab.serve.info import read_key, servers_dir
+from llmlab.serve.proc import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "slurm"
@@ -164,7 +166,7 @@ def test_rendered_shell_survives_quotes_and_spaces():
     """The launcher evals the renderer's output: every value must come back exactly."""
     env = {"LLMLAB_EXTRA_VLLM_ARGS": "--chat-template '/a dir/t.jinja' --x \"$(touch /tmp/pwned)\" ;ls",
            "LLMLAB_RAY_HEAD_IP": "10.1.2.3"}
-    r = cluster.render("llama3.1-405b", job_id="77", nodes=["gpu-a", "gpu-b"], port=9000, env=env)
+    r = launcher.render("llama3.1-405b", job_id="77", nodes=["gpu-a", "gpu-b"], port=9000, env=env)
     script = r.shell() + 'printf "%s\\n" "${serve_argv[@]}"; echo ---; eval "w=(${ray_worker_cmds[0]})"; ' \
                          'printf "%s\\n" "${w[@]}"'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
@@ -176,7 +178,7 @@ def test_rendered_shell_survives_quotes_and_spaces():
 
 
 def test_ray_ports_are_disjoint_per_node_and_outside_ephemeral_range():
-    r = cluster.render("llama3.1-405b", job_id="12345", nodes=["a", "b"], port=9000, env={"LLMLAB_RAY_HEAD_IP": "x"})
+    r = launcher.render("llama3.1-405b", job_id="12345", nodes=["a", "b"], port=9000, env={"LLMLAB_RAY_HEAD_IP": "x"})
     ports = []
     for cmd in [r.ray.head_command(), r.ray.worker_command(1)]:
         lo = hi = None
@@ -189,7 +191,7 @@ def test_ray_ports_are_disjoint_per_node_and_outside_ephemeral_range():
         ports += range(lo, hi + 1)
     assert len(ports) == len(set(ports)), "two Ray components of one job share a port"
     assert max(ports) < 32768 and min(ports) >= 20000
-    other = cluster.render("llama3.1-405b", job_id="12346", nodes=["a", "b"], port=9000,
+    other = launcher.render("llama3.1-405b", job_id="12346", nodes=["a", "b"], port=9000,
                            env={"LLMLAB_RAY_HEAD_IP": "x"})
     assert other.ray.port_base != r.ray.port_base
 
@@ -220,9 +222,9 @@ Total Usage:
 
 
 def test_parse_ray_status():
-    assert cluster.parse_ray_status(RAY_STATUS) == (2, 16.0)
-    assert cluster.parse_ray_status(RAY_STATUS.replace(" 0.0/16.0 GPU\n", "")) == (2, 0.0)
-    assert cluster.parse_ray_status("") == (0, 0.0)
+    assert launcher.parse_ray_status(RAY_STATUS) == (2, 16.0)
+    assert launcher.parse_ray_status(RAY_STATUS.replace(" 0.0/16.0 GPU\n", "")) == (2, 0.0)
+    assert launcher.parse_ray_status("") == (0, 0.0)
 
 
 def test_wait_for_ray_times_out_with_the_numbers(tmp_path, capsys):
@@ -233,14 +235,14 @@ def test_wait_for_ray_times_out_with_the_numbers(tmp_path, capsys):
     log.write_text("... Ray runtime started.\n")
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
-        ok = cluster.wait_for_ray("127.0.0.1:1", 2, 16, timeout=0.5, poll=0.2, ray_bin=str(fake),
+        ok = launcher.wait_for_ray("127.0.0.1:1", 2, 16, timeout=0.5, poll=0.2, ray_bin=str(fake),
                                   steps={"node1": (sleeper.pid, str(log))})
         assert not ok
         out = capsys.readouterr().out
         assert "Ray started on node1" in out and "FAILED: after" in out
         assert "ray status shows 1/2 nodes and 16/16 GPUs" in out and "LLMLAB_RAY_TIMEOUT" in out
         # a node that never says "Ray runtime started" is named
-        ok = cluster.wait_for_ray("127.0.0.1:1", 2, 16, timeout=0.5, ray_bin=str(fake),
+        ok = launcher.wait_for_ray("127.0.0.1:1", 2, 16, timeout=0.5, ray_bin=str(fake),
                                   steps={"node2": (sleeper.pid, str(tmp_path / "none.log"))})
         assert not ok and "Ray has not started on node2" in capsys.readouterr().out
     finally:
@@ -253,7 +255,7 @@ def test_wait_for_ray_fails_at_once_when_a_step_exits(tmp_path, capsys):
     done = subprocess.Popen(["true"])
     done.wait()
     start = time.monotonic()
-    ok = cluster.wait_for_ray("127.0.0.1:1", 2, 0, timeout=60, ray_bin="/bin/false",
+    ok = launcher.wait_for_ray("127.0.0.1:1", 2, 0, timeout=60, ray_bin="/bin/false",
                               steps={"node2": (done.pid, str(log))})
     assert not ok and time.monotonic() - start < 5
     assert "FAILED: Ray on node2 exited" in capsys.readouterr().out
@@ -265,8 +267,8 @@ def test_raylet_failure_quotes_the_fatal_line_of_the_current_session(tmp_path):
         (tmp_path / name / "logs").mkdir(parents=True)
         (tmp_path / name / "logs" / "raylet.out").write_text(f"[2026-11-22 C 1 1] (raylet) node_manager.cc:1: {line}\n")
     (tmp_path / "session_latest").symlink_to(tmp_path / "session_new")
-    assert cluster.raylet_failure(str(tmp_path)).endswith("dashboard_agent_listen_port")
-    assert cluster.raylet_failure(str(tmp_path / "none")) is None
+    assert launcher.raylet_failure(str(tmp_path)).endswith("dashboard_agent_listen_port")
+    assert launcher.raylet_failure(str(tmp_path / "none")) is None
 
 
 LOG_405B = ("INFO ... non-default args: {'model': 'meta-llama/Llama-3.1-405B-Instruct'}\n"
@@ -306,7 +308,7 @@ def test_servers_lists_connection_files_without_keys(tmp_path, monkeypatch):
     key = tmp_path / "keys" / "job-7.key"
     key.parent.mkdir()
     key.write_text("s3cret\n")
-    port = cluster.free_port("127.0.0.1")  # nothing listens there
+    port = free_port("127.0.0.1")  # nothing listens there
     write_connection_file(servers_dir() / "job-7.json", kind="slurm", host="127.0.0.1", port=port,
                           model="llama3.1-70b", api_key_file=key, job_id="7", nodes=["gpu01"], tp=4, pp=1)
     (servers_dir() / "job-8.json").write_text("{not json")
@@ -508,11 +510,11 @@ def test_a_second_sigterm_during_the_clean_up_still_removes_the_key(tmp_path):
 
 
 def test_the_readiness_wait_never_outlasts_the_jobs_time_limit():
-    assert cluster.seconds_left("1-02:03:04") == 93784 and cluster.seconds_left("02:03:04") == 7384
-    assert cluster.seconds_left("03:04") == 184 and cluster.seconds_left("UNLIMITED") is None
-    assert cluster.seconds_left("") is None and cluster.seconds_left("NOT_SET") is None
-    assert cluster.capped_timeout(5400, "UNLIMITED", 20) == (5400, None)
-    assert cluster.capped_timeout(600, "2:00:00", 20) == (600, None)
-    timeout, why = cluster.capped_timeout(5400, "30:00", 20)  # a 405B job submitted with --time=00:30:00
+    assert launcher.seconds_left("1-02:03:04") == 93784 and launcher.seconds_left("02:03:04") == 7384
+    assert launcher.seconds_left("03:04") == 184 and launcher.seconds_left("UNLIMITED") is None
+    assert launcher.seconds_left("") is None and launcher.seconds_left("NOT_SET") is None
+    assert launcher.capped_timeout(5400, "UNLIMITED", 20) == (5400, None)
+    assert launcher.capped_timeout(600, "2:00:00", 20) == (600, None)
+    timeout, why = launcher.capped_timeout(5400, "30:00", 20)  # a 405B job submitted with --time=00:30:00
     assert timeout == 1800 - 20 - 30 and "time limit leaves 1800 s" in why and "--time" in why
-    assert cluster.capped_timeout(5400, "00:40", 20)[0] == 0
+    assert launcher.capped_timeout(5400, "00:40", 20)[0] == 0

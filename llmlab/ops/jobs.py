@@ -80,7 +80,7 @@ def settings(name: str, *, nodes: int | None = None, gpus_per_node: int | None =
             raise JobError(str(e)) from None
     job = replace(job, **changes)
     try:
-        cluster._check(job, Path("llmlab launch"))
+        cluster.check_settings(job, Path("llmlab launch"))
     except cluster.SettingsError as e:
         raise JobError(str(e).replace("llmlab launch [", "[")) from None
     return job

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from llmlab import cluster, rehearse  # noqa: E402
-from llmlab.ops import jobs  # noqa: E402
+from llmlab.ops import jobs, rehearsal  # noqa: E402
 
 
 def processes(pattern: str) -> list[str]:
@@ -62,17 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     (out / "states").mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="llmlab-home-"))
     model_dir = home / "model"
-    tok = rehearse.make_dummy_model(job.model, model_dir)
+    tok = rehearsal.make_dummy_model(job.model, model_dir)
     node = socket.gethostname()
     env = {**os.environ, "LLMLAB_HOME": str(home), "SLURM_JOB_ID": a.job_id, "SLURM_JOB_NAME": f"llmlab-{a.job}",
            "LLMLAB_NODES": node, "LLMLAB_MODEL_PATH": str(model_dir),
            "LLMLAB_EXTRA_VLLM_ARGS": f"--load-format dummy {a.extra_vllm_args}",
            "LLMLAB_PYTHON": sys.executable,
            # rehearse's probe plugin prints each GPU worker's memory figures in bytes: KV tokens exact, not rounded
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(rehearse.write_probe(home / "probe")), str(REPO),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(rehearsal.write_probe(home / "probe")), str(REPO),
                                                        os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1", "LLMLAB_STOP_GRACE": "20"}
-    _, extra_env, _ = rehearse.serve_argv(job, model_dir, 0)
+    _, extra_env, _ = rehearsal.serve_argv(job, model_dir, 0)
     env.update({k: v for k, v in extra_env.items() if k not in ("VLLM_API_KEY",)})
     os.environ.update({"LLMLAB_HOME": str(home)})
     os.environ.pop("LLMLAB_BASE_URL", None)
@@ -162,7 +162,7 @@ def exercise(a, job, tok: dict, result: dict) -> bool:
     info = json.loads(cluster.connection_file_of(a.job_id).read_text())
     srv = SimpleNamespace(base_url=f"http://{info['host']}:{info['port']}/v1",
                           api_key=Path(info["api_key_file"]).read_text().strip())
-    result["benchmark"] = rehearse.benchmark(srv, job.name, tok["prompt_ids"], concurrency=tuple(a.concurrency),
+    result["benchmark"] = rehearsal.benchmark(srv, job.name, tok["prompt_ids"], concurrency=tuple(a.concurrency),
                                              progress=False)
     req = urllib.request.Request(srv.base_url.removesuffix("/v1") + "/metrics",
                                  headers={"Authorization": f"Bearer {srv.api_key}"})

@@ -121,16 +121,16 @@ def embedded_server(args):
 def gpu_server(args, folder: Path):
     """``args.model`` with dummy weights, vLLM on a Unix socket in a 0700 directory and llmlab.serve.proxy in front:
     the SLURM launcher's arrangement, started with llmlab.serve.embedded's own pair of commands."""
-    from llmlab import rehearse
+    from llmlab.ops import rehearsal
     from llmlab.serve import embedded, proxy
     from llmlab.serve.info import write_private
     from llmlab.serve.proc import free_port, last_lines, terminate
     from llmlab.serve.vllm import wait_for_health
 
-    job = rehearse.rehearsal_job(args.model, tp=args.tp)
-    tok = rehearse.make_dummy_model(job.model, folder / "model")
+    job = rehearsal.rehearsal_job(args.model, tp=args.tp)
+    tok = rehearsal.make_dummy_model(job.model, folder / "model")
     run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))
-    argv, env, _ = rehearse.serve_argv(job, folder / "model", 0, uds=run_dir / "vllm.sock")
+    argv, env, _ = rehearsal.serve_argv(job, folder / "model", 0, uds=run_dir / "vllm.sock")
     key = secrets.token_urlsafe(32)
     key_file = write_private(folder / "keys" / "bench.key", key + "\n")
     port = free_port("127.0.0.1")
@@ -146,7 +146,7 @@ def gpu_server(args, folder: Path):
         wait_for_health("127.0.0.1", port, proc.pid, log_path, 900, False, exit_code=proc.poll, api_key=key)
         print(f"{job.model} TP={job.tp} (dummy weights) ready in {time.monotonic() - t0:.0f} s behind the proxy")
         yield SimpleNamespace(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, uds=run_dir / "vllm.sock",
-                              name=job.name, group=proc.pid, workload=lambda n, seed: rehearse.workload(
+                              name=job.name, group=proc.pid, workload=lambda n, seed: rehearsal.workload(
                                   n, tok["prompt_ids"], args.input_len, args.output_len, seed=seed))
     finally:
         terminate(proc.pid, 30)

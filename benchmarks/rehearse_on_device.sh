@@ -57,9 +57,9 @@ for spec in "$@"; do
     echo "=== rehearse $model TP=$tp PP=${pp:-1} ($(date -u +%T))"
     python3 -c "
 import sys
-from llmlab import rehearse
+from llmlab.ops import rehearsal
 conc = tuple(int(c) for c in sys.argv[4].split(','))
-rehearse.rehearse(sys.argv[1], tp=int(sys.argv[2]), pp=int(sys.argv[3]), concurrency=conc, progress=False,
+rehearsal.rehearse(sys.argv[1], tp=int(sys.argv[2]), pp=int(sys.argv[3]), concurrency=conc, progress=False,
                   ready_timeout=float(sys.argv[5]))
 " "$model" "$tp" "${pp:-1}" "${CONCURRENCY:-1,8,64,256}" "${READY_TIMEOUT:-420}" || status=$?
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader || true

@@ -1,31 +1,19 @@
-"""Rehearse a serving layout on real GPUs with dummy weights, before downloading the real ones.
+"""Rehearsals on real GPUs, the lesson of notebook 09: what vLLM's start-up log says, and the arithmetic it checks.
 
 Why: whether Llama 3.1 70B fits the 4 GPUs of a partition, with what context and how many learners, is
 otherwise learnt after a 140 GB download and a 40-minute load.  vLLM starts any architecture with random
-weights (``--load-format dummy``) from its ``config.json`` alone, and llmlab ships the configs.  So
-:func:`rehearse` starts the *job script's own* ``vllm serve`` flags (:func:`llmlab.cluster.vllm_flags` for
-the job of ``slurm/models.toml``) on a dummy model directory, listening on 127.0.0.1, and then checks the
-course's arithmetic against the hardware:
+weights (``--load-format dummy``) from its ``config.json`` alone, so ``llmlab rehearse`` (the runner is
+``llmlab.ops.rehearsal``) starts a job's own layout with dummy weights and checks the course's arithmetic
+against the hardware.  This module holds what a learner reads of that:
 
 - **memory**: the start-up log's weights, peak activation, non-torch and CUDA-graph memory and KV cache
   (:func:`parse_memory_log`); the KV tokens ``llmlab.memory`` predicts from those figures must equal the
-  logged ones exactly, and the prediction made *before* start-up with llmlab's own weights and allowance
-  is reported with its error;
-- **bandwidth and roofline**: a large device-to-device copy measures the memory bandwidth; a batch-1
-  decode step reads every weight once, so bandwidth / bytes per step is the ceiling on tokens/s;
-- **speed**: a batch-1 decode run and a concurrency sweep with the course's load generator
-  (:mod:`llmlab.loadtest`), streamed, like notebook 06.
-
-Everything lands in ``rehearsal.json`` (+ ``rehearsal.png`` and the server log).  The server runs in its
-own process group and is stopped on every exit path (return, exception, Ctrl-C, SIGTERM).
-
-On the CPU engine (``engine="cpu"``: the CI test with the tiny model) the same steps run; what differs:
-the KV budget is ``VLLM_CPU_KVCACHE_SPACE`` rather than a measured remainder, there are no CUDA graphs,
-and the "bandwidth" is a host-memory copy.
-
-Exact KV bytes: vLLM logs its memory figures rounded to 0.01 GiB, several KV blocks' worth.  So on GPUs
-the server loads a tiny vLLM plugin (:func:`vllm_probe_plugin`, found through a generated
-``entry_points.txt``) that prints the same figures in bytes; it only reads, it changes no setting.
+  logged ones exactly (:func:`predict_kv_from_log`), and the prediction made *before* start-up with llmlab's
+  own weights and allowance (:func:`predict_kv_before_start`) is reported with its error;
+- **bandwidth and roofline**: a batch-1 decode step reads every weight once, so bandwidth / bytes per step
+  (:func:`bytes_per_decode_step`, :func:`roofline_tok_s`) is the ceiling on tokens/s;
+- **the committed results** (``benchmarks/results/``): :func:`load_results`, :func:`results_table`,
+  :func:`plot_rehearsal`, :func:`check_math`.
 """
 
 from __future__ import annotations
@@ -33,20 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
-import secrets
-import shlex
-import shutil
-import signal
-import statistics
-import subprocess
-import sys
-import threading
-import time
-import urllib.request
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 from llmlab import memory
@@ -279,131 +255,10 @@ def roofline_tok_s(layout: Layout, bandwidth_bytes_s: float) -> float:
 # The dummy model directory: config + a generated tokenizer that covers the vocabulary
 # --------------------------------------------------------------------------------------------------
 
-_LLAMA3_SPECIAL = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128008: "<|eom_id|>",
-                   128009: "<|eot_id|>"}
-
-
-def _ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in (value if isinstance(value, list) else [value])]
-
-
-def make_tokenizer(config: dict, out_dir: Path) -> dict:
-    """Write tokenizer.json + tokenizer_config.json whose ids cover ``config["vocab_size"]``, offline.
-
-    Why: a dummy model samples any id of its vocabulary, and vLLM must detokenize each; a dummy run needs no
-    real tokenizer, only one of the right size.  The shipped tiny model's byte-level BPE (4,096 tokens) is
-    the base; the ids above it are filler tokens, and the config's BOS/EOS ids become special tokens.
-    Returns the ids a prompt may use (the BPE's, without its specials).
-    """
-    base = json.loads((memory.MODELS_DIR / memory.TINY_NAME / "tokenizer.json").read_text())
-    vocab: dict[str, int] = dict(base["model"]["vocab"])
-    size = int(config["vocab_size"])
-    by_id = {i: t for t, i in vocab.items()}
-    if size < len(vocab):
-        vocab = {t: i for t, i in vocab.items() if i < size}
-    base_specials = {a["id"] for a in base["added_tokens"]}
-    bos, eos = _ids(config.get("bos_token_id")), _ids(config.get("eos_token_id"))
-    named = {}
-    for i in bos + eos:
-        if i in by_id and i < size:
-            named[i] = by_id[i]
-        else:
-            named[i] = _LLAMA3_SPECIAL.get(i) or (f"<|bos_{i}|>" if i in bos else f"<|eos_{i}|>")
-    for i in range(len(base["model"]["vocab"]), size):
-        vocab[named.get(i, f"<|reserved_{i}|>")] = i
-    base["model"]["vocab"] = vocab
-    added = [a for a in base["added_tokens"] if a["id"] < size and a["id"] not in named]
-    for i, name in sorted(named.items()):
-        added.append({"id": i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
-                      "normalized": False, "special": True})
-    base["added_tokens"] = sorted(added, key=lambda a: a["id"])
-    if bos:
-        b = named[bos[0]]
-        base["post_processor"] = {"type": "TemplateProcessing",
-                                  "single": [{"SpecialToken": {"id": b, "type_id": 0}},
-                                             {"Sequence": {"id": "A", "type_id": 0}}],
-                                  "pair": [{"SpecialToken": {"id": b, "type_id": 0}},
-                                           {"Sequence": {"id": "A", "type_id": 0}},
-                                           {"Sequence": {"id": "B", "type_id": 1}}],
-                                  "special_tokens": {b: {"id": b, "ids": [bos[0]], "tokens": [b]}}}
-    else:
-        base["post_processor"] = None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tokenizer.json").write_text(json.dumps(base, ensure_ascii=False))
-    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "backend": "tokenizers",
-            "model_max_length": int(config.get("max_position_embeddings") or 2048)}
-    if bos:
-        tcfg["bos_token"] = named[bos[0]]
-    if eos:
-        tcfg["eos_token"] = named[eos[0]]
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
-    specials = base_specials | set(named)
-    return {"prompt_ids": [i for i in range(min(len(by_id), size)) if i not in specials]}
-
-
-def make_dummy_model(model, out_dir: Path) -> dict:
-    """A model directory vLLM can load with ``--load-format dummy``: the shipped config.json (no weights)
-    and a generated tokenizer.  Returns what :func:`make_tokenizer` returns."""
-    config, _ = memory.load_config(model)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    # A chat template, so that /v1/chat/completions answers as it does for an instruct checkpoint (the tiny
-    # model's plain "Role: text" one: a dummy model's words mean nothing in any template).
-    shutil.copy(memory.MODELS_DIR / memory.TINY_NAME / "chat_template.jinja", out_dir / "chat_template.jinja")
-    return make_tokenizer(config, out_dir)
-
 
 # --------------------------------------------------------------------------------------------------
 # The probe: a vLLM plugin that prints the memory figures in bytes
 # --------------------------------------------------------------------------------------------------
-
-def vllm_probe_plugin() -> None:
-    """vLLM general plugin (loaded in every vLLM process): wrap the GPU worker's memory profiling so that
-    it prints its figures in bytes on one line.  Reads attributes only; anything unexpected prints an
-    error line instead, and the rehearsal falls back to the rounded log figures."""
-    try:
-        from vllm.v1.worker import gpu_worker
-    except Exception:  # noqa: BLE001 -- a CPU build, or another vLLM layout: no probe
-        return
-    worker = getattr(gpu_worker, "Worker", None)
-    original = getattr(worker, "determine_available_memory", None)
-    if original is None or getattr(original, "_llmlab_probe", False):
-        return
-
-    def determine_available_memory(self):
-        result = original(self)
-        try:
-            from vllm import envs
-
-            facts = {"rank": int(getattr(self, "rank", 0)), "local_rank": int(getattr(self, "local_rank", 0)),
-                     "total": int(self.init_snapshot.total_memory), "free": int(self.init_snapshot.free_memory),
-                     "requested": int(self.requested_memory),
-                     "weights": int(self.model_runner.model_memory_usage),
-                     "activation_peak": int(self.peak_activation_memory), "non_torch": int(self.non_torch_memory),
-                     "cudagraph_estimate": int(getattr(self, "cudagraph_memory_estimate", 0)),
-                     "cudagraph_estimate_applied": bool(getattr(envs, "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS",
-                                                                False)),
-                     "available_kv": int(self.available_kv_cache_memory_bytes), "returned": int(result)}
-        except Exception as e:  # noqa: BLE001
-            facts = {"error": f"{type(e).__name__}: {e}"}
-        print(PROBE_TAG + json.dumps(facts), file=sys.stderr, flush=True)
-        return result
-
-    determine_available_memory._llmlab_probe = True
-    worker.determine_available_memory = determine_available_memory
-
-
-def write_probe(folder: Path) -> Path:
-    """A distribution folder that registers :func:`vllm_probe_plugin` as a vLLM general plugin; vLLM finds it
-    through ``importlib.metadata`` when the folder is on the server's PYTHONPATH."""
-    info = folder / "llmlab_rehearse_probe-0.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: llmlab-rehearse-probe\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\n"
-                                           "llmlab_rehearse_probe = llmlab.rehearse:vllm_probe_plugin\n")
-    return folder
 
 
 # --------------------------------------------------------------------------------------------------
@@ -411,396 +266,20 @@ def write_probe(folder: Path) -> Path:
 # CUDA context on the GPUs vLLM is about to size itself on)
 # --------------------------------------------------------------------------------------------------
 
-_GPU_SCRIPT = r"""
-import json, sys, torch
-if not torch.cuda.is_available():
-    print(json.dumps({"count": 0})); sys.exit(0)
-n = torch.cuda.device_count()
-props = torch.cuda.get_device_properties(0)
-total = [torch.cuda.mem_get_info(i)[1] for i in range(n)]
-size = int(sys.argv[1])
-x = torch.empty(size // 2, dtype=torch.bfloat16, device="cuda:0").uniform_()
-y = torch.empty_like(x)
-for _ in range(3):
-    y.copy_(x)
-times = []
-for _ in range(int(sys.argv[2])):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record(); y.copy_(x); b.record(); b.synchronize()
-    times.append(a.elapsed_time(b) / 1000)
-times.sort()
-print(json.dumps({"count": n, "name": props.name, "total_bytes": total, "copy_bytes": 2 * x.numel() * 2,
-                  "copy_s": times[len(times) // 2], "torch": torch.__version__}))
-"""
-
-
-def gpu_facts(copy_bytes: int = 4 * GiB, repeats: int = 20, timeout: float = 300.0) -> dict:
-    """GPU count, name, memory, and the bandwidth of a device-to-device copy of ``copy_bytes`` on GPU 0
-    (bytes read + bytes written over the median time), from a child process."""
-    if shutil.which("nvidia-smi") is None and not Path("/dev/nvidia0").exists():
-        return {"count": 0}
-    try:
-        out = subprocess.run([sys.executable, "-c", _GPU_SCRIPT, str(copy_bytes), str(repeats)],
-                             capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RehearseError(f"Measuring the GPUs took over {timeout:.0f} s: check nvidia-smi.") from None
-    if out.returncode != 0:
-        raise RehearseError("PyTorch could not use the GPU here: " + (out.stderr.strip().splitlines() or ["?"])[-1])
-    facts = json.loads(out.stdout.strip().splitlines()[-1])
-    if facts.get("count"):
-        facts["bandwidth_bytes_s"] = facts["copy_bytes"] / facts["copy_s"]
-    return facts
-
-
-def host_facts(copy_bytes: int = GiB // 2, repeats: int = 7) -> dict:
-    """The CPU engine's "bandwidth": a host-memory copy of ``copy_bytes`` (read + write over the median)."""
-    import numpy as np
-
-    x = np.random.default_rng(0).random(copy_bytes // 8)
-    y = np.empty_like(x)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.copyto(y, x)
-        times.append(time.perf_counter() - t)
-    copy_s = statistics.median(times)
-    import platform
-
-    return {"count": 0, "name": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-            "copy_bytes": 2 * x.nbytes, "copy_s": copy_s, "bandwidth_bytes_s": 2 * x.nbytes / copy_s}
-
-
-def gpu_label(name: str) -> str:
-    """A short folder label for a device name: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200'."""
-    m = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", name.upper())
-    return m[1].lower() if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
-
 
 # --------------------------------------------------------------------------------------------------
 # The server
 # --------------------------------------------------------------------------------------------------
-
-def rehearsal_job(model: str, *, tp: int | None = None, pp: int | None = None, max_model_len: int | None = None,
-                  gpu_memory_utilization: float | None = None, engine: str = "gpu", kv_cache_gib: int = 1):
-    """The job to rehearse: the settings of ``slurm/models.toml`` when ``model`` names a job there (the
-    launcher's exact layout), else one node with the given layout; overrides applied; all GPUs on one node."""
-    from llmlab import cluster
-
-    jobs = cluster.load_settings()
-    if model in jobs and jobs[model].engine == engine:
-        base = jobs[model].as_dict()
-    else:
-        memory.model_spec(model)  # a clear error for an unknown model, before anything starts
-        base = {"name": Path(model).stem if model not in memory.shipped_models() else model, "model": model,
-                "nodes": 1, "gpus_per_node": 1, "tp": 1, "pp": 1, "engine": engine}
-    over = {"tp": tp, "pp": pp, "max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization}
-    base.update({k: v for k, v in over.items() if v is not None})
-    if engine == "cpu":
-        if base["tp"] * base["pp"] != 1:
-            raise RehearseError("The CPU engine rehearses TP=1 x PP=1 only: drop --tp/--pp, or rehearse on GPUs.")
-        base.update(engine="cpu", gpus_per_node=0, kv_cache_gib=kv_cache_gib)
-    else:
-        base["gpus_per_node"] = base["tp"] * base["pp"]
-    base.update(nodes=1, extra_args=tuple(base.get("extra_args", ())))
-    try:
-        job = cluster.JobSettings(**base)
-        cluster.check_settings(job, Path("rehearsal"))
-    except cluster.SettingsError as e:
-        raise RehearseError(str(e)) from None
-    return job
-
-
-def serve_argv(job, model_dir: Path, port: int, uds: Path | None = None) -> tuple[list[str], dict[str, str], str]:
-    """The launcher's ``vllm serve`` line for ``job`` (``cluster.vllm_flags``: the layout flags the job script
-    uses, and the job's extra flags) on the dummy model, with ``--load-format dummy``, served on 127.0.0.1:port,
-    or on the Unix socket ``uds`` as the launcher serves it behind llmlab.serve.proxy.
-
-    One change for a rehearsal on one node: PP uses vLLM's own processes (``mp``) instead of Ray, which the
-    launcher needs only to span nodes.  Returns (argv, extra environment, the ``vllm serve`` line); the
-    environment is offline (dummy weights need no download) and, on a GPU without FlashInfer, turns off its
-    sampler (else the engine dies at start: No module named 'flashinfer')."""
-    import importlib.util
-
-    from llmlab import cluster
-    from llmlab.serve.vllm import vllm_serve
-
-    flags = cluster.vllm_flags(job)
-    if "--distributed-executor-backend" in flags:
-        flags[flags.index("--distributed-executor-backend") + 1] = "mp"
-    listen = ["--uds", str(uds)] if uds else ["--host", "127.0.0.1", "--port", str(port)]
-    flags += ["--served-model-name", job.name, *listen, *job.extra_args, "--load-format", "dummy"]
-    argv = vllm_serve(sys.executable, model_dir, flags)
-    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if job.engine == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(job.kv_cache_gib)
-    elif importlib.util.find_spec("flashinfer") is None:
-        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
-    return argv, env, shlex.join(["vllm", "serve", str(model_dir), *flags])
-
-
-class Server:
-    """One vLLM server in its own process group; :meth:`stop` ends the whole group (API server, engine core,
-    GPU workers) and waits until no process of it is left."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, host: str, port: int):
-        self.argv, self.env, self.log_path, self.host, self.port = argv, env, log_path, host, port
-        self.api_key = secrets.token_urlsafe(24)
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
-
-    def start(self) -> Server:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**self.env, "VLLM_API_KEY": self.api_key}  # the key travels in the environment, never in argv
-        with open(self.log_path, "w") as log:
-            log.write("$ " + " ".join(self.argv) + "\n")
-            log.flush()
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
-        return self
-
-    def wait_ready(self, timeout: float, progress: bool) -> None:
-        from llmlab.serve.vllm import wait_for_health
-
-        wait_for_health(self.host, self.port, self.proc.pid, self.log_path, timeout, progress,
-                        exit_code=self.proc.poll)
-
-    def stop(self, grace: float = 30.0) -> bool:
-        """SIGTERM the group, SIGKILL after ``grace``; True once no process of the group is left."""
-        if self.proc is None:
-            return True
-        from llmlab.serve.proc import terminate
-
-        pgid = self.proc.pid
-        terminate(pgid, grace)
-        with contextlib.suppress(Exception):
-            self.proc.wait(timeout=10)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                return False
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            time.sleep(0.2)
-        return False
-
-    def version(self) -> str | None:
-        req = urllib.request.Request(f"http://{self.host}:{self.port}/version",
-                                     headers={"Authorization": f"Bearer {self.api_key}"})
-        with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=5) as r:
-            return json.loads(r.read()).get("version")
-        return None
-
-
-@contextlib.contextmanager
-def _signals_raise():
-    """SIGTERM and SIGHUP (scancel, a closed terminal) raise SystemExit, so that ``finally`` stops the server."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 # --------------------------------------------------------------------------------------------------
 # Benchmarks through the course's load generator
 # --------------------------------------------------------------------------------------------------
 
-def workload(n: int, prompt_ids: list[int], input_len: int, output_len: int, seed: int = 0) -> list:
-    """``n`` prompts of exactly ``input_len`` random token ids (from the tokenizer's ordinary tokens), each
-    asking for ``output_len`` tokens.  Token ids, not text: the length is exact, no re-tokenizing."""
-    import numpy as np
-
-    from llmlab import loadtest
-
-    rng = np.random.default_rng(seed)
-    pool = np.asarray(prompt_ids)
-    return [loadtest.Job(id=i, prompt=rng.choice(pool, size=input_len).tolist(), max_tokens=output_len,
-                         input_len=input_len) for i in range(n)]
-
-
-def _row(summary: dict) -> dict:
-    keys = ("concurrency", "requests", "ok", "errors", "output_tokens_per_s", "ttft_p50", "tpot_p50",
-            "latency_p50", "max_outstanding", "max_concurrency_seen", "duration_s")
-    return {k: summary.get(k) for k in keys}
-
-
-def benchmark(srv: Server, name: str, prompt_ids: list[int], *, concurrency=DEFAULT_CONCURRENCY,
-              input_len: int = 64, output_len: int = 256, batch1_requests: int = 5, min_requests: int = 4,
-              timeout: float = 600.0, progress: bool = True, say=print) -> dict:
-    """Batch-1 decode (``batch1_requests`` streamed requests one after another) and a sweep: at each
-    concurrency c, max(min_requests, 2c) requests with c in flight, after one warm-up request."""
-    import openai
-
-    from llmlab import loadtest
-
-    client = openai.OpenAI(base_url=srv.base_url, api_key=srv.api_key, max_retries=0)
-    opts = {"max_tokens": output_len, "timeout": timeout, "progress": progress, "temperature": 0,
-            "ignore_eos": True}
-    loadtest.run(client, name, workload(2, prompt_ids, input_len, output_len, seed=99), concurrency=1,
-                 **{**opts, "progress": False})
-    b1 = loadtest.run(client, name, workload(batch1_requests, prompt_ids, input_len, output_len, seed=1),
-                      concurrency=1, **opts).summary()
-    say(f"batch 1: TPOT p50 {b1['tpot_p50'] * 1000:.2f} ms -> {1 / b1['tpot_p50']:.1f} tok/s")
-    rows = []
-    for c in concurrency:
-        loadtest.run(client, name, workload(1, prompt_ids, input_len, output_len, seed=7), concurrency=1,
-                     **{**opts, "progress": False})
-        res = loadtest.run(client, name, workload(max(min_requests, 2 * c), prompt_ids, input_len, output_len,
-                                                  seed=100 + c), concurrency=c, **opts)
-        rows.append(_row(res.summary()))
-        r = rows[-1]
-        say(f"c={c}: {r['output_tokens_per_s']:,.0f} tok/s, TTFT p50 {r['ttft_p50'] * 1000:.0f} ms, "
-            f"TPOT p50 {r['tpot_p50'] * 1000:.2f} ms ({r['ok']}/{r['requests']} ok, "
-            f"{r['max_concurrency_seen']} in flight at most)")
-    return {"batch1": _row(b1), "sweep": rows, "input_len": input_len, "output_len": output_len}
-
 
 # --------------------------------------------------------------------------------------------------
 # The whole rehearsal
 # --------------------------------------------------------------------------------------------------
-
-def result_dir_name(gpu: str, model: str, tp: int, pp: int = 1) -> str:
-    """``<gpu>-<model>-tp<N>`` (``-pp<M>`` added for pipeline layouts): the benchmarks/results folder name."""
-    return f"{gpu}-{model}-tp{tp}" + (f"-pp{pp}" if pp > 1 else "")
-
-
-def rehearse(model: str, *, tp: int | None = None, pp: int | None = None, max_model_len: int | None = None,
-             gpu_memory_utilization: float | None = None, concurrency=DEFAULT_CONCURRENCY,
-             out: str | Path | None = None, engine: str = "gpu", kv_cache_gib: int = 1, input_len: int = 64,
-             output_len: int = 256, batch1_requests: int = 5, min_requests: int = 4,
-             ready_timeout: float = READY_TIMEOUT, progress: bool = True, plots: bool = True, say=print) -> dict:
-    """Start ``model``'s serving layout with dummy weights, check memory and speed, write ``rehearsal.json``.
-
-    ``model``: a job of ``slurm/models.toml`` (its exact layout) or any shipped model / config.json; ``tp``,
-    ``pp``, ``max_model_len``, ``gpu_memory_utilization`` override the job's.  ``engine="cpu"`` rehearses on
-    vLLM's CPU build (the tiny model in CI).  Returns the dict written to ``<out>/rehearsal.json``.
-    """
-    job = rehearsal_job(model, tp=tp, pp=pp, max_model_len=max_model_len,
-                        gpu_memory_utilization=gpu_memory_utilization, engine=engine, kv_cache_gib=kv_cache_gib)
-    layout = Layout(job.model, job.tp, job.pp, job.max_model_len, job.gpu_memory_utilization, job.dtype,
-                    job.kv_dtype, job.engine, job.kv_cache_gib)
-    if engine == "gpu":
-        facts = gpu_facts()
-        if not facts.get("count"):
-            raise RehearseError("No GPU on this machine (nvidia-smi/PyTorch see none): run `llmlab rehearse` on a "
-                                "GPU node (e.g. inside `srun --gpus=N`), or use --engine cpu for the tiny model.")
-        if facts["count"] < job.tp * job.pp:
-            raise RehearseError(f"TP={job.tp} x PP={job.pp} needs {job.tp * job.pp} GPUs but this machine has "
-                                f"{facts['count']}: ask for more GPUs, or rehearse a smaller --tp/--pp.")
-        gpu_bytes = facts["total_bytes"][0]
-    else:
-        facts, gpu_bytes = host_facts(), None
-    label = gpu_label(facts["name"]) if engine == "gpu" else "cpu"
-    out = Path(out or Path.cwd() / "rehearsals" / result_dir_name(label, job.model, job.tp, job.pp))
-    out.mkdir(parents=True, exist_ok=True)
-    say(f"rehearsing {job.model} TP={job.tp} x PP={job.pp} on {facts.get('count') or 'no'} x {facts['name']}; "
-        f"output in {out}")
-    before = predict_kv_before_start(layout, gpu_bytes)
-    model_dir = out / "model"
-    tok = make_dummy_model(job.model, model_dir)
-    from llmlab.serve import proc
-
-    port = proc.free_port("127.0.0.1")
-    argv, env, line = serve_argv(job, model_dir, port)
-    env = {**os.environ, **env}
-    if engine == "gpu":
-        probe = write_probe(out / "probe")
-        package_root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe), package_root, env.get("PYTHONPATH")) if p)
-    srv = Server(argv, env, out / "server.log", "127.0.0.1", port)
-    released = False
-    with _signals_raise():
-        try:
-            t0 = time.monotonic()
-            srv.start()
-            srv.wait_ready(ready_timeout, progress)
-            startup_s = time.monotonic() - t0
-            say(f"/health answered after {startup_s:.0f} s")
-            version = srv.version()
-            mem = parse_memory_log(srv.log_path.read_text(errors="replace"))
-            logged = require_kv(mem)
-            predicted, basis = predict_kv_from_log(layout, mem)
-            say(f"KV tokens: logged {logged:,}, predicted {predicted:,} ({basis}), before start-up {before:,}")
-            bench = benchmark(srv, job.name, tok["prompt_ids"], concurrency=tuple(concurrency), input_len=input_len,
-                              output_len=output_len, batch1_requests=batch1_requests, min_requests=min_requests,
-                              progress=progress, say=say)
-        finally:
-            released = srv.stop()
-    mem = parse_memory_log(srv.log_path.read_text(errors="replace"))
-    result = _result(job, layout, facts, label, line, version or mem.vllm_version, startup_s, mem, logged, predicted,
-                     basis, before, bench, released)
-    (out / "rehearsal.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / LOG_EXCERPT).write_text(log_excerpt(srv.log_path))
-    if plots:
-        plot_rehearsal(result, path=out / "rehearsal.png")
-    shutil.rmtree(out / "probe", ignore_errors=True)
-    say(f"decode at batch 1: {result['decode_tok_s_batch1']:.1f} tok/s = {result['decode_vs_roofline']:.2f} of the "
-        f"{result['roofline_tok_s']:.1f} tok/s roofline ({result['bandwidth_tb_s']:.2f} TB/s); wrote "
-        f"{out / 'rehearsal.json'}")
-    return result
-
-
-def _result(job, layout: Layout, facts: dict, label: str, line: str, version, startup_s: float, mem: MemoryLog,
-            logged: int, predicted: int, basis: str, before: int, bench: dict, released: bool) -> dict:
-    bw = facts["bandwidth_bytes_s"]
-    roof = roofline_tok_s(layout, bw)
-    b1 = bench["batch1"]
-    decode = 1 / b1["tpot_p50"] if b1.get("tpot_p50") else None
-    probe = [p for p in mem.probe if "weights" in p]
-    r0 = probe[0] if probe else {}
-    weights_gib = r0["weights"] / GiB if r0 else mem.weights_gib
-    act_gib = r0["activation_peak"] / GiB if r0 else mem.activation_peak_gib
-    return {
-        "gpu": facts["name"], "gpu_label": label, "gpu_count": job.tp * job.pp if job.engine == "gpu" else 0,
-        "gpus_on_machine": facts.get("count", 0), "engine": job.engine, "model": job.model, "job": job.name,
-        "tp": job.tp, "pp": job.pp, "max_model_len": layout.context, "gpu_memory_utilization": layout.utilization,
-        "vllm_version": version, "serve_line": line, "date": datetime.now(UTC).strftime("%Y-%m-%d"),
-        "startup_s": round(startup_s, 1),
-        "gpu_memory_gib": (facts["total_bytes"][0] / GiB) if facts.get("total_bytes") else None,
-        "weights_gib": weights_gib, "weights_gib_predicted": max(layout.weights_per_stage()) / GiB,
-        "activation_peak_gib": act_gib,
-        "non_torch_gib": r0["non_torch"] / GiB if r0 else mem.non_torch_gib,
-        "cuda_graph_gib": mem.cuda_graph_gib or mem.graph_gib,
-        "cuda_graph_estimate_subtracted": bool(r0.get("cudagraph_estimate_applied", mem.cuda_graph_estimate_applied)),
-        "available_kv_gib": mem.available_kv_gib,
-        "kv_bytes_per_token_per_gpu": max(layout.kv_per_token_per_stage()),
-        "kv_tokens_logged": logged, "kv_tokens_predicted": predicted, "kv_prediction_basis": basis,
-        "kv_tokens_predicted_before_start": before,
-        "kv_error_before_start": (before - logged) / logged if logged else None,
-        "max_concurrency_logged": mem.max_concurrency,
-        "memory_probe": probe,
-        "bandwidth_tb_s": bw / 1e12, "bandwidth_method": ("device-to-device copy on GPU 0" if job.engine == "gpu"
-                                                           else "host-memory copy (numpy)"),
-        "bytes_per_token_gb": bytes_per_decode_step(layout) / 1e9, "roofline_tok_s": roof,
-        "decode_tok_s_batch1": decode, "decode_vs_roofline": decode / roof if decode else None,
-        "batch1": b1, "input_len": bench["input_len"], "output_len": bench["output_len"],
-        "sweep": bench["sweep"], "server_stopped": released,
-    }
-
-
-def log_excerpt(log_path: Path, limit: int = 200) -> str:
-    """The command and the lines worth keeping (memory, KV cache, graphs, version, errors) of a server log."""
-    keep = re.compile(r"^\$ |Model loading took|KV cache|Maximum concurrency|Graph captur|Free memory on device|"
-                      r"CUDA graph|torch.compile|version \d|Starting vLLM|non-default args|Error|error:|"
-                      + re.escape(PROBE_TAG.strip()))
-    lines = [ln.rstrip() for ln in Path(log_path).read_text(errors="replace").splitlines()
-             if keep.search(ln) and "%|" not in ln]  # not the progress bars
-    return "\n".join(lines[:limit]) + "\n"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from llmlab import cluster, memory, rehearse
+from llmlab.ops import rehearsal
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rehearse"
 
@@ -112,7 +113,7 @@ def test_the_estimate_before_start_uses_llmlabs_allowance():
 def test_the_generated_tokenizer_covers_the_vocabulary(tmp_path):
     from tokenizers import Tokenizer
 
-    info = rehearse.make_dummy_model("llama3.1-8b", tmp_path)
+    info = rehearsal.make_dummy_model("llama3.1-8b", tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["vocab_size"] == 128_256
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     assert tok.get_vocab_size() == 128_256
@@ -127,33 +128,33 @@ def test_the_generated_tokenizer_covers_the_vocabulary(tmp_path):
 # --- the serve line and the layout ----------------------------------------------------------------------------
 
 def test_the_serve_line_is_the_jobs_with_dummy_weights(tmp_path):
-    job = rehearse.rehearsal_job("llama3.1-70b", tp=2)
+    job = rehearsal.rehearsal_job("llama3.1-70b", tp=2)
     assert (job.tp, job.pp, job.gpus) == (2, 1, 2)
-    argv, env, line = rehearse.serve_argv(job, tmp_path, 8123)
+    argv, env, line = rehearsal.serve_argv(job, tmp_path, 8123)
     flags = cluster.vllm_flags(job)
     assert argv[argv.index("--model") + 1] == str(tmp_path)
     assert " ".join(flags) in " ".join(argv) and argv[-2:] == ["--load-format", "dummy"]
     assert line.startswith(f"vllm serve {tmp_path} --tensor-parallel-size 2 --max-model-len 131072")
     assert not any("key" in a.lower() for a in argv) and "VLLM_API_KEY" not in env
     assert env["HF_HUB_OFFLINE"] == "1" and argv[argv.index("--port") + 1] == "8123"
-    uds_argv, _, _ = rehearse.serve_argv(job, tmp_path, 0, uds=tmp_path / "vllm.sock")  # the launcher's way
+    uds_argv, _, _ = rehearsal.serve_argv(job, tmp_path, 0, uds=tmp_path / "vllm.sock")  # the launcher's way
     assert uds_argv[uds_argv.index("--uds") + 1] == str(tmp_path / "vllm.sock") and "--port" not in uds_argv
 
 
 def test_pipeline_stages_on_one_node_use_vllms_own_processes(tmp_path):
-    job = rehearse.rehearsal_job("llama3.1-405b", tp=4, pp=2)  # the 2-node job, rehearsed inside one node
-    argv, _, _ = rehearse.serve_argv(job, tmp_path, 8123)
+    job = rehearsal.rehearsal_job("llama3.1-405b", tp=4, pp=2)  # the 2-node job, rehearsed inside one node
+    argv, _, _ = rehearsal.serve_argv(job, tmp_path, 8123)
     assert argv[argv.index("--distributed-executor-backend") + 1] == "mp"
     assert (job.nodes, job.gpus) == (1, 8)
 
 
 def test_bad_layouts_fail_with_a_sentence():
     with pytest.raises(rehearse.RehearseError, match="CPU engine rehearses TP=1"):
-        rehearse.rehearsal_job(memory.TINY_NAME, tp=2, engine="cpu")
+        rehearsal.rehearsal_job(memory.TINY_NAME, tp=2, engine="cpu")
     with pytest.raises(rehearse.RehearseError, match="attention heads"):
-        rehearse.rehearsal_job("llama3.1-8b", tp=3)
+        rehearsal.rehearsal_job("llama3.1-8b", tp=3)
     with pytest.raises(memory.UnknownName, match="neither a shipped model"):
-        rehearse.rehearsal_job("no-such-model")
+        rehearsal.rehearsal_job("no-such-model")
 
 
 def test_without_a_gpu_the_cli_says_so_in_one_sentence():
@@ -182,7 +183,7 @@ def _engine_processes(marker: str) -> list[int]:
 
 @pytest.mark.server
 def test_a_cpu_rehearsal_runs_end_to_end_and_stops_its_server(tmp_path):
-    r = rehearse.rehearse(memory.TINY_NAME, engine="cpu", concurrency=(1, 4), input_len=8, output_len=16,
+    r = rehearsal.rehearse(memory.TINY_NAME, engine="cpu", concurrency=(1, 4), input_len=8, output_len=16,
                           batch1_requests=3, out=tmp_path, progress=False, say=lambda *a: None, ready_timeout=600)
     assert r["kv_tokens_logged"] == r["kv_tokens_predicted"] == r["kv_tokens_predicted_before_start"] == 524_288
     issue_keys = ("gpu", "gpu_count", "model", "tp", "pp", "vllm_version", "startup_s", "weights_gib",
@@ -204,8 +205,8 @@ def test_a_cpu_rehearsal_runs_end_to_end_and_stops_its_server(tmp_path):
 
 @pytest.mark.server
 def test_sigterm_during_start_up_stops_the_server(tmp_path):
-    code = ("from llmlab import rehearse, memory\n"
-            f"rehearse.rehearse(memory.TINY_NAME, engine='cpu', out={str(tmp_path)!r}, progress=False)\n")
+    code = ("from llmlab import memory\nfrom llmlab.ops import rehearsal\n"
+            f"rehearsal.rehearse(memory.TINY_NAME, engine='cpu', out={str(tmp_path)!r}, progress=False)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "server.log"
     deadline = time.monotonic() + 120
@@ -229,7 +230,7 @@ def test_the_committed_gpu_results_hold_the_arithmetic():
     for r in results:
         assert rehearse.check_math(r) == [], r["folder"]
         assert r["kv_prediction_basis"] == "exact bytes (probe)" and len(r["memory_probe"]) == r["tp"] * r["pp"]
-        assert r["folder"] == rehearse.result_dir_name(r["gpu_label"], r["model"], r["tp"], r["pp"])
+        assert r["folder"] == rehearsal.result_dir_name(r["gpu_label"], r["model"], r["tp"], r["pp"])
         layout = rehearse.Layout(r["model"], r["tp"], r["pp"], r["max_model_len"], r["gpu_memory_utilization"])
         assert r["roofline_tok_s"] == pytest.approx(r["bandwidth_tb_s"] * 1e12 / rehearse.bytes_per_decode_step(layout))
         excerpt = (rehearse.RESULTS_DIR / r["folder"] / rehearse.LOG_EXCERPT).read_text()

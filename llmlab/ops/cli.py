@@ -188,8 +188,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_rehearse(args) -> int:
-    """Dummy-weight rehearsal of a layout on this machine's GPUs (logic in ``llmlab.rehearse``)."""
+    """Dummy-weight rehearsal of a layout on this machine's GPUs (logic in ``llmlab.ops.rehearsal``)."""
     from llmlab import rehearse
+    from llmlab.ops import rehearsal
 
     try:
         conc = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -198,7 +199,7 @@ def cmd_rehearse(args) -> int:
               f"{args.concurrency!r}.", file=sys.stderr)
         return 2
     try:
-        result = rehearse.rehearse(args.model, tp=args.tp, pp=args.pp, max_model_len=args.max_model_len,
+        result = rehearsal.rehearse(args.model, tp=args.tp, pp=args.pp, max_model_len=args.max_model_len,
                                    gpu_memory_utilization=args.gpu_memory_utilization, concurrency=conc,
                                    out=args.out, engine=args.engine, kv_cache_gib=args.kv_cache_gib,
                                    input_len=args.input_len, output_len=args.output_len,

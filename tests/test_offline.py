@@ -15,6 +15,7 @@ import pytest
 
 from llmlab import memory, offline, sampling
 from llmlab.ops import cli
+from llmlab.ops import generate as offline_engine
 from llmlab.serve.embedded import TINY_MODEL
 from llmlab.serve.proc import terminate
 
@@ -140,7 +141,7 @@ def test_prompt_file_forms_and_ids(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('"plain"\n\n{"id": "x", "prompt": "text"}\n{"prompt": [0, 5, 6]}\n'
                     '{"messages": [{"role": "user", "content": "Hi"}]}\n')
-    prompts, ids = offline.read_prompts(path)
+    prompts, ids = offline_engine.read_prompts(path)
     assert ids == [0, "x", 2, 3]
     assert prompts == ["plain", "text", {"prompt_token_ids": [0, 5, 6]},
                        {"messages": [{"role": "user", "content": "Hi"}]}]
@@ -157,7 +158,7 @@ def test_bad_prompt_files_name_the_line(tmp_path, text, message):
     path = tmp_path / "p.jsonl"
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
-        offline.read_prompts(path)
+        offline_engine.read_prompts(path)
 
 
 def test_chat_template_through_the_tokenizer_has_one_bos():
@@ -220,7 +221,7 @@ def test_cli_layout_that_does_not_fit_names_the_planners_layout(capsys, tmp_path
     assert "weights (56.7 GiB) do not fit" in err and "--tp-size 8 --pp-size 2" in err
     monkeypatch.setattr(offline, "_numa_nodes", lambda: 1)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    engine = offline.OfflineEngine(tmp_path, tp_size=8, gpu="none", max_model_len=128)
+    engine = offline_engine.OfflineEngine(tmp_path, tp_size=8, gpu="none", max_model_len=128)
     with pytest.raises(offline.LayoutError, match="8 ranks"):  # --gpu none: no memory check; the CPU's still runs
         engine.prepare()
 
@@ -249,7 +250,7 @@ def test_cli_bad_sampling_value_and_bad_prompt_file(capsys, tmp_path):
 
 def test_engine_that_fails_is_reported_with_its_log_and_stopped():
     """vLLM refuses an unknown argument inside the engine process: the error quotes its log, no process is left."""
-    engine = offline.OfflineEngine(enforce_eager=True, warmup=False, extra={"no_such_engine_argument": 1})
+    engine = offline_engine.OfflineEngine(enforce_eager=True, warmup=False, extra={"no_such_engine_argument": 1})
     with pytest.raises(offline.EngineFailed, match="no_such_engine_argument") as e:
         engine.start(progress=False, timeout=300)
     assert str(engine.log_path) in str(e.value)

@@ -129,11 +129,12 @@ def cmd_memory(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    """Offline batch inference (``llmlab.offline.run``): load, pre-warm, generate every prompt in one batch.
+    """Offline batch inference (``llmlab.ops.generate.run``): load, pre-warm, generate every prompt in one batch.
 
     Expected failures (no engine, no model, a layout that cannot work, a bad prompt file or sampling value)
     exit 2 before anything is loaded; an engine that fails while running exits 1."""
     from llmlab import offline, sampling
+    from llmlab.ops import generate
 
     try:
         params = sampling.SamplingParams(
@@ -142,12 +143,12 @@ def cmd_generate(args) -> int:
             repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
             seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos).validate()
         if args.prompts:
-            prompts, ids = offline.read_prompts(args.prompts)
+            prompts, ids = generate.read_prompts(args.prompts)
         else:
             prompts, ids = [args.prompt], [0]
         if args.chat or args.system:
             prompts = [offline.as_chat(p, args.system) for p in prompts]
-        result = offline.run(prompts, params, ids=ids, output=args.output, progress=not args.quiet,
+        result = generate.run(prompts, params, ids=ids, output=args.output, progress=not args.quiet,
                              timeout=args.timeout, model=args.model, tp_size=args.tp_size, pp_size=args.pp_size,
                              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                              dtype=args.dtype, enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib,

@@ -1,0 +1,111 @@
+"""Memory arithmetic for LLM serving, derived from a model's own ``config.json``.
+
+Why: "how many GPUs does this model need?" has an exact answer for the weights and the KV cache, and
+the published tables get it wrong often enough (rounded parameter counts, GB mixed with GiB, one KV
+figure twice too large) that the course derives every number from the configuration instead.
+
+Everything here is a pure function: a model is a path to a ``config.json`` (or its directory), a dict,
+a shipped name (``llama3.1-8b`` ... ``llmlab-tiny``) or a :class:`ModelSpec`.  The layers are:
+
+1. :func:`model_spec` reads and validates a config (a clear :class:`ConfigError` names any missing or
+   odd field; transformers' documented defaults are applied *visibly*, in ``spec.defaults_applied``);
+2. :func:`tensors` lists every weight tensor with its shape, so parameter counts, bytes per dtype and
+   the share of each GPU under tensor/pipeline parallelism are sums over one list;
+3. the KV cache: bytes per token, per request, and vLLM's block arithmetic (:func:`kv_capacity`), which
+   reproduces to the token the "KV cache size" and "Maximum concurrency" lines that vLLM logs;
+4. GPUs: :func:`gpus_needed` (how many cards' worth of memory) and :func:`plan` (the smallest valid
+   TP x PP layout and its ``vllm serve`` command line).
+
+Units: bytes are exact integers; ``GB`` is 10**9 bytes (datasheets, published tables) and ``GiB`` is
+2**30 bytes (what vLLM and PyTorch print).  The difference is 7 %, larger than many of the margins.
+"""
+
+# The parts, in reading order; every name stays reachable as llmlab.memory.<name>.
+from llmlab.memory.kv import (  # noqa: F401
+    KV_LOG,
+    KVCapacity,
+    embedded_kv_capacity,
+    kv_blocks,
+    kv_budget,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    kv_capacity,
+    kv_tokens,
+    kv_tokens_held,
+    max_concurrency,
+    parse_kv_log,
+)
+from llmlab.memory.model import (  # noqa: F401
+    ARCHITECTURES,
+    CONFIGS_DIR,
+    CPU_BLOCK_SIZE,
+    DEFAULT_OVERHEAD_GIB,
+    DEFAULT_UTILIZATION,
+    DTYPE_ALIASES,
+    DTYPE_BITS,
+    FLOAT_DTYPES,
+    GB,
+    GPU_BLOCK_SIZE,
+    HF_IDS,
+    KV_DTYPES,
+    MODELS_DIR,
+    TINY_NAME,
+    ConfigError,
+    GiB,
+    ModelSpec,
+    PlanError,
+    UnknownName,
+    _bool_field,
+    _family,
+    _head_dim,
+    _int_field,
+    _quantization,
+    _sliding_window,
+    _spec_from_config,
+    _torch_dtype,
+    bytes_per_param,
+    config_path,
+    kv_dtype_bytes,
+    load_config,
+    model_spec,
+    normalize_dtype,
+    normalize_kv_dtype,
+    serve_dtype,
+    shipped_models,
+)
+from llmlab.memory.planner import (  # noqa: F401
+    _GPU_ALIASES,
+    GPU,
+    GPUS,
+    GPUCount,
+    Plan,
+    _evaluate,
+    _gib,
+    _usable_or_fail,
+    gpu,
+    gpus_needed,
+    memory_report,
+    plan,
+    serve_command,
+    usable_bytes,
+)
+from llmlab.memory.weights import (  # noqa: F401
+    Tensor,
+    _attention,
+    _bits,
+    _checkpoint_bits,
+    _mlp,
+    _shard,
+    _stage_of,
+    _tensors,
+    _weight_bytes_per_gpu,
+    active_params,
+    check_tp,
+    param_breakdown,
+    param_count,
+    pp_partition,
+    tensors,
+    valid_tp_sizes,
+    weight_bytes,
+    weight_bytes_per_gpu,
+)

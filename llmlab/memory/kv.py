@@ -1,0 +1,149 @@
+"""The KV cache: bytes per token, per request, and vLLM's block arithmetic.
+
+Part of ``llmlab.memory`` (its ``__init__`` says how the parts fit); read them in the order model, weights,
+kv, planner.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from llmlab.memory.model import (
+    CPU_BLOCK_SIZE,
+    DEFAULT_UTILIZATION,
+    GPU_BLOCK_SIZE,
+    TINY_NAME,
+    GiB,
+    kv_dtype_bytes,
+    model_spec,
+)
+
+# --------------------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------------------
+
+def kv_bytes_per_token(model, kv_dtype: str = "auto", dtype: str | None = None, tp: int = 1,
+                       layers: int | None = None) -> int:
+    """Bytes of K and V one token leaves in the cache: layers x 2 x kv_heads x head_dim x bytes.
+
+    ``tp`` and ``layers`` give one GPU's share: its KV heads (at least one: vLLM replicates KV heads
+    when TP exceeds them) and its pipeline stage's layers.
+    """
+    s = model_spec(model)
+    heads = s.num_kv_heads if tp == 1 else max(1, s.num_kv_heads // tp)
+    n = s.num_layers if layers is None else layers
+    return n * 2 * heads * s.head_dim * kv_dtype_bytes(s, kv_dtype, dtype)
+
+
+def kv_tokens_held(model, tokens: int) -> int:
+    """Tokens of one request that stay in the cache: all of them, except for a sliding-window model
+    (Mistral 7B v0.1: 4,096), which keeps about the window (vLLM reserves one scheduling chunk more)."""
+    s = model_spec(model)
+    return tokens if s.sliding_window is None else min(tokens, s.sliding_window)
+
+
+def kv_cache_bytes(model, tokens: int, concurrency: int = 1, kv_dtype: str = "auto",
+                   dtype: str | None = None) -> int:
+    """Bytes of KV cache for ``concurrency`` requests of ``tokens`` tokens each (prompt + output)."""
+    if tokens < 0 or concurrency < 0:
+        raise ValueError(f"tokens and concurrency must be >= 0, got {tokens} and {concurrency}")
+    return kv_tokens_held(model, tokens) * concurrency * kv_bytes_per_token(model, kv_dtype, dtype)
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What vLLM makes of a KV budget: whole blocks, the tokens it reports, and the concurrency."""
+
+    budget_bytes: int
+    bytes_per_token: int
+    block_size: int
+    blocks: int
+    max_model_len: int | None
+    tokens: int
+    max_concurrency: float | None
+
+    def log_line(self, device: str = "GPU") -> str:
+        """The line vLLM logs at start-up, e.g. "CPU KV cache size: 524,288 tokens, Maximum concurrency ..."."""
+        if self.max_model_len is None:
+            raise ValueError("the log line needs max_model_len (the context length vLLM serves)")
+        return (f"{device} KV cache size: {self.tokens:,} tokens, Maximum concurrency for "
+                f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x")
+
+
+def kv_blocks(budget_bytes: int, bytes_per_token: int, block_size: int = GPU_BLOCK_SIZE) -> int:
+    """Whole blocks of ``block_size`` tokens that fit in the budget: vLLM never allocates a partial block."""
+    if bytes_per_token <= 0 or block_size <= 0:
+        raise ValueError("bytes_per_token and block_size must be positive")
+    return max(0, int(budget_bytes)) // (bytes_per_token * block_size)
+
+
+def kv_capacity(budget_bytes: int, bytes_per_token: int, block_size: int = GPU_BLOCK_SIZE,
+                max_model_len: int | None = None, blocks: int | None = None) -> KVCapacity:
+    """vLLM's KV arithmetic (``vllm/v1/core/kv_cache_utils.py``), step by step.
+
+    blocks = budget // (block_size x bytes per token); one request of max_model_len tokens needs
+    ceil(max_model_len / block_size) blocks; concurrency = blocks / that (a float); and the "KV cache
+    size" vLLM reports is int(concurrency x max_model_len) -- equal to blocks x block_size only when
+    max_model_len is a multiple of the block size.  The float steps are kept as vLLM does them, so the
+    result matches its log to the token.  ``bytes_per_token`` is one GPU's (see :func:`kv_bytes_per_token`);
+    ``blocks`` overrides the computed count (vLLM takes the smallest over all GPUs).
+    """
+    n = kv_blocks(budget_bytes, bytes_per_token, block_size) if blocks is None else blocks
+    if max_model_len is None:
+        return KVCapacity(int(budget_bytes), bytes_per_token, block_size, n, None, n * block_size, None)
+    per_request = -(-max_model_len // block_size)
+    concurrency = n / per_request
+    return KVCapacity(int(budget_bytes), bytes_per_token, block_size, n, max_model_len,
+                      int(concurrency * max_model_len), concurrency)
+
+
+def kv_tokens(budget_bytes: int, bytes_per_token: int, block_size: int = GPU_BLOCK_SIZE,
+              max_model_len: int | None = None) -> int:
+    """Tokens of KV cache vLLM reports for a budget (see :func:`kv_capacity`)."""
+    return kv_capacity(budget_bytes, bytes_per_token, block_size, max_model_len).tokens
+
+
+def max_concurrency(budget_bytes: int, bytes_per_token: int, tokens_per_request: int,
+                    block_size: int = GPU_BLOCK_SIZE) -> float:
+    """vLLM's "Maximum concurrency for N tokens per request": full-length requests the cache holds at once."""
+    return kv_capacity(budget_bytes, bytes_per_token, block_size, tokens_per_request).max_concurrency
+
+
+def kv_budget(gpu_bytes: int, weights: int, activation: int, non_torch: int = 0, cuda_graphs: int = 0,
+              utilization: float = DEFAULT_UTILIZATION) -> int:
+    """The KV budget vLLM computes on one GPU: utilization x total memory, minus the weights, the profiled
+    peak activation, non-torch memory and (vLLM 0.32 by default; not 0.26) its CUDA-graph estimate.
+    With the figures from its start-up log the result is exact up to their rounding."""
+    return int(utilization * gpu_bytes) - weights - activation - non_torch - cuda_graphs
+
+
+KV_LOG = re.compile(r"(?P<device>\w+(?: \+ host)?) KV cache size: (?P<tokens>[\d,]+) tokens, Maximum concurrency "
+                    r"for (?P<len>[\d,]+) tokens per request: (?P<conc>[\d.]+)x")
+
+
+def parse_kv_log(text: str) -> dict:
+    """The last "KV cache size ... Maximum concurrency ..." line in a vLLM log, as numbers."""
+    found = list(KV_LOG.finditer(text))
+    if not found:
+        raise ValueError("No 'KV cache size: N tokens, Maximum concurrency for M tokens per request: Cx' line in "
+                         "this log: the engine has not finished starting, or this is not a vLLM server log.")
+    m = found[-1]
+    return {"device": m["device"], "tokens": int(m["tokens"].replace(",", "")),
+            "max_model_len": int(m["len"].replace(",", "")), "max_concurrency": float(m["conc"]),
+            "line": m.group(0)}
+
+
+def embedded_kv_capacity(kv_cache_gib: float = 1, model=TINY_NAME, max_model_len: int | None = None,
+                         dtype: str | None = None) -> KVCapacity:
+    """What llmlab's embedded CPU server will log for a KV space of ``kv_cache_gib`` GiB.
+
+    vLLM's CPU backend reads ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``, so only whole GiB work; it
+    uses blocks of 128 tokens; the embedded server serves the checkpoint's dtype (float32).
+    """
+    if float(kv_cache_gib) != int(kv_cache_gib) or kv_cache_gib < 1:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB (vLLM parses it with int()), "
+                         f"got {kv_cache_gib}: use 1, 2, ...")
+    s = model_spec(model)
+    length = max_model_len or s.require_context()
+    return kv_capacity(int(kv_cache_gib) * GiB, kv_bytes_per_token(s, "auto", dtype), CPU_BLOCK_SIZE, length)

@@ -1,0 +1,359 @@
+"""A model's configuration and its data types: what every other part of ``llmlab.memory`` reads.
+
+Part of ``llmlab.memory`` (its ``__init__`` says how the parts fit); read them in the order model, weights,
+kv, planner.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 10**9
+GiB = 2**30
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+CONFIGS_DIR = MODELS_DIR / "configs"
+TINY_NAME = "llmlab-tiny"
+
+# The Hugging Face repository behind each shipped config, for the `vllm serve` line.
+HF_IDS = {
+    "llama3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+    "llama3.1-405b": "meta-llama/Llama-3.1-405B-Instruct",
+    "llama3.1-405b-fp8": "meta-llama/Llama-3.1-405B-Instruct-FP8",
+    "llama2-7b": "meta-llama/Llama-2-7b-hf",
+    "llama2-70b": "meta-llama/Llama-2-70b-hf",
+    "mistral-7b": "mistralai/Mistral-7B-v0.1",
+    "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
+}
+
+# vLLM's default KV block size (tokens per block) per platform: 16 on CUDA (CacheConfig's default),
+# 128 on its CPU backend (vllm/platforms/cpu.py sets it when the user gives none).
+GPU_BLOCK_SIZE = 16
+CPU_BLOCK_SIZE = 128
+
+# vLLM's default share of a GPU's memory that it may use (weights + activations + KV cache).
+DEFAULT_UTILIZATION = 0.9
+
+# Per-GPU allowance for what vLLM measures at start-up and subtracts before sizing the KV cache: the
+# peak activation of a profiling forward pass (one chunk of max_num_batched_tokens, so it hardly grows
+# with context length thanks to chunked prefill), non-torch memory (CUDA context, NCCL buffers), and an
+# estimate of the CUDA graphs' memory (subtracted by default in vLLM 0.32's source,
+# VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1; vLLM 0.26 left the graphs to the 1 - utilization share).
+# Measured, Llama 3.1 8B: one H100, 1.1 + 0.22 + 0.98 (graphs) GiB; two H200s (TP=2), 0.71 + 0.07 + 0.72
+# GiB per GPU.  3 GiB covers those with a margin for larger hidden sizes.
+DEFAULT_OVERHEAD_GIB = 3.0
+
+
+class ConfigError(ValueError):
+    """A model config is missing a field, has an odd value, or describes an unsupported model."""
+
+
+class UnknownName(ConfigError, KeyError):
+    """A name (model, dtype, GPU) that llmlab does not know; the message lists the known ones."""
+
+    __str__ = Exception.__str__
+
+
+class PlanError(ValueError):
+    """No layout fits the request; the message says what to change."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Data types
+# --------------------------------------------------------------------------------------------------
+
+# Bits per stored value.  int4 counts only the 4-bit values: real int4 formats (GPTQ, AWQ) also store
+# a 16-bit scale (and often a zero point) per group of 32-128 weights: +3 to +13 % on top, and they
+# keep embeddings, norms and usually the LM head in 16 bits.
+DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16, "fp8": 8, "int8": 8, "int4": 4}
+DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
+    "half": "float16", "f16": "float16", "float8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "e4m3": "fp8",
+}
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def normalize_dtype(dtype: str) -> str:
+    """Canonical weight dtype name (``bf16`` -> ``bfloat16``); an unknown name is an error, not a guess."""
+    key = str(dtype).strip().lower()
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_BITS:
+        raise UnknownName(f"Unknown dtype {dtype!r}. Use one of {', '.join(DTYPE_BITS)} "
+                          f"(or an alias: {', '.join(DTYPE_ALIASES)}).")
+    return key
+
+
+def bytes_per_param(dtype: str) -> float:
+    """Bytes one stored value takes: 4, 2, 1 or 0.5."""
+    return DTYPE_BITS[normalize_dtype(dtype)] / 8
+
+
+def serve_dtype(model, dtype: str | None = None) -> str:
+    """The dtype vLLM computes in (its ``--dtype``), which is also the KV cache's dtype under "auto".
+
+    ``dtype=None`` serves the checkpoint as stored (a float32 checkpoint in float32, as llmlab's
+    embedded server does with ``--dtype float32``; vLLM's own "auto" would downcast it to bfloat16).
+    A quantized weight dtype (fp8, int8, int4) keeps 16-bit activations: the checkpoint's, or bfloat16.
+    """
+    spec = model_spec(model)
+    if dtype is not None:
+        dtype = normalize_dtype(dtype)
+        if dtype in FLOAT_DTYPES:
+            return dtype
+    base = spec.require_dtype()
+    if dtype is None:
+        return base
+    return base if DTYPE_BITS[base] == 16 else "bfloat16"
+
+
+def normalize_kv_dtype(kv_dtype: str) -> str:
+    """Canonical KV cache dtype name, as vLLM's ``--kv-cache-dtype`` spells it (``bf16`` -> ``bfloat16``)."""
+    key = str(kv_dtype).strip().lower()
+    key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(key, key)
+    if key not in KV_DTYPES:
+        raise UnknownName(f"Unknown KV cache dtype {kv_dtype!r}. vLLM's --kv-cache-dtype takes "
+                          f"{', '.join(k for k in KV_DTYPES if k != 'float32')} (float32 only via --dtype float32).")
+    return key
+
+
+def kv_dtype_bytes(model, kv_dtype: str = "auto", dtype: str | None = None) -> int:
+    """Bytes per stored K or V value: ``auto`` follows :func:`serve_dtype`; fp8 variants take 1 byte."""
+    key = normalize_kv_dtype(kv_dtype)
+    if key == "auto":
+        return DTYPE_BITS[serve_dtype(model, dtype)] // 8
+    return 1 if key.startswith("fp8") else DTYPE_BITS[key] // 8
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a config
+# --------------------------------------------------------------------------------------------------
+
+ARCHITECTURES = {  # Hugging Face class -> family; the formulas below are exact for these only.
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def shipped_models() -> list[str]:
+    """Names accepted wherever a model is asked for: the shipped configs and the tiny model."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json")) + [TINY_NAME]
+
+
+def config_path(name: str) -> Path:
+    """Where a shipped model's ``config.json`` lives."""
+    if name == TINY_NAME:
+        return MODELS_DIR / TINY_NAME / "config.json"
+    return CONFIGS_DIR / f"{name}.json"
+
+
+def load_config(model) -> tuple[dict, str]:
+    """Return ``(config dict, where it came from)`` for a dict, a shipped name, a file or a directory."""
+    if isinstance(model, Mapping):
+        return dict(model), "dict"
+    if not isinstance(model, str | Path):
+        raise ConfigError(f"A model is a shipped name, a path to a config.json, or a dict; got {type(model).__name__}.")
+    text = str(model)
+    if text in shipped_models():
+        path = config_path(text)
+        if not path.is_file():
+            raise ConfigError(f"The shipped model {text!r} has no config at {path} (the tiny model's files come "
+                              "with its weights): reinstall llmlab, or pass a config.json path.")
+    else:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise UnknownName(f"{text!r} is neither a shipped model ({', '.join(shipped_models())}) nor a "
+                              "config.json file or model directory.")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); it should be a Hugging Face config.json.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} holds a JSON {type(data).__name__}, not an object: not a config.json.")
+    return data, str(path)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts the arithmetic needs, validated.  Hashable, so results can be cached."""
+
+    name: str
+    family: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    num_experts: int = 0            # 0: a dense MLP; otherwise num_local_experts of a mixture of experts
+    experts_per_token: int = 0
+    max_position_embeddings: int | None = None
+    torch_dtype: str | None = None
+    sliding_window: int | None = None
+    quant_method: str | None = None
+    not_quantized: frozenset[str] = frozenset()
+    hf_id: str | None = None
+    source: str = ""
+    defaults_applied: tuple[str, ...] = ()
+
+    def require_dtype(self) -> str:
+        """The checkpoint's dtype; a config without one gets an error, never an assumed float32."""
+        if self.torch_dtype is None:
+            raise ConfigError(f"{self.name}: the config has no torch_dtype (or dtype) field, so the checkpoint's "
+                              "bytes are unknown. Pass dtype='bfloat16' (or another) explicitly.")
+        return self.torch_dtype
+
+    def require_context(self) -> int:
+        if self.max_position_embeddings is None:
+            raise ConfigError(f"{self.name}: the config has no max_position_embeddings; pass a context length.")
+        return self.max_position_embeddings
+
+
+def _int_field(cfg: dict, key: str, name: str) -> int:
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"{name}: the config has no {key!r} field; a {cfg.get('model_type', 'decoder')} "
+                          f"config.json needs it (check the file is the model's config.json).")
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}: config field {key!r} should be a positive integer, got {value!r} "
+                          f"({type(value).__name__}).")
+    return value
+
+
+def _bool_field(cfg: dict, key: str, default: bool, name: str, applied: list[str]) -> bool:
+    if key not in cfg:
+        applied.append(f"{key}={default} (transformers' default: absent from the config)")
+        return default
+    if not isinstance(cfg[key], bool):
+        raise ConfigError(f"{name}: config field {key!r} should be true or false, got {cfg[key]!r}.")
+    return cfg[key]
+
+
+def _family(cfg: dict, name: str) -> tuple[str, str]:
+    archs = cfg.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not archs or not isinstance(archs[0], str)):
+        raise ConfigError(f"{name}: 'architectures' should be a list of class names, got {archs!r}.")
+    if archs:
+        arch = archs[0]
+        if arch not in ARCHITECTURES:
+            raise ConfigError(f"{name}: architecture {arch!r} is not supported by llmlab.memory (supported: "
+                              f"{', '.join(ARCHITECTURES)}). Its parameter layout differs, so llmlab does not guess.")
+        return ARCHITECTURES[arch], arch
+    model_type = cfg.get("model_type")
+    by_type = {family: arch for arch, family in ARCHITECTURES.items()}
+    if model_type in by_type:
+        return model_type, by_type[model_type]
+    raise ConfigError(f"{name}: the config names neither a supported 'architectures' entry nor a supported "
+                      f"'model_type' (got {model_type!r}); supported: {', '.join(ARCHITECTURES)}.")
+
+
+def _torch_dtype(cfg: dict, name: str) -> str | None:
+    raw = cfg.get("torch_dtype", cfg.get("dtype"))  # transformers >= 5 writes "dtype"
+    if raw is None:
+        return None
+    try:
+        dtype = normalize_dtype(str(raw).removeprefix("torch."))
+    except UnknownName:
+        raise ConfigError(f"{name}: torch_dtype {raw!r} is not a dtype llmlab knows "
+                          f"({', '.join(FLOAT_DTYPES)}).") from None
+    if dtype not in FLOAT_DTYPES:
+        raise ConfigError(f"{name}: torch_dtype {raw!r} should be a float type ({', '.join(FLOAT_DTYPES)}).")
+    return dtype
+
+
+def _head_dim(cfg: dict, hidden: int, heads: int, name: str) -> int:
+    if cfg.get("head_dim") is not None:  # explicit (e.g. Mistral Nemo: 128 while 5120 / 32 = 160)
+        return _int_field(cfg, "head_dim", name)
+    if hidden % heads:
+        raise ConfigError(f"{name}: hidden_size {hidden} is not divisible by num_attention_heads {heads} and the "
+                          "config gives no head_dim: add the model's head_dim.")
+    return hidden // heads
+
+
+def _sliding_window(cfg: dict, family: str, name: str) -> int | None:
+    if family == "qwen2" and not cfg.get("use_sliding_window", False):
+        return None
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if family == "qwen2":
+        raise ConfigError(f"{name}: Qwen2 with use_sliding_window=true applies the window to some layers only; "
+                          "llmlab.memory does not model that.")
+    return _int_field(cfg, "sliding_window", name)
+
+
+def _quantization(cfg: dict, name: str) -> tuple[str | None, frozenset[str]]:
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None, frozenset()
+    if not isinstance(q, dict) or not q.get("quant_method"):
+        raise ConfigError(f"{name}: quantization_config should be an object with a 'quant_method'.")
+    skip = q.get("modules_to_not_convert") or []
+    return str(q["quant_method"]), frozenset(skip)
+
+
+def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
+    family, arch = _family(cfg, name)
+    applied: list[str] = []
+    hidden = _int_field(cfg, "hidden_size", name)
+    heads = _int_field(cfg, "num_attention_heads", name)
+    if family == "llama" and cfg.get("num_key_value_heads") is None:
+        kv = heads
+        applied.append(f"num_key_value_heads={heads} (LlamaConfig's default: multi-head attention)")
+    else:
+        kv = _int_field(cfg, "num_key_value_heads", name)
+    if heads % kv:
+        raise ConfigError(f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
+                          "grouped-query attention needs whole groups.")
+    attention_bias = _bool_field(cfg, "attention_bias", False, name, applied) if family == "llama" else False
+    experts = per_token = 0
+    if family == "mixtral":
+        experts = _int_field(cfg, "num_local_experts", name)
+        per_token = _int_field(cfg, "num_experts_per_tok", name)
+        if per_token > experts:
+            raise ConfigError(f"{name}: num_experts_per_tok {per_token} exceeds num_local_experts {experts}.")
+    ctx = cfg.get("max_position_embeddings")
+    quant_method, not_quantized = _quantization(cfg, name)
+    return ModelSpec(
+        name=name, family=family, architecture=arch,
+        vocab_size=_int_field(cfg, "vocab_size", name), hidden_size=hidden,
+        intermediate_size=_int_field(cfg, "intermediate_size", name),
+        num_layers=_int_field(cfg, "num_hidden_layers", name), num_heads=heads, num_kv_heads=kv,
+        head_dim=_head_dim(cfg, hidden, heads, name),
+        tie_word_embeddings=_bool_field(cfg, "tie_word_embeddings", False, name, applied),
+        qkv_bias=attention_bias or family == "qwen2", o_bias=attention_bias,
+        mlp_bias=_bool_field(cfg, "mlp_bias", False, name, applied) if family == "llama" else False,
+        num_experts=experts, experts_per_token=per_token,
+        max_position_embeddings=None if ctx is None else _int_field(cfg, "max_position_embeddings", name),
+        torch_dtype=_torch_dtype(cfg, name), sliding_window=_sliding_window(cfg, family, name),
+        quant_method=quant_method, not_quantized=not_quantized, hf_id=HF_IDS.get(name), source=source,
+        defaults_applied=tuple(applied),
+    )
+
+
+def model_spec(model) -> ModelSpec:
+    """Read and validate a model: a :class:`ModelSpec`, a shipped name, a config path/directory, or a dict."""
+    if isinstance(model, ModelSpec):
+        return model
+    cfg, source = load_config(model)
+    if isinstance(model, Mapping):
+        name = str(cfg.get("_name_or_path") or "config")
+    elif str(model) in shipped_models():
+        name = str(model)
+    else:
+        name = Path(source).parent.name
+    return _spec_from_config(cfg, name, source)

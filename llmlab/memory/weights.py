@@ -1,0 +1,245 @@
+"""Weights: every tensor of a model, its parameters and bytes, and each GPU's share under TP and PP.
+
+Part of ``llmlab.memory`` (its ``__init__`` says how the parts fit); read them in the order model, weights,
+kv, planner.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from llmlab.memory.model import DTYPE_BITS, ConfigError, ModelSpec, PlanError, model_spec, normalize_dtype
+
+# --------------------------------------------------------------------------------------------------
+# Weights: every tensor, then sums
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tensor:
+    """One weight tensor, shaped (out, in) like PyTorch's Linear, or (n,) for a vector.
+
+    ``split`` says how tensor parallelism shards it, as vLLM does: ``col`` splits the outputs (q, gate,
+    up, expert w1/w3), ``row`` the inputs (o, down, w2), ``kv`` splits by KV head and replicates when
+    TP exceeds the KV heads, ``vocab`` splits the (64-padded) vocabulary, ``none`` replicates.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    split: str
+    group: str          # embedding, attention, mlp, experts, router, norm, lm_head
+    layer: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
+
+    @property
+    def is_matrix(self) -> bool:
+        return len(self.shape) == 2 and self.group not in ("embedding", "lm_head", "router")
+
+
+def _attention(s: ModelSpec, p: str, i: int) -> list[Tensor]:
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    out = [Tensor(f"{p}.q_proj.weight", (q, s.hidden_size), "col", "attention", i),
+           Tensor(f"{p}.k_proj.weight", (kv, s.hidden_size), "kv", "attention", i),
+           Tensor(f"{p}.v_proj.weight", (kv, s.hidden_size), "kv", "attention", i),
+           Tensor(f"{p}.o_proj.weight", (s.hidden_size, q), "row", "attention", i)]
+    if s.qkv_bias:
+        out += [Tensor(f"{p}.q_proj.bias", (q,), "col", "attention", i),
+                Tensor(f"{p}.k_proj.bias", (kv,), "kv", "attention", i),
+                Tensor(f"{p}.v_proj.bias", (kv,), "kv", "attention", i)]
+    if s.o_bias:
+        out.append(Tensor(f"{p}.o_proj.bias", (s.hidden_size,), "none", "attention", i))
+    return out
+
+
+def _mlp(s: ModelSpec, p: str, i: int) -> list[Tensor]:
+    h, f = s.hidden_size, s.intermediate_size
+    if s.num_experts:  # Mixtral: a router, then experts w1 (gate), w3 (up), w2 (down), no biases
+        out = [Tensor(f"{p}.gate.weight", (s.num_experts, h), "none", "router", i)]
+        for e in range(s.num_experts):
+            x = f"{p}.experts.{e}"
+            out += [Tensor(f"{x}.w1.weight", (f, h), "col", "experts", i),
+                    Tensor(f"{x}.w3.weight", (f, h), "col", "experts", i),
+                    Tensor(f"{x}.w2.weight", (h, f), "row", "experts", i)]
+        return out
+    out = [Tensor(f"{p}.gate_proj.weight", (f, h), "col", "mlp", i),
+           Tensor(f"{p}.up_proj.weight", (f, h), "col", "mlp", i),
+           Tensor(f"{p}.down_proj.weight", (h, f), "row", "mlp", i)]
+    if s.mlp_bias:
+        out += [Tensor(f"{p}.gate_proj.bias", (f,), "col", "mlp", i),
+                Tensor(f"{p}.up_proj.bias", (f,), "col", "mlp", i),
+                Tensor(f"{p}.down_proj.bias", (h,), "none", "mlp", i)]
+    return out
+
+
+@functools.cache
+def _tensors(s: ModelSpec) -> tuple[Tensor, ...]:
+    out = [Tensor("model.embed_tokens.weight", (s.vocab_size, s.hidden_size), "vocab", "embedding")]
+    mlp = "block_sparse_moe" if s.num_experts else "mlp"
+    for i in range(s.num_layers):
+        p = f"model.layers.{i}"
+        out.append(Tensor(f"{p}.input_layernorm.weight", (s.hidden_size,), "none", "norm", i))
+        out += _attention(s, f"{p}.self_attn", i)
+        out.append(Tensor(f"{p}.post_attention_layernorm.weight", (s.hidden_size,), "none", "norm", i))
+        out += _mlp(s, f"{p}.{mlp}", i)
+    out.append(Tensor("model.norm.weight", (s.hidden_size,), "none", "norm"))
+    if not s.tie_word_embeddings:
+        out.append(Tensor("lm_head.weight", (s.vocab_size, s.hidden_size), "vocab", "lm_head"))
+    return tuple(out)
+
+
+def tensors(model) -> tuple[Tensor, ...]:
+    """Every weight tensor of the model, in checkpoint order.  A tied LM head is the embedding: not listed."""
+    return _tensors(model_spec(model))
+
+
+def param_count(model) -> int:
+    """Total parameters (a tied LM head counted once, as Hugging Face counts them)."""
+    return sum(t.numel for t in tensors(model))
+
+
+def param_breakdown(model) -> dict[str, int]:
+    """Parameters per group (embedding, attention, mlp or experts + router, norm, lm_head)."""
+    out: dict[str, int] = {}
+    for t in tensors(model):
+        out[t.group] = out.get(t.group, 0) + t.numel
+    return out
+
+
+def active_params(model) -> int:
+    """Parameters one token touches: a mixture of experts only runs experts_per_token of its experts."""
+    s = model_spec(model)
+    total = param_count(s)
+    if not s.num_experts:
+        return total
+    experts = param_breakdown(s)["experts"]
+    return total - experts + experts * s.experts_per_token // s.num_experts
+
+
+def _checkpoint_bits(s: ModelSpec, t: Tensor, numel: int, rows: int) -> int:
+    """Bits a (shard of a) tensor takes as stored in the checkpoint, fp8 scales included."""
+    base = DTYPE_BITS[s.require_dtype()]
+    if s.quant_method is None or not t.is_matrix or t.name.endswith(".bias"):
+        return numel * base
+    if s.quant_method != "fbgemm_fp8":
+        raise ConfigError(f"{s.name}: quantization method {s.quant_method!r} is not modelled by llmlab.memory; "
+                          "pass dtype='int4', 'int8' or 'fp8' for an estimate that counts every weight alike.")
+    if t.module in s.not_quantized:
+        return numel * base
+    return numel * 8 + rows * 32  # one fp8 byte per weight + one float32 scale per output channel
+
+
+def _bits(s: ModelSpec, t: Tensor, dtype: str | None, numel: int, rows: int) -> int:
+    if dtype is None:
+        return _checkpoint_bits(s, t, numel, rows)
+    return numel * DTYPE_BITS[normalize_dtype(dtype)]
+
+
+def weight_bytes(model, dtype: str | None = None) -> int:
+    """Bytes of all weights.
+
+    ``dtype=None``: as the checkpoint stores them (its torch_dtype; for an FP8 checkpoint, the FP8
+    matrices with their scales and the layers it keeps in bf16).  A dtype name: every parameter in that
+    dtype, which is what published tables do; real fp8/int8/int4 deployments keep embeddings and norms
+    in 16 bits and add scales, so they need a little more.
+    """
+    s = model_spec(model)
+    bits = sum(_bits(s, t, dtype, t.numel, t.shape[0]) for t in tensors(s))
+    return -(-bits // 8)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parallelism: what each GPU holds
+# --------------------------------------------------------------------------------------------------
+
+def check_tp(model, tp: int) -> None:
+    """Raise if vLLM could not shard this model ``tp`` ways (heads, KV heads, MLP width must divide)."""
+    s = model_spec(model)
+    if tp < 1:
+        raise PlanError(f"tensor parallel size must be >= 1, got {tp}")
+    if s.num_heads % tp:
+        raise PlanError(f"{s.name}: {s.num_heads} attention heads do not divide into {tp} tensor-parallel shards.")
+    if s.num_kv_heads % tp and tp % s.num_kv_heads:
+        raise PlanError(f"{s.name}: {s.num_kv_heads} KV heads can neither be split nor evenly replicated over {tp} "
+                        "GPUs; use a TP size that divides them or that they divide.")
+    if s.intermediate_size % tp:
+        raise PlanError(f"{s.name}: MLP width {s.intermediate_size} does not divide by TP={tp}.")
+
+
+def valid_tp_sizes(model, max_tp: int) -> list[int]:
+    """TP sizes up to ``max_tp`` that vLLM accepts for this model."""
+    out = []
+    for tp in range(1, max_tp + 1):
+        try:
+            check_tp(model, tp)
+        except PlanError:
+            continue
+        out.append(tp)
+    return out
+
+
+def pp_partition(num_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage, split as vLLM does (``get_pp_indices``): evenly, and any remainder one
+    layer each to the stages just before the last (the last stage also carries the final norm and head)."""
+    if not 1 <= pp <= num_layers:
+        raise PlanError(f"pipeline parallel size must be between 1 and the {num_layers} layers, got {pp}")
+    parts = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        parts[-i] += 1
+    return parts
+
+
+def _stage_of(t: Tensor, bounds: list[tuple[int, int]]) -> list[int]:
+    last = len(bounds) - 1
+    if t.group == "embedding":
+        return [0]
+    if t.layer is None:  # final norm, LM head
+        return [last]
+    return [k for k, (lo, hi) in enumerate(bounds) if lo <= t.layer < hi]
+
+
+def _shard(s: ModelSpec, t: Tensor, tp: int) -> tuple[int, int]:
+    """(elements, output rows) of one GPU's shard of ``t`` at tensor parallel size ``tp``."""
+    rows = t.shape[0]
+    if t.split == "col":
+        rows = rows // tp
+    elif t.split == "kv":
+        rows = max(1, s.num_kv_heads // tp) * s.head_dim
+    elif t.split == "vocab":
+        rows = -(-(-(-rows // 64) * 64) // tp)  # vLLM pads the vocabulary to a multiple of 64, then splits it
+    elif t.split == "row":
+        return rows * t.shape[1] // tp, rows
+    return rows * math.prod(t.shape[1:]), rows
+
+
+def weight_bytes_per_gpu(model, dtype: str | None = None, tp: int = 1, pp: int = 1) -> list[int]:
+    """Bytes of weights one GPU of each pipeline stage holds (norms and routers are replicated).
+
+    With tied embeddings and PP > 1 the last stage holds its own copy of the LM head, as vLLM does.
+    """
+    s = model_spec(model)
+    check_tp(s, tp)
+    return list(_weight_bytes_per_gpu(s, None if dtype is None else normalize_dtype(dtype), tp, pp))
+
+
+@functools.cache
+def _weight_bytes_per_gpu(s: ModelSpec, dtype: str | None, tp: int, pp: int) -> tuple[int, ...]:
+    parts = pp_partition(s.num_layers, pp)
+    bounds = [(sum(parts[:k]), sum(parts[:k + 1])) for k in range(pp)]
+    bits = [0] * pp
+    for t in tensors(s):
+        numel, rows = _shard(s, t, tp)
+        for k in _stage_of(t, bounds):
+            bits[k] += _bits(s, t, dtype, numel, rows)
+    if s.tie_word_embeddings and pp > 1:
+        head = tensors(s)[0]
+        numel, rows = _shard(s, head, tp)
+        bits[-1] += _bits(s, head, dtype, numel, rows)
+    return tuple(-(-b // 8) for b in bits)

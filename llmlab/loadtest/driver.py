@@ -1,0 +1,333 @@
+"""A run: the job queue of threads (or asyncio), workloads of exact token lengths, a concurrency sweep.
+
+Part of ``llmlab.loadtest`` (its ``__init__`` says what a load test measures); read them in the order records,
+results, request, driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from llmlab.loadtest.records import TINY_TOKENIZER, Job, Record, as_jobs, connection_limit, max_in_flight
+from llmlab.loadtest.request import _openai_params, _send, _send_async, _Settings
+from llmlab.loadtest.results import LoadResult, _Appender, load
+
+# --- a run ----------------------------------------------------------------------------------------------
+
+def _prepare(prompts, save, resume) -> tuple[list[Job], dict[str, Record], Path | None]:
+    jobs = as_jobs(prompts)
+    path = Path(save) if save is not None else None
+    previous: dict[str, Record] = {}
+    if resume:
+        if path is None:
+            raise ValueError("resume=True needs save=PATH: the records of the earlier run are read from there.")
+        if path.exists():
+            wanted = {str(j.id) for j in jobs}
+            previous = {str(r.id): r for r in load(path).records if r.status == "ok" and str(r.id) in wanted}
+    elif path is not None and path.exists() and path.stat().st_size:
+        raise FileExistsError(f"{path} already holds records: pass resume=True to finish that run, or choose "
+                              "another file (nothing was overwritten).")
+    return jobs, previous, path
+
+
+def _finish(jobs, previous, new: dict[str, Record], appender: _Appender, concurrency: int,
+            pool_known: bool) -> LoadResult:
+    records = [previous.get(str(j.id)) or new.get(str(j.id)) for j in jobs]
+    records = [r for r in records if r is not None]  # only jobs never started (an interrupt) are absent
+    appender.close(records)
+    result = LoadResult(records, concurrency)
+    fresh = [new[str(j.id)] for j in jobs if str(j.id) in new]
+    seen = max_in_flight(fresh)
+    # Where the client's pool could not be read, the measured concurrency is the only clue to a cap.  A
+    # busy server may answer a request only after another ended: one short (one in eight) is no cap.
+    slack = max(1, concurrency // 8) if concurrency >= 4 else 0
+    if not pool_known and len(fresh) >= 2 * concurrency and seen < concurrency - slack:
+        warnings.warn(f"asked for {concurrency} requests in flight, but the server never answered more than {seen} "
+                      "at once: a client connection-pool limit, too few worker threads, or a machine too busy to "
+                      f"keep up? The figures describe concurrency {seen}.", stacklevel=3)
+    return result
+
+
+def _check_pool(client, concurrency: int) -> bool:
+    """Warn before the run when the client's connection pool is smaller than the concurrency; return
+    whether the pool could be read."""
+    limit = connection_limit(client)
+    if limit is not None and limit < concurrency:
+        warnings.warn(f"the client's connection pool opens at most {limit} connections, fewer than the {concurrency} "
+                      f"requests asked for: at most {limit} will be in flight. Give the client a larger pool "
+                      "(http_client=httpx.Client(limits=httpx.Limits(max_connections=...))).", stacklevel=3)
+    return limit is not None
+
+
+def _start_threads(pool: ThreadPoolExecutor, n: int, timeout: float = 10.0) -> None:
+    """Start all ``n`` worker threads before the first request, so that the load begins at once.
+
+    The executor starts a thread at each submit; on a busy machine a thread started while others are
+    already streaming can wait a long time for the CPU, and the first requests then run at less than the
+    concurrency asked for.  Each thread waits at a barrier until all exist.
+    """
+    barrier = threading.Barrier(n + 1)
+    for _ in range(n):
+        pool.submit(barrier.wait, timeout)
+    with contextlib.suppress(threading.BrokenBarrierError):
+        barrier.wait(timeout)
+
+
+def run(client, model: str, prompts: Iterable, *, concurrency: int = 8, max_tokens: int = 64,
+        timeout: float = 60.0, progress: bool = True, save: str | Path | None = None, resume: bool = False,
+        on_record: Callable[[Record], None] | None = None, **sampling) -> LoadResult:
+    """Send every prompt with ``concurrency`` worker threads; as one request finishes, the next is sent.
+
+    - ``prompts``: strings, token-id lists, ``Job``s (see ``synthetic_workload``) or dicts.
+    - ``timeout``: seconds a request may take in all (checked at each chunk) or stay silent; it then ends
+      as a ``timeout`` record.  The client does not retry (``max_retries=0``): a retry would hide a failure
+      and count its time as latency.
+    - ``save``: append each record to this JSONL file as it finishes (a ``.csv`` name is written at the
+      end); ``resume=True`` skips the jobs the file already holds as ``ok`` and sends the rest again.
+    - ``on_record(record)``: called in the worker thread after each request (live plots, tests).
+    - ``**sampling``: request parameters (``temperature=0``, ``seed``, ``ignore_eos=True``, ``top_k``...);
+      vLLM's own ones are moved into ``extra_body``.
+
+    Returns a ``LoadResult``: one record per prompt, in the order given, and ``.summary()``.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency={concurrency}: at least one request must be in flight.")
+    jobs, previous, path = _prepare(prompts, save, resume)
+    todo = [j for j in jobs if str(j.id) not in previous]
+    fast = client.with_options(timeout=timeout, max_retries=0)
+    pool_known = _check_pool(fast, concurrency)
+    cfg = _Settings(model, max_tokens, timeout, _openai_params(dict(sampling), fast.completions.create),
+                    uuid.uuid4().hex[:8], concurrency, str(getattr(client, "base_url", "")))
+    appender, new = _Appender(path), {}
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(jobs), initial=len(previous), desc=f"{concurrency} in flight", disable=not progress,
+               unit="req", leave=False)
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="llmlab-load")
+    _start_threads(pool, concurrency)
+    futures = {}
+    try:
+        futures = {pool.submit(_send, fast, j, cfg): j for j in todo}
+        for fut in as_completed(futures):
+            job = futures[fut]
+            try:
+                rec = fut.result()
+            except Exception as e:  # noqa: BLE001 -- a bug in _send must not lose the job either
+                rec = Record(id=job.id, status="error", error=f"{type(e).__name__}: {e}", session=cfg.session,
+                             start=time.time(), end=time.time(), concurrency=concurrency)
+            new[str(job.id)] = rec
+            appender.write(rec)
+            if on_record is not None:
+                on_record(rec)
+            bar.update(1)
+            bar.set_postfix(ok=sum(r.status == "ok" for r in new.values()) + len(previous),
+                            failed=sum(r.status != "ok" for r in new.values()), refresh=False)
+    except BaseException:  # an interrupt: requests in flight finish (bounded by timeout) and are kept
+        pool.shutdown(wait=True, cancel_futures=True)
+        for fut, job in futures.items():
+            if str(job.id) not in new and fut.done() and not fut.cancelled() and fut.exception() is None:
+                new[str(job.id)] = fut.result()
+                appender.write(new[str(job.id)])
+        _finish(jobs, previous, new, appender, concurrency, pool_known)
+        raise
+    finally:
+        bar.close()
+    pool.shutdown(wait=True)
+    return _finish(jobs, previous, new, appender, concurrency, pool_known)
+
+
+async def run_async(client, model: str, prompts: Iterable, *, concurrency: int = 8, max_tokens: int = 64,
+                    timeout: float = 60.0, progress: bool = True, save: str | Path | None = None,
+                    resume: bool = False, on_record: Callable[[Record], None] | None = None,
+                    **sampling) -> LoadResult:
+    """``run()`` with asyncio: ``concurrency`` coroutines pull jobs from one queue, in one thread.
+
+    In a notebook: ``result = await loadtest.run_async(client, model, prompts)``.  ``client`` may be the
+    synchronous ``openai.OpenAI`` of ``llmlab.connect()`` (an ``AsyncOpenAI`` with its URL and key is made)
+    or an ``AsyncOpenAI``.  Records and summary are the same as ``run()``'s.
+    """
+    import openai
+
+    if concurrency < 1:
+        raise ValueError(f"concurrency={concurrency}: at least one request must be in flight.")
+    jobs, previous, path = _prepare(prompts, save, resume)
+    made = not isinstance(client, openai.AsyncOpenAI)
+    aclient = (openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key) if made else client)
+    fast = aclient.with_options(timeout=timeout, max_retries=0)
+    pool_known = _check_pool(fast, concurrency)
+    cfg = _Settings(model, max_tokens, timeout, _openai_params(dict(sampling), fast.completions.create),
+                    uuid.uuid4().hex[:8], concurrency, str(aclient.base_url))
+    appender, new = _Appender(path), {}
+    queue: asyncio.Queue[Job] = asyncio.Queue()
+    for j in jobs:
+        if str(j.id) not in previous:
+            queue.put_nowait(j)
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(jobs), initial=len(previous), desc=f"{concurrency} in flight (asyncio)",
+               disable=not progress, unit="req", leave=False)
+
+    async def worker():
+        while True:
+            try:
+                job = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            rec = await _send_async(fast, job, cfg)
+            new[str(job.id)] = rec
+            appender.write(rec)
+            if on_record is not None:
+                on_record(rec)
+            bar.update(1)
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        bar.close()
+        if made:
+            await aclient.close()
+    return _finish(jobs, previous, new, appender, concurrency, pool_known)
+
+
+# --- workloads --------------------------------------------------------------------------------------------
+
+def _codec(tokenizer):
+    """(encode, decode, vocab size) for a tokenizers.Tokenizer, a transformers tokenizer, a path or a name."""
+    if tokenizer is None:
+        tokenizer = TINY_TOKENIZER
+    if isinstance(tokenizer, str | Path):
+        p = Path(tokenizer)
+        if p.is_dir() and (p / "tokenizer.json").is_file():
+            p = p / "tokenizer.json"
+        if p.suffix == ".json" and p.is_file():
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(p))
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+    if hasattr(tokenizer, "get_vocab_size"):  # tokenizers.Tokenizer
+        return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+                lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tokenizer.get_vocab_size())
+    return (lambda text: tokenizer.encode(text, add_special_tokens=False),
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True), len(tokenizer))
+
+
+def random_prompt(rng, length: int, encode, decode, vocab: int, tries: int = 20) -> str:
+    """Text of exactly ``length`` tokens (when ``tries`` allow): random ids, decoded, re-encoded, then cut
+    or topped up until decoding and re-encoding keep the length -- neighbouring tokens can merge.  Ids that
+    decode to nothing or to half a character (byte tokens: they come back as U+FFFD) are never drawn."""
+    usable: dict[int, bool] = {}
+
+    def draw(k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            for i in rng.integers(0, vocab, size=2 * (k - len(out)) + 4).tolist():
+                if i not in usable:
+                    piece = decode([i])
+                    usable[i] = bool(piece.strip()) and "\ufffd" not in piece
+                if usable[i] and len(out) < k:
+                    out.append(i)
+        return out
+
+    ids = draw(length)
+    for _ in range(tries):
+        text = decode(ids)
+        got = encode(text)
+        if len(got) == length:
+            break
+        ids = got[:length] if len(got) > length else got + draw(length - len(got))
+    return text
+
+
+def synthetic_workload(n: int, input_len: int = 32, output_len: int = 32, *, seed: int = 0, tokenizer=None,
+                       range_ratio: float = 0.0) -> list[Job]:
+    """``n`` prompts of random tokens, ``input_len`` tokens each, asking for ``output_len`` tokens.
+
+    Why random tokens: a benchmark must control the lengths, which decide the work (prefill ∝ input,
+    decode steps = output); the same seed gives the same prompts.  ``range_ratio`` r draws each length
+    uniformly from [len·(1−r), len·(1+r)].  Pass ``ignore_eos=True`` to ``run()`` so that every request
+    really generates its ``max_tokens``.  ``tokenizer``: the served model's (a ``tokenizers``/transformers
+    object, a path or a name); by default the shipped tiny model's.
+    """
+    import numpy as np
+
+    encode, decode, vocab = _codec(tokenizer)
+    rng = np.random.default_rng(seed)
+
+    def length(mean: int) -> int:
+        lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+        return int(rng.integers(lo, hi + 1))
+
+    jobs = []
+    for i in range(n):
+        n_in, n_out = length(input_len), length(output_len)
+        jobs.append(Job(id=i, prompt=random_prompt(rng, n_in, encode, decode, vocab), max_tokens=n_out, input_len=n_in))
+    return jobs
+
+
+# --- a concurrency sweep ----------------------------------------------------------------------------------
+
+def sweep(client, model: str, prompts: Iterable, concurrencies: Iterable[int] = (1, 2, 4, 8), *, warmup: int = 1,
+          progress: bool = True, **kwargs):
+    """Run the same prompts at each concurrency; return a pandas DataFrame, one summary row per level.
+
+    ``warmup`` requests go first at each level and are not counted (the first request after a pause pays
+    for waking the engine).  The ``LoadResult``s are in ``table.attrs["results"]`` by concurrency.
+    """
+    import pandas as pd
+
+    jobs = as_jobs(prompts)
+    rows, results = [], {}
+    for c in concurrencies:
+        if warmup:
+            run(client, model, jobs[:warmup], concurrency=1, progress=False,
+                **{k: v for k, v in kwargs.items() if k not in ("save", "resume", "on_record")})
+        res = run(client, model, jobs, concurrency=c, progress=progress, **kwargs)
+        results[c] = res
+        rows.append(res.summary())
+    table = pd.DataFrame(rows).set_index("concurrency")
+    table.attrs["results"] = results
+    return table
+
+
+def plot_sweep(table, latency: str = "tpot_p50", axes=None):
+    """Two panels: output tokens/s against concurrency (with perfect scaling from the first level), and
+    ``latency`` (ms) against throughput, one labelled point per concurrency -- the trade-off curve."""
+    import matplotlib.pyplot as plt
+
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    left, right = axes
+    c = table.index.to_numpy()
+    tput = table["output_tokens_per_s"].to_numpy()
+    left.plot(c, tput, "o-", label="measured")
+    left.plot(c, tput[0] * c / c[0], ":", color="grey", label="perfect scaling")
+    left.set_xscale("log", base=2)
+    left.set(xlabel="requests in flight (concurrency)", ylabel="output tokens / s", title="Throughput")
+    left.minorticks_off()
+    left.set_xticks(c, [str(x) for x in c])
+    left.set_ylim(0, max(tput) * 1.3)
+    left.legend()
+    lat = table[latency].to_numpy() * 1000
+    right.plot(tput, lat, "o-")
+    for x, y, n in zip(tput, lat, c, strict=True):
+        right.annotate(f"c={n}", (x, y), textcoords="offset points", xytext=(5, 5))
+    name = {"tpot": "time per output token", "ttft": "time to first token", "latency": "end-to-end latency",
+            "itl": "inter-token latency"}.get(latency.rsplit("_", 1)[0], latency)
+    right.set(xlabel="output tokens / s", ylabel=f"{name}, {latency.rsplit('_', 1)[-1]} (ms)",
+              title="Latency vs throughput")
+    right.set_ylim(0, max(lat) * 1.2)
+    right.figure.tight_layout()
+    return axes

@@ -1,0 +1,229 @@
+"""One request, streamed and timed (TTFT, ITL, TPOT), and its failure in words.
+
+Part of ``llmlab.loadtest`` (its ``__init__`` says what a load test measures); read them in the order records,
+results, request, driver.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmlab.loadtest.records import Job, Record
+
+# --- one request --------------------------------------------------------------------------------------
+
+class _Deadline(Exception):
+    """The request ran past the run's ``timeout``."""
+
+
+def _openai_params(sampling: dict, create: Callable) -> dict:
+    """Move vLLM's extra sampling parameters (ignore_eos, top_k, min_tokens, ...) into ``extra_body``, so
+    that ``run(..., ignore_eos=True)`` works: the openai client refuses keywords it does not know."""
+    try:
+        known = set(inspect.signature(create).parameters)
+    except (TypeError, ValueError):
+        return dict(sampling)
+    params, extra = {}, dict(sampling.pop("extra_body", None) or {})
+    for key, value in sampling.items():
+        (params if key in known else extra)[key] = value
+    if extra:
+        params["extra_body"] = extra
+    return params
+
+
+class _ServerError(Exception):
+    """The server sent an error event in the middle of a stream."""
+
+
+def _event(line: str):
+    """One line of a server-sent-events stream: its JSON payload, ``None`` for the blank lines and comments
+    between events, and ``"[DONE]"`` at the end."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[5:].strip()
+    return payload if payload == "[DONE]" else json.loads(payload)
+
+
+class _Timer:
+    """Turns the streamed events of one completion into a ``Record``; shared by the thread and the asyncio
+    variants so that both measure exactly the same thing.
+
+    Why raw events and not the openai client's typed chunks: building a typed object costs ~0.3 ms of CPU
+    per token, so at a thousand tokens per second the load generator itself would eat a third of a core --
+    taken from the server it measures when both share a machine.  The openai client still does the HTTP
+    (URL, key, HTTP errors); each event is parsed with ``json.loads``, as ``vllm bench serve`` does.
+    """
+
+    def __init__(self, job: Job, max_tokens: int, timeout: float, session: str, base_url: str,
+                 concurrency: int | None = None):
+        self.rec = Record(id=job.id, max_tokens=max_tokens, session=session, concurrency=concurrency)
+        self.timeout, self.base_url = timeout, base_url
+        self.pieces: list[str] = []
+        self.chunks = 0
+        self.last: float | None = None
+        self.t0 = 0.0
+        self.t_end: float | None = None
+
+    def sent(self) -> None:
+        self.rec.start = time.time()
+        self.t0 = time.perf_counter()
+
+    def answered(self) -> None:
+        self.rec.t_response = time.perf_counter() - self.t0
+
+    def line(self, line: str) -> None:
+        """Take one line of the stream: a token, the usage, an error event, or nothing."""
+        now = self.t_end = time.perf_counter() - self.t0  # taken before the connection can be released
+        data = _event(line)
+        if data is None or data == "[DONE]":
+            return
+        if "error" in data or data.get("object") == "error":
+            error = data.get("error", data)
+            raise _ServerError(error.get("message", str(error)) if isinstance(error, dict) else str(error))
+        usage = data.get("usage")
+        if usage:
+            self.rec.prompt_tokens = usage.get("prompt_tokens")
+            self.rec.output_tokens = usage.get("completion_tokens") or 0
+        choices = data.get("choices")
+        if choices:  # a token (its text may be empty: a special token, half a UTF-8 character)
+            if self.rec.ttft is None:
+                self.rec.ttft = now
+            else:
+                self.rec.itl.append(now - self.last)
+            self.last = now
+            self.chunks += 1
+            self.pieces.append(choices[0].get("text") or "")
+            if choices[0].get("finish_reason"):
+                self.rec.finish_reason = choices[0]["finish_reason"]
+        if now > self.timeout:
+            raise _Deadline
+
+    def done(self) -> Record:
+        """The stream ended; its end is the last line read (the [DONE] event), before the connection went
+        back to the pool -- on a starved machine a thread can wait long after that for the CPU, and another
+        request would then seem to overlap it."""
+        r = self._close(at=self.t_end)
+        if r.ttft is None:
+            r.status, r.error = "error", "the server answered but streamed no token."
+        elif r.finish_reason is None:
+            r.status, r.error = "error", (f"the stream ended after {r.output_tokens} tokens without a finish_reason: "
+                                          "the server stopped sending mid-answer.")
+        else:
+            r.status = "ok"
+            r.latency = self.last
+            if r.output_tokens > 1:
+                r.tpot = (r.latency - r.ttft) / (r.output_tokens - 1)
+        return r
+
+    def failed(self, exc: BaseException) -> Record:
+        r = self._close(at=None)  # the failure happened now
+        r.status, r.error = describe_failure(exc, r.output_tokens, self.timeout, self.base_url)
+        return r  # ttft and itl stay: they say how far the request got
+
+    def _close(self, at: float | None) -> Record:
+        r = self.rec
+        r.end = r.start + (at if at is not None else time.perf_counter() - self.t0)
+        r.text = "".join(self.pieces)
+        if not r.output_tokens:  # no usage chunk (it comes last): count the token chunks received
+            r.output_tokens = self.chunks
+        return r
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    """The exception and what caused it: openai wraps the HTTP library's error, which names the problem."""
+    out: list[BaseException] = []
+    while exc is not None and all(exc is not e for e in out):
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+def _find(chain: list[BaseException], *names: str) -> BaseException | None:
+    """The first exception in ``chain`` of a class named one of ``names`` (or derived from one).  By name:
+    the openai client runs on httpx or on its fork httpx2, whose classes are distinct but named alike."""
+    return next((e for e in chain if any(c.__name__ in names for c in type(e).__mro__)), None)
+
+
+def describe_failure(exc: BaseException, tokens: int, timeout: float, base_url: str = "") -> tuple[str, str]:
+    """(status, one sentence) for a request that failed: what happened, in words a learner can act on."""
+    import openai
+
+    from llmlab.client import describe_error
+
+    chain = _chain(exc)
+    where = f" at {base_url}" if base_url else ""
+    got = f"after {tokens} token{'s' * (tokens != 1)}"
+    if isinstance(exc, _Deadline):
+        return "timeout", (f"no complete answer within timeout={timeout:g} s ({got}): the server is overloaded or "
+                           "stuck; lower the concurrency or raise timeout.")
+    if isinstance(exc, openai.APITimeoutError | TimeoutError) or _find(chain, "TimeoutException"):
+        return "timeout", (f"the server{where} sent nothing for {timeout:g} s ({got}): it is overloaded, stuck, "
+                           "or the client's connection pool is full; lower the concurrency or raise timeout.")
+    if isinstance(exc, openai.APIStatusError):
+        return "error", describe_error(exc)
+    if isinstance(exc, _ServerError):
+        return "error", f"the server reported an error {got} and ended the answer: {exc}"
+    if isinstance(exc, json.JSONDecodeError):
+        return "error", f"the server sent an event that is not JSON {got} ({exc}): is this an OpenAI-compatible API?"
+    if (cause := _find(chain, "ConnectError")) is not None:
+        return "error", (f"could not connect to the server{where} ({cause}): nothing listens there -- the server "
+                         "is down, restarting, or the address is wrong.")
+    if (cause := _find(chain, "RemoteProtocolError", "ReadError", "WriteError", "EndOfStream")) is not None:
+        when, during = (got, "mid-answer") if tokens else ("before the first token", "before answering")
+        return "error", (f"the connection broke {when} ({type(cause).__name__}: {cause}): the server closed it "
+                         f"{during} -- it crashed, was stopped, or restarted.")
+    if isinstance(exc, openai.APIError):
+        return "error", f"the server reported an error {got}: {exc}"
+    return "error", f"{type(exc).__name__} {got}: {exc}"
+
+
+@dataclass
+class _Settings:
+    """What every request of one run shares."""
+
+    model: str
+    max_tokens: int
+    timeout: float
+    params: dict
+    session: str
+    concurrency: int
+    base_url: str = ""
+
+    def timer(self, job: Job) -> _Timer:
+        return _Timer(job, job.max_tokens or self.max_tokens, self.timeout, self.session, self.base_url,
+                      self.concurrency)
+
+    def request(self, job: Job) -> dict:
+        return dict(model=self.model, prompt=job.prompt, max_tokens=job.max_tokens or self.max_tokens, stream=True,
+                    stream_options={"include_usage": True}, **self.params)
+
+
+def _send(client, job: Job, cfg: _Settings) -> Record:
+    """Send one streamed completion; never raises (apart from KeyboardInterrupt): a failure is a record."""
+    timer = cfg.timer(job)
+    timer.sent()
+    try:
+        with client.completions.with_streaming_response.create(**cfg.request(job)) as response:
+            timer.answered()
+            for line in response.iter_lines():
+                timer.line(line)
+        return timer.done()
+    except Exception as e:  # noqa: BLE001 -- every failure becomes a record, none stops the run
+        return timer.failed(e)
+
+
+async def _send_async(client, job: Job, cfg: _Settings) -> Record:
+    timer = cfg.timer(job)
+    timer.sent()
+    try:
+        async with client.completions.with_streaming_response.create(**cfg.request(job)) as response:
+            timer.answered()
+            async for line in response.iter_lines():
+                timer.line(line)
+        return timer.done()
+    except Exception as e:  # noqa: BLE001
+        return timer.failed(e)

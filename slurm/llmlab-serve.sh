@@ -222,11 +222,10 @@ if [[ -n $ray_head_cmd ]]; then
       ((code == 2)) && usage_error=1
     done
     stop_ray
-    if ((usage_error)); then
-      say "not retried: ray start rejected its arguments (check LLMLAB_RAY_HEAD_ARGS / LLMLAB_RAY_WORKER_ARGS)"
-      exit 1
-    fi
-    ((rc == 1 && attempt < attempts)) || exit 1
+    # Only now FAILED, the word `llmlab status` reports: an attempt that will be retried is not the job's end.
+    ((usage_error)) && die "Ray: ray start rejected its arguments (check LLMLAB_RAY_HEAD_ARGS / LLMLAB_RAY_WORKER_ARGS); not retried"
+    ((rc == 3)) && die "Ray did not start on every node within LLMLAB_RAY_TIMEOUT (the lines above name the missing ones)"
+    ((attempt < attempts)) || die "Ray did not start on every node in $attempt attempt(s) (the lines above say why)"
     say "Ray did not start on every node (attempt $attempt of $attempts); starting it again in $((10 * attempt)) s"
     sleep $((10 * attempt)) &
     wait $!

@@ -239,7 +239,7 @@ def test_wait_for_ray_times_out_with_the_numbers(tmp_path, capsys):
                                   steps={"node1": (sleeper.pid, str(log))})
         assert not ok
         out = capsys.readouterr().out
-        assert "Ray started on node1" in out and "FAILED: after" in out
+        assert "Ray started on node1" in out and "Ray incomplete after" in out and "FAILED" not in out
         assert "ray status shows 1/2 nodes and 16/16 GPUs" in out and "LLMLAB_RAY_TIMEOUT" in out
         # a node that never says "Ray runtime started" is named
         ok = launcher.wait_for_ray("127.0.0.1:1", 2, 16, timeout=0.5, ray_bin=str(fake),
@@ -258,7 +258,8 @@ def test_wait_for_ray_fails_at_once_when_a_step_exits(tmp_path, capsys):
     ok = launcher.wait_for_ray("127.0.0.1:1", 2, 0, timeout=60, ray_bin="/bin/false",
                               steps={"node2": (done.pid, str(log))})
     assert not ok and time.monotonic() - start < 5
-    assert "FAILED: Ray on node2 exited" in capsys.readouterr().out
+    out = capsys.readouterr().out  # the helper reports; the launcher decides whether that fails the job
+    assert "Ray on node2 exited" in out and "FAILED" not in out
 
 
 def test_raylet_failure_quotes_the_fatal_line_of_the_current_session(tmp_path):
@@ -454,11 +455,12 @@ def test_job_whose_ray_worker_cannot_start_fails_fast_with_the_reason(slurm_env,
     state, code = job_state(slurm_env, job_id)
     text = output.read_text()
     assert state == "FAILED" and code.startswith("1:"), (state, code, text)
-    assert "FAILED: Ray on node2 exited before the cluster was complete" in text
+    assert "Ray on node2 exited before the cluster was complete" in text
     assert "No such option '--no-such-option'" in text  # the reason, from the worker's own log
     # a usage error is not retried (a head that failed under load before it may have been: that is fine)
     after = text.split("No such option '--no-such-option'", 1)[1]
-    assert "not retried: ray start rejected its arguments" in after and "starting it again" not in after
+    assert "FAILED: Ray: ray start rejected its arguments" in after and "not retried" in after
+    assert "starting it again" not in after
     assert "starting vLLM" not in text
     assert not (servers_dir() / f"job-{job_id}.json").exists()
     wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")

@@ -406,7 +406,7 @@ FAILURES = [
     (re.compile(r"CUDA out of memory|OutOfMemoryError|No available memory for the cache blocks|"
                 r"larger than the available KV cache memory|insufficient memory|Cannot allocate memory"),
      "out of memory: the weights and KV cache do not fit (try more GPUs, --max-model-len, or --dtype fp8)"),
-    (re.compile(r"FAILED: Ray|FAILED: after \d+ s (Ray|ray status)|Ray did not start on every node"),
+    (re.compile(r"FAILED: Ray|Ray did not start on every node"),
      "Ray did not come up on every node (see the Ray logs in the job's log folder)"),
     (re.compile(r"does not appear to have a file named config\.json|is not a local folder|Can't load the "
                 r"configuration|HFValidationError|Repo id must|No such file or directory: '[^']*config\.json'|"

@@ -426,7 +426,8 @@ def wait_for_ray(address: str, nodes: int, gpus: int, timeout: float, steps: dic
         if node is None:
             return False
         log = steps[node][1]
-        say(f"FAILED: Ray on {node} exited before the cluster was complete. Last lines of {log}:\n{tail(log)}")
+        # Not "FAILED:" yet: the launcher may try again; it says FAILED when it gives up (llmlab status reads it).
+        say(f"Ray on {node} exited before the cluster was complete. Last lines of {log}:\n{tail(log)}")
         if temp_dir and (why := raylet_failure(temp_dir)):
             print(f"The raylet's own last word (in {temp_dir}): {why}", flush=True)
         return True
@@ -435,8 +436,8 @@ def wait_for_ray(address: str, nodes: int, gpus: int, timeout: float, steps: dic
         waited = time.monotonic() - start
         if waited <= timeout:
             return False
-        say(f"FAILED: after {waited:.0f} s {seen} (time-out LLMLAB_RAY_TIMEOUT={timeout:g} s). Last lines of each "
-            "node's Ray log follow.")
+        say(f"Ray incomplete after {waited:.0f} s: {seen} (time-out LLMLAB_RAY_TIMEOUT={timeout:g} s). Last lines "
+            "of each node's Ray log follow.")
         for node, (_, log) in steps.items():
             print(f"--- {node}: {log}\n{tail(log, 6)}", flush=True)
         return True

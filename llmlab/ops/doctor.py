@@ -12,7 +12,7 @@ import platform
 import sys
 
 from llmlab.serve.info import find_connection_file
-from llmlab.serve.vllm import VLLM_RANGE, VLLM_TESTED, vllm_outside_range
+from llmlab.serve.vllm import VLLM_RANGE, VLLM_TESTED, installed_vllm, vllm_outside_range
 
 
 def _version(*dists: str) -> str | None:
@@ -48,7 +48,7 @@ def report() -> dict[str, str]:
         "CPU cores": str(os.cpu_count()),
         "server": which_server(),
     }
-    version = engine.split()[1] if engine else None  # the same distribution the "vLLM engine" row names
+    version = installed_vllm()
     if version:
         facts["vLLM tested"] = VLLM_TESTED.get(version.split("+")[0]) or (
             vllm_outside_range(version) or f"inside the tested range (vllm{','.join(VLLM_RANGE)}), but this "

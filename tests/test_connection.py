@@ -72,3 +72,20 @@ def test_server_still_loading_is_one_sentence(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(path))
     with pytest.raises(llmlab.ServerUnavailable, match=r"SLURM job 77 is still loading the model \(Loading safe"):
         llmlab.connect()
+
+
+def test_server_info_is_the_connection_file_typed(tmp_path):
+    key = files.write_private(tmp_path / "k.key", "the-key\n")
+    info = files.ServerInfo.from_dict({"kind": "slurm", "host": "node7", "port": "8123", "model": "m",
+                                       "api_key_file": str(key), "job_id": "9", "nodes": ["node7"], "tp": 4})
+    assert info.port == 8123 and info.base_url == "http://node7:8123/v1" and info.root_url == "http://node7:8123"
+    assert info.key() == "the-key" and info.extra == {"nodes": ["node7"], "tp": 4}
+    assert info["nodes"] == ["node7"] and info.get("pid") is None and "api_key_file" in info  # reads as the JSON
+    path = info.write(tmp_path / "s.json")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert json.loads(path.read_text()) == dict(info) == {**files.read_connection_file(path)}  # the format kept
+    assert files.ServerInfo.read(path) == info and connection.base_url_of(dict(info)) == info.base_url
+    shared = info.updated(kind="shared", share_dir="/ws")
+    assert shared.kind == "shared" and shared["share_dir"] == "/ws" and info.kind == "slurm"
+    with pytest.raises(llmlab.AuthenticationFailed, match="Cannot read the API key file"):
+        info.updated(api_key_file=str(tmp_path / "gone.key")).key()

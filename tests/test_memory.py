@@ -5,6 +5,7 @@ Pure tests run in a second.  The two tests marked ``server`` start the real embe
 """
 
 import json
+import re
 
 import pytest
 
@@ -294,6 +295,96 @@ def test_impossible_plan_says_what_to_change():
         m.plan("llama3.1-405b", gpu_name="A100-40", gpus_per_node=1, max_nodes=4)
     with pytest.raises(m.PlanError, match="leaves nothing"):
         m.plan(TINY, gpu_name="custom:1")
+
+
+# --- one layout: layout_fit ---------------------------------------------------------------------------
+
+def test_layout_fit_of_the_405b_job_is_vllms_block_arithmetic():
+    f = m.layout_fit("llama3.1-405b", 8, 2, "H100-80")
+    assert f.fits and f.why == "" and (f.tp, f.pp, f.gpu, f.context) == (8, 2, "H100-80", 131_072)
+    assert f.weight_bytes_per_gpu == max(m.weight_bytes_per_gpu("llama3.1-405b", tp=8, pp=2))
+    assert f.kv_bytes_per_token_per_gpu == m.kv_bytes_per_token("llama3.1-405b", tp=8, layers=63)
+    assert f.kv_blocks == m.kv_blocks(f.kv_budget_bytes_per_gpu, f.kv_bytes_per_token_per_gpu)
+    assert f.kv_tokens == m.kv_tokens(f.kv_budget_bytes_per_gpu, f.kv_bytes_per_token_per_gpu, 16, 131_072)
+    assert f.max_concurrency == pytest.approx(5.336, abs=1e-3) and f.as_dict()["fits"] is True
+
+
+def test_layout_fit_says_why_with_the_numbers():
+    weights = m.layout_fit("llama3.1-405b", 4, 1, "A100-40")
+    assert not weights.fits and weights.max_concurrency == 0 and weights.kv_tokens == 0
+    assert ("llama3.1-405b in bfloat16 as TP=4 x PP=1 on A100-40: the weights take 189.0 GiB per GPU, more than "
+            "the 32.6 GiB vLLM may use there (0.9 x 39.59 GiB minus 3 GiB for activations).") == weights.why
+    kv = m.layout_fit("llama3.1-405b", 4, 3, "H100-80")  # the weights fit; one 128k request does not
+    assert not kv.fits and kv.worst_stage == 2
+    assert "63.3 GiB of the 68.3 GiB per GPU of pipeline stage 2" in kv.why
+    assert "room for 123,248 tokens (7,703 blocks of 16 at 43,008 bytes per token): 0.94" in kv.why
+    assert kv.why.endswith("less than one 131,072-token request.")
+    many = m.layout_fit("llama3.1-405b", 8, 2, concurrency=6)
+    assert not many.fits and "5.34 full-length requests, less than the 6 requests of 131,072 tokens" in many.why
+    assert "vLLM may use nothing per GPU" in m.layout_fit(TINY, gpu_name="custom:1").why
+
+
+def test_layout_fit_counts_a_sliding_window_once():
+    f = m.layout_fit("mistral-7b", 1, 1, "custom:24", context=32_768, concurrency=40)
+    held = m.kv_tokens_held("mistral-7b", 32_768)
+    assert held == 4096 and f.max_concurrency == f.kv_blocks / (held // 16)
+    assert not f.fits and "(each keeps 4,096 tokens: its sliding window)" in f.why
+
+
+@pytest.mark.parametrize("model,kw", [
+    ("llama3.1-70b", {"context": 8192}),
+    ("llama3.1-70b", {}),
+    ("llama3.1-405b", {}),
+    ("llama3.1-405b-fp8", {"gpu_name": "A100-40", "context": 8192, "utilization": 0.95}),
+    ("llama3.1-8b", {"context": 131_072, "concurrency": 9, "kv_dtype": "fp8"}),
+])
+def test_plan_is_the_first_layout_that_layout_fit_accepts(model, kw):
+    p = m.plan(model, **kw)
+    fit_kw = {k: v for k, v in kw.items() if k != "gpu_name"}
+    for pp in range(1, p.pp + 1):
+        for tp in m.valid_tp_sizes(model, 8):
+            f = m.layout_fit(model, tp, pp, kw.get("gpu_name", "H100-80"), **fit_kw)
+            if (pp, tp) < (p.pp, p.tp):
+                assert not f.fits and f.why, (tp, pp)
+            elif (pp, tp) == (p.pp, p.tp):
+                assert f.fits
+                assert (f.weight_bytes_per_gpu, f.kv_budget_bytes_per_gpu, f.kv_bytes_per_token_per_gpu, f.kv_blocks,
+                        f.kv_tokens, f.max_concurrency) == (p.weight_bytes_per_gpu, p.kv_budget_bytes_per_gpu,
+                                                            p.kv_bytes_per_token_per_gpu, p.kv_blocks, p.kv_tokens,
+                                                            p.max_concurrency)
+
+
+def test_launch_and_the_planner_share_layout_fit():
+    from llmlab import cluster
+
+    for name, job in cluster.load_settings().items():
+        if job.engine != "gpu":
+            continue
+        report = cluster.layout_report(job)
+        f = m.layout_fit(job.model, job.tp, job.pp, job.gpu, dtype=job.dtype, kv_dtype=job.kv_dtype,
+                         context=job.context, utilization=job.gpu_memory_utilization)
+        assert (report["fits"], report["why"], report["kv_tokens"]) == (f.fits, f.why, f.kv_tokens), name
+
+
+@pytest.mark.parametrize("args,kw,message", [
+    ((0, 1), {}, "tensor parallel size must be a whole number >= 1, got 0"),
+    ((1.5, 1), {}, "got 1.5"),
+    ((True, 1), {}, "got True"),
+    ((1, -2), {}, "pipeline parallel size must be a whole number >= 1, got -2"),
+    ((1, 200), {}, "between 1 and the 80 layers"),
+    ((3, 1), {}, "64 attention heads do not divide into 3"),
+    ((1, 1), {"context": 0}, "context must be a whole number >= 1"),
+    ((1, 1), {"concurrency": 0}, "concurrency must be a whole number >= 1"),
+    ((1, 1), {"utilization": 1.5}, "gpu_memory_utilization must be in"),
+])
+def test_layout_fit_refuses_bad_input(args, kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        m.layout_fit("llama3.1-70b", *args, **kw)
+
+
+def test_layout_fit_refuses_an_unknown_gpu():
+    with pytest.raises(m.UnknownName, match="Unknown GPU 'B300'"):
+        m.layout_fit("llama3.1-70b", 4, 1, "B300")
 
 
 # --- bad input ----------------------------------------------------------------------------------------

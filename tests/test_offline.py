@@ -14,7 +14,7 @@ import time
 import pytest
 
 from llmlab import memory, offline, sampling
-from llmlab.ops import cli
+from llmlab.ops import cli, engine
 from llmlab.ops import generate as offline_engine
 from llmlab.serve.embedded import TINY_MODEL
 from llmlab.serve.proc import terminate
@@ -73,23 +73,23 @@ def test_wrong_sampling_value_fails_with_llmlabs_message():
 
 def test_tiny_model_is_the_default():
     for name in (None, "llmlab-tiny", TINY):
-        found = offline.resolve_model(name)
+        found = engine.resolve_model(name)
         assert found.local and found.config.is_file() and found.name == str(TINY_MODEL.resolve())
 
 
 def test_missing_model_is_one_clear_sentence(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(offline.ModelNotFound, match="that path does not exist"):
-        offline.resolve_model(tmp_path / "nope")
-    with pytest.raises(offline.ModelNotFound, match="no config.json"):
-        offline.resolve_model(tmp_path)
+    with pytest.raises(engine.ModelNotFound, match="that path does not exist"):
+        engine.resolve_model(tmp_path / "nope")
+    with pytest.raises(engine.ModelNotFound, match="no config.json"):
+        engine.resolve_model(tmp_path)
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(offline.ModelNotFound, match="no weights"):
-        offline.resolve_model(tmp_path)
-    with pytest.raises(offline.ModelNotFound, match="not in the Hugging Face cache.*hf download"):
-        offline.resolve_model("meta-llama/Llama-3.1-70B-Instruct")
-    with pytest.raises(offline.ModelNotFound, match="stands for meta-llama/Llama-3.1-405B-Instruct-FP8"):
-        offline.resolve_model("llama3.1-405b-fp8")
+    with pytest.raises(engine.ModelNotFound, match="no weights"):
+        engine.resolve_model(tmp_path)
+    with pytest.raises(engine.ModelNotFound, match="not in the Hugging Face cache.*hf download"):
+        engine.resolve_model("meta-llama/Llama-3.1-70B-Instruct")
+    with pytest.raises(engine.ModelNotFound, match="stands for meta-llama/Llama-3.1-405B-Instruct-FP8"):
+        engine.resolve_model("llama3.1-405b-fp8")
 
 
 # --- the layout, from the config alone --------------------------------------------------------------------------
@@ -101,38 +101,38 @@ def test_missing_model_is_one_clear_sentence(tmp_path, monkeypatch):
     (dict(tp_size=0), "whole number >= 1"),
 ])
 def test_impossible_layout_of_the_tiny_model(kwargs, message):
-    with pytest.raises(offline.LayoutError, match=message):
-        offline.check_layout("llmlab-tiny", build="cpu", **kwargs)
+    with pytest.raises(engine.LayoutError, match=message):
+        engine.check_layout("llmlab-tiny", build="cpu", **kwargs)
 
 
 def test_cpu_engine_needs_a_numa_node_per_rank(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr(offline, "_numa_nodes", lambda: 1)
-    with pytest.raises(offline.LayoutError, match="2 ranks.*has 1"):
-        offline.check_layout("llmlab-tiny", tp_size=2, build="cpu")
+    monkeypatch.setattr(engine, "_numa_nodes", lambda: 1)
+    with pytest.raises(engine.LayoutError, match="2 ranks.*has 1"):
+        engine.check_layout("llmlab-tiny", tp_size=2, build="cpu")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    assert offline.check_layout("llmlab-tiny", tp_size=2, build="cpu").tp == 2
+    assert engine.check_layout("llmlab-tiny", tp_size=2, build="cpu").tp == 2
 
 
 def test_cpu_kv_space_must_hold_one_request():
-    with pytest.raises(offline.LayoutError, match="more than the CPU engine's 1 GiB"):
-        offline.check_layout("llama3.1-8b", build="cpu", max_model_len=131_072)
-    assert offline.check_layout("llama3.1-8b", build="cpu", max_model_len=4096).kv_tokens_per_gpu == 8192
+    with pytest.raises(engine.LayoutError, match="more than the CPU engine's 1 GiB"):
+        engine.check_layout("llama3.1-8b", build="cpu", max_model_len=131_072)
+    assert engine.check_layout("llama3.1-8b", build="cpu", max_model_len=4096).kv_tokens_per_gpu == 8192
 
 
 def test_the_seed_scripts_405b_layout_fits_and_half_of_it_does_not():
     """The blog's 405B FP8 run: TP=8 x PP=2 on 16 A100-40s, 8,192 tokens.  PP=1 cannot hold the weights, and
     the message names the planner's layout."""
-    ok = offline.check_layout("llama3.1-405b-fp8", 8, 2, gpu="A100-40", max_model_len=8192)
+    ok = engine.check_layout("llama3.1-405b-fp8", 8, 2, gpu="A100-40", max_model_len=8192)
     assert ok.weight_bytes_per_gpu < ok.usable_bytes_per_gpu and ok.kv_tokens_per_gpu >= 8192
-    with pytest.raises(offline.LayoutError, match=r"do not fit.*--tp-size 8 --pp-size 2 \(16 GPUs on 2 node"):
-        offline.check_layout("llama3.1-405b-fp8", 8, 1, gpu="A100-40", max_model_len=8192)
+    with pytest.raises(engine.LayoutError, match=r"more than the.*--tp-size 8 --pp-size 2 \(16 GPUs on 2 node"):
+        engine.check_layout("llama3.1-405b-fp8", 8, 1, gpu="A100-40", max_model_len=8192)
 
 
 def test_70b_on_four_gpus_depends_on_the_gpu():
-    assert offline.check_layout("llama3.1-70b", 4, gpu="H100-80", max_model_len=8192).tp == 4
-    with pytest.raises(offline.LayoutError, match="--tp-size 8 --pp-size 1"):
-        offline.check_layout("llama3.1-70b", 4, gpu="A100-40", max_model_len=8192)
+    assert engine.check_layout("llama3.1-70b", 4, gpu="H100-80", max_model_len=8192).tp == 4
+    with pytest.raises(engine.LayoutError, match="--tp-size 8 --pp-size 1"):
+        engine.check_layout("llama3.1-70b", 4, gpu="A100-40", max_model_len=8192)
 
 
 # --- prompts -----------------------------------------------------------------------------------------------
@@ -218,12 +218,12 @@ def test_cli_layout_that_does_not_fit_names_the_planners_layout(capsys, tmp_path
     code, _, err = generate("--prompt", "Hi", "--model", str(tmp_path), "--tp-size", "8", "--gpu", "A100-40",
                             "--max-model-len", "8192", capsys=capsys)
     assert code == 2
-    assert "weights (56.7 GiB) do not fit" in err and "--tp-size 8 --pp-size 2" in err
-    monkeypatch.setattr(offline, "_numa_nodes", lambda: 1)
+    assert "the weights take 56.7 GiB per GPU, more than" in err and "--tp-size 8 --pp-size 2" in err
+    monkeypatch.setattr(engine, "_numa_nodes", lambda: 1)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    engine = offline_engine.OfflineEngine(tmp_path, tp_size=8, gpu="none", max_model_len=128)
-    with pytest.raises(offline.LayoutError, match="8 ranks"):  # --gpu none: no memory check; the CPU's still runs
-        engine.prepare()
+    eng = offline_engine.OfflineEngine(tmp_path, tp_size=8, gpu="none", max_model_len=128)
+    with pytest.raises(engine.LayoutError, match="8 ranks"):  # --gpu none: no memory check; the CPU's still runs
+        eng.prepare()
 
 
 def test_cli_no_engine_installed(capsys, monkeypatch):
@@ -250,11 +250,11 @@ def test_cli_bad_sampling_value_and_bad_prompt_file(capsys, tmp_path):
 
 def test_engine_that_fails_is_reported_with_its_log_and_stopped():
     """vLLM refuses an unknown argument inside the engine process: the error quotes its log, no process is left."""
-    engine = offline_engine.OfflineEngine(enforce_eager=True, warmup=False, extra={"no_such_engine_argument": 1})
-    with pytest.raises(offline.EngineFailed, match="no_such_engine_argument") as e:
-        engine.start(progress=False, timeout=300)
-    assert str(engine.log_path) in str(e.value)
-    assert not engine.running and offline.memory_of(engine.pid)["processes"] == 0
+    eng = offline_engine.OfflineEngine(enforce_eager=True, warmup=False, extra={"no_such_engine_argument": 1})
+    with pytest.raises(engine.EngineFailed, match="no_such_engine_argument") as e:
+        eng.start(progress=False, timeout=300)
+    assert str(eng.log_path) in str(e.value)
+    assert not eng.running and offline.memory_of(eng.pid)["processes"] == 0
 
 
 # --- the real engine -----------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ import pytest
 
 import llmlab
 from llmlab.serve import embedded as server
-from llmlab.serve.info import base_url_of
 
 
 def test_embedded_server_is_found_and_answers(embedded, capsys):
@@ -27,7 +26,7 @@ def test_embedded_server_is_found_and_answers(embedded, capsys):
 def test_embedded_server_listens_on_loopback_and_requires_its_key(embedded, api_key):
     assert embedded["host"] == "127.0.0.1"
     assert stat.S_IMODE(os.stat(embedded["api_key_file"]).st_mode) == 0o600
-    url = base_url_of(embedded) + "/models"
+    url = embedded.base_url + "/models"
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(url, timeout=10)
     assert err.value.code == 401
@@ -38,7 +37,7 @@ def test_embedded_server_listens_on_loopback_and_requires_its_key(embedded, api_
 
 def test_wrong_key_is_one_clear_sentence(embedded):
     with pytest.raises(llmlab.AuthenticationFailed, match="refused the API key"):
-        llmlab.connect(base_url_of(embedded), "not-the-key")
+        llmlab.connect(embedded.base_url, "not-the-key")
 
 
 def test_url_without_v1_is_explained(embedded, api_key):
@@ -84,3 +83,70 @@ def test_engine_that_dies_is_reported_with_its_log(tmp_path):
 def test_missing_model_dir_is_explained(tmp_path):
     with pytest.raises(llmlab.ServerError, match="config.json missing"):
         server.EmbeddedServer(model=tmp_path / "nothing").start()
+
+
+# --- VLLMProcess, the one way llmlab starts vLLM: its life cycle on a stand-in that needs no vLLM ----------------
+
+FAKE_VLLM = """
+import http.server, json, subprocess, sys, time
+helper = subprocess.Popen(["sleep", "300"])  # like vLLM's engine core: a second process of the group
+print("INFO non-default" + " args: {}", flush=True)  # split: the log's first line quotes this script
+time.sleep(float(sys.argv[2]))
+if sys.argv[3] == "die":
+    sys.exit("RuntimeError: the engine could not start")
+print("INFO Starting vLLM" + " server", helper.pid, flush=True)
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"version": "0.0-fake"}).encode() if self.path == "/version" else b""
+        self.send_response(200 if self.path in ("/health", "/version") else 404)
+        self.end_headers()
+        self.wfile.write(body)
+
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def _fake(tmp_path, delay: float, outcome: str = "serve"):
+    from llmlab.serve.proc import free_port
+    from llmlab.serve.vllm import VLLMProcess
+
+    port = free_port()
+    return VLLMProcess([sys.executable, "-c", FAKE_VLLM, str(port), str(delay), outcome], dict(os.environ),
+                       tmp_path / "logs" / "vllm.log", port=port)
+
+
+def test_vllm_process_waits_for_health_and_stops_its_whole_group(tmp_path):
+    from llmlab.serve.proc import group_alive, pid_alive
+
+    engine = _fake(tmp_path, 1.0).start()
+    try:
+        assert engine.alive and engine.phase() in ("importing vLLM", "reading the model config")
+        engine.wait_ready(timeout=60, progress=False)
+        assert engine.version() == "0.0-fake" and engine.base_url == f"http://127.0.0.1:{engine.port}/v1"
+        log = engine.log_path.read_text()
+        assert log.startswith("$ " + sys.executable) and engine.phase() == "starting the HTTP server"
+        helper = int(log.split("Starting vLLM server")[1].split()[0])
+        assert pid_alive(helper)
+    finally:
+        assert engine.stop(grace=5)
+    assert not engine.alive and not pid_alive(helper) and not group_alive(engine.pid)
+    assert engine.stop()  # twice is fine
+
+
+def test_vllm_process_that_exits_while_starting_quotes_its_log(tmp_path):
+    engine = _fake(tmp_path, 0.2, "die").start()
+    with pytest.raises(llmlab.ServerError, match="exited .* while starting") as err:
+        engine.wait_ready(timeout=60, progress=False)
+    assert "the engine could not start" in str(err.value) and str(engine.log_path) in str(err.value)
+    assert engine.stop(grace=5)
+
+
+def test_vllm_process_time_out_names_the_log(tmp_path):
+    engine = _fake(tmp_path, 60).start()
+    try:
+        with pytest.raises(llmlab.ServerUnavailable, match=r"did not answer /health within 1 s") as err:
+            engine.wait_ready(timeout=1, progress=False)
+        assert str(engine.log_path) in str(err.value)
+    finally:
+        assert engine.stop(grace=5)

@@ -25,7 +25,7 @@ from test_slurm import CPU_JOB, job_processes, needs_slurm, slurm_env, wait_for 
 
 from llmlab.ops import jobs
 from llmlab.serve import share
-from llmlab.serve.info import read_connection_file
+from llmlab.serve.info import ServerInfo
 from llmlab.serve.proc import free_port, health
 from llmlab.serve.proxy import proxy_command
 
@@ -88,8 +88,7 @@ def room(embedded):
     while not health("127.0.0.1", port, api_key=owner_key):
         assert proc.poll() is None and time.monotonic() < deadline, (root.parent / "proxy.log").read_text()
         time.sleep(0.3)
-    info = {**{k: v for k, v in embedded.items() if k != "ready"}, "port": port, "group": GROUP, "job_id": "4242"}
-    conn = share.publish(root, info)
+    conn = share.publish(root, embedded.updated(port=port, group=GROUP, job_id="4242", status=None))
     yield root, conn
     proc.terminate()
     proc.wait(timeout=10)
@@ -101,7 +100,8 @@ def test_share_directory_is_closed_to_everyone_but_the_group(room):
     assert stat.S_IMODE(root.stat().st_mode) == 0o2750 and stat.S_IMODE((root / "keys").stat().st_mode) == 0o3770
     assert stat.S_IMODE(conn.stat().st_mode) == 0o640
     assert root.stat().st_gid == (root / "keys").stat().st_gid
-    assert "key" not in {k for k in read_connection_file(conn)} and read_connection_file(conn)["kind"] == "shared"
+    info = ServerInfo.read(conn)
+    assert "key" not in set(info) and info.kind == "shared" and info.get("share_dir") == str(root)
 
 
 def test_learner_connects_with_a_key_of_their_own(room):
@@ -111,7 +111,7 @@ def test_learner_connects_with_a_key_of_their_own(room):
     registered = (root / "keys" / LEARNER).read_text()
     assert registered.startswith("sha256:") and len(registered.split()[0]) == len("sha256:") + 64
     assert share.learners(root) == {LEARNER: "registered"}
-    assert "1 learner(s) registered" in jobs._shared(read_connection_file(conn))
+    assert "1 learner(s) registered" in jobs._shared(ServerInfo.read(conn))
     again = as_user(LEARNER, LEARN, conn)  # the same key next time: nothing re-registered
     assert again.returncode == 0 and (root / "keys" / LEARNER).read_text() == registered
 
@@ -133,7 +133,7 @@ def test_revoked_learner_is_shut_out_without_a_restart(room):
     put_back = as_user(LEARNER, f"open({str(root / 'keys' / LEARNER)!r}, 'w').write('sha256:' + '0' * 64)", conn)
     assert put_back.returncode != 0 and "PermissionError" in put_back.stderr  # the sticky keys/ holds
     assert share.learners(root) == {LEARNER: "revoked"}
-    assert "1 revoked" in jobs._shared(read_connection_file(conn))
+    assert "1 revoked" in jobs._shared(ServerInfo.read(conn))
 
 
 @needs_slurm

@@ -10,11 +10,12 @@ import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from pathlib import Path
+
+from llmlab.serve.embedded import TINY_MODEL
 
 STATUSES = ("ok", "error", "timeout")
 PERCENTILES = (50, 90, 99)
-TINY_TOKENIZER = Path(__file__).resolve().parent.parent / "models" / "llmlab-tiny" / "tokenizer.json"
+TINY_TOKENIZER = TINY_MODEL / "tokenizer.json"
 
 
 # --- what is sent, and what is recorded -------------------------------------------------------------

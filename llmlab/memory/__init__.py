@@ -13,14 +13,29 @@ a shipped name (``llama3.1-8b`` ... ``llmlab-tiny``) or a :class:`ModelSpec`.  T
    the share of each GPU under tensor/pipeline parallelism are sums over one list;
 3. the KV cache: bytes per token, per request, and vLLM's block arithmetic (:func:`kv_capacity`), which
    reproduces to the token the "KV cache size" and "Maximum concurrency" lines that vLLM logs;
-4. GPUs: :func:`gpus_needed` (how many cards' worth of memory) and :func:`plan` (the smallest valid
-   TP x PP layout and its ``vllm serve`` command line).
+4. GPUs (:mod:`~llmlab.memory.gpus`): what vLLM may use of one (:func:`usable_bytes`) and
+   :func:`gpus_needed` (how many cards' worth of memory);
+5. :func:`layout_fit` (:mod:`~llmlab.memory.fit`): whether one TP x PP layout holds the requests, and why
+   not -- the one answer that the planner, ``llmlab launch``, ``llmlab generate`` and notebook 01 share;
+6. :func:`plan` (:mod:`~llmlab.memory.planner`): the smallest layout that fits, and its ``vllm serve`` line.
 
 Units: bytes are exact integers; ``GB`` is 10**9 bytes (datasheets, published tables) and ``GiB`` is
 2**30 bytes (what vLLM and PyTorch print).  The difference is 7 %, larger than many of the margins.
 """
 
-# The parts, in reading order; every name stays reachable as llmlab.memory.<name>.
+# The parts (their reading order is the list above); every name stays reachable as llmlab.memory.<name>.
+from llmlab.memory.fit import Fit, layout_fit  # noqa: F401
+from llmlab.memory.gpus import (  # noqa: F401
+    _GPU_ALIASES,
+    GPU,
+    GPUS,
+    GPUCount,
+    _gib,
+    _usable_or_fail,
+    gpu,
+    gpus_needed,
+    usable_bytes,
+)
 from llmlab.memory.kv import (  # noqa: F401
     KV_LOG,
     KVCapacity,
@@ -73,22 +88,7 @@ from llmlab.memory.model import (  # noqa: F401
     serve_dtype,
     shipped_models,
 )
-from llmlab.memory.planner import (  # noqa: F401
-    _GPU_ALIASES,
-    GPU,
-    GPUS,
-    GPUCount,
-    Plan,
-    _evaluate,
-    _gib,
-    _usable_or_fail,
-    gpu,
-    gpus_needed,
-    memory_report,
-    plan,
-    serve_command,
-    usable_bytes,
-)
+from llmlab.memory.planner import Plan, memory_report, plan, serve_command  # noqa: F401
 from llmlab.memory.weights import (  # noqa: F401
     Tensor,
     _attention,

@@ -1,133 +1,32 @@
-"""GPUs and the planner: how many cards, which TP x PP layout, its ``vllm serve`` line, one report.
+"""The planner: the smallest TP x PP layout that fits, its ``vllm serve`` line, and one report.
+
+Why: a learner asks "what do I run on these GPUs?"; the answer is the first layout, in the order a cluster
+allocates (fewest nodes, then fewest GPUs per node), that :func:`layout_fit` says holds the requests.
 
 Part of ``llmlab.memory`` (its ``__init__`` says how the parts fit); read them in the order model, weights,
-kv, planner.
+kv, gpus, fit, planner.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from llmlab.memory.kv import kv_blocks, kv_bytes_per_token, kv_cache_bytes, kv_tokens_held
+from llmlab.memory.fit import layout_fit
+from llmlab.memory.gpus import _usable_or_fail, gpu, gpus_needed
+from llmlab.memory.kv import kv_bytes_per_token, kv_cache_bytes
 from llmlab.memory.model import (
     DEFAULT_OVERHEAD_GIB,
     DEFAULT_UTILIZATION,
     FLOAT_DTYPES,
     GPU_BLOCK_SIZE,
-    GiB,
-    ModelSpec,
     PlanError,
-    UnknownName,
     model_spec,
     normalize_dtype,
     normalize_kv_dtype,
     serve_dtype,
 )
-from llmlab.memory.weights import (
-    active_params,
-    param_count,
-    pp_partition,
-    valid_tp_sizes,
-    weight_bytes,
-    weight_bytes_per_gpu,
-)
-
-# --------------------------------------------------------------------------------------------------
-# GPUs
-# --------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class GPU:
-    """A GPU model: its datasheet label, and the total memory CUDA/ROCm report (what vLLM's
-    gpu_memory_utilization multiplies)."""
-
-    name: str
-    label: str
-    memory_bytes: int
-    note: str = ""
-
-    @property
-    def memory_gib(self) -> float:
-        return self.memory_bytes / GiB
-
-
-def _gib(x: float) -> int:
-    return round(x * GiB)
-
-
-GPUS = {
-    "A100-40": GPU("A100-40", "40 GB", _gib(39.59), "A100-SXM4-40GB as PyTorch reports it"),
-    "A100-80": GPU("A100-80", "80 GB", _gib(79.15), "A100-SXM4-80GB as PyTorch reports it"),
-    "H100-80": GPU("H100-80", "80 GB", _gib(79.18), "H100 80GB HBM3, measured in vLLM's log"),
-    "H200-141": GPU("H200-141", "141 GB", _gib(139.81), "H200 as PyTorch reports it"),
-    "MI300X-192": GPU("MI300X-192", "192 GB", _gib(191.98), "MI300X as PyTorch (ROCm) reports it"),
-}
-_GPU_ALIASES = {"A100": "A100-80", "H100": "H100-80", "H200": "H200-141", "MI300X": "MI300X-192"}
-
-
-def gpu(name) -> GPU:
-    """A named GPU (``H100-80``, ``A100-40``, ...; case and a trailing "GB" do not matter), a
-    :class:`GPU`, or a custom size: ``custom:48`` or the number 48 (GiB as the driver reports it)."""
-    if isinstance(name, GPU):
-        return name
-    if isinstance(name, int | float) and not isinstance(name, bool):
-        if name <= 0:
-            raise UnknownName(f"A custom GPU needs a positive size in GiB, got {name}.")
-        return GPU(f"custom-{name:g}", f"{name:g} GiB", _gib(name), "custom size")
-    key = str(name).strip().upper().replace("_", "-").removesuffix("GB")
-    if key.startswith("CUSTOM:"):
-        try:
-            return gpu(float(key.split(":", 1)[1]))
-        except ValueError:
-            raise UnknownName(f"{name!r}: write a custom GPU as custom:<GiB>, e.g. custom:48.") from None
-    key = _GPU_ALIASES.get(key, key)
-    if key not in GPUS and re.fullmatch(r"\d+(\.\d+)?", key):
-        return gpu(float(key))
-    if key not in GPUS:
-        raise UnknownName(f"Unknown GPU {name!r}. Known: {', '.join(GPUS)}; or custom:<GiB> (e.g. custom:48).")
-    return GPUS[key]
-
-
-def usable_bytes(gpu_name, utilization: float = DEFAULT_UTILIZATION,
-                 overhead_gib: float = DEFAULT_OVERHEAD_GIB) -> int:
-    """Memory per GPU left for weights and KV cache: utilization x total, minus the activation allowance."""
-    if not 0 < utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
-    return int(utilization * gpu(gpu_name).memory_bytes) - _gib(overhead_gib)
-
-
-def _usable_or_fail(gpu_name, utilization: float, overhead_gib: float) -> int:
-    usable = usable_bytes(gpu_name, utilization, overhead_gib)
-    if usable <= 0:
-        raise PlanError(f"{gpu(gpu_name).name} at utilization {utilization} leaves nothing after the "
-                        f"{overhead_gib} GiB activation allowance: use a larger GPU or a smaller allowance.")
-    return usable
-
-
-@dataclass(frozen=True)
-class GPUCount:
-    """How many GPUs' worth of usable memory a model needs (layout constraints not applied)."""
-
-    weights: float            # fractional GPUs for the weights alone
-    total: float              # ... for weights + KV cache
-    weights_whole: int
-    total_whole: int
-    usable_bytes_per_gpu: int
-
-
-def gpus_needed(model, dtype: str | None = None, kv_dtype: str = "auto", tokens: int = 0, concurrency: int = 1,
-                gpu_name="H100-80", utilization: float = DEFAULT_UTILIZATION,
-                overhead_gib: float = DEFAULT_OVERHEAD_GIB) -> GPUCount:
-    """Memory needed divided by what one GPU offers vLLM, rounded up.  A lower bound: a real layout
-    must also divide the heads (see :func:`plan`), which often rounds it up further."""
-    usable = _usable_or_fail(gpu_name, utilization, overhead_gib)
-    w = weight_bytes(model, dtype)
-    t = w + kv_cache_bytes(model, tokens, concurrency, kv_dtype, dtype)
-    return GPUCount(w / usable, t / usable, math.ceil(w / usable), max(1, math.ceil(t / usable)), usable)
-
+from llmlab.memory.weights import active_params, param_count, valid_tp_sizes, weight_bytes
 
 # --------------------------------------------------------------------------------------------------
 # The planner
@@ -162,20 +61,6 @@ class Plan:
         return asdict(self)
 
 
-def _evaluate(s: ModelSpec, dtype, kv_dtype, tp, pp, usable, context, block_size):
-    """(weights, KV budgets, KV bytes per token) per stage of a TP x PP layout, its KV blocks (the smallest
-    over the stages, as vLLM takes) and the concurrency at ``context``; None if the weights do not fit."""
-    weights = weight_bytes_per_gpu(s, dtype, tp, pp)
-    budgets = [usable - w for w in weights]
-    if min(budgets) <= 0:
-        return None
-    per_token = [kv_bytes_per_token(s, kv_dtype, dtype, tp, n) for n in pp_partition(s.num_layers, pp)]
-    blocks = min(kv_blocks(b, p, block_size) for b, p in zip(budgets, per_token, strict=True))
-    held = kv_tokens_held(s, context)  # a sliding-window model needs blocks for its window only
-    concurrency = blocks / -(-held // block_size)
-    return weights, budgets, per_token, blocks, concurrency
-
-
 def plan(model, dtype: str | None = None, kv_dtype: str = "auto", gpu_name="H100-80", gpus_per_node: int = 8,
          context: int | None = None, concurrency: int = 1, utilization: float = DEFAULT_UTILIZATION,
          overhead_gib: float = DEFAULT_OVERHEAD_GIB, max_nodes: int = 64,
@@ -185,30 +70,32 @@ def plan(model, dtype: str | None = None, kv_dtype: str = "auto", gpu_name="H100
     Tensor parallelism stays inside a node (it all-reduces twice per layer: it needs NVLink), and
     pipeline parallelism spans nodes, one stage per node (it only passes activations between stages).
     "Smallest" means fewest nodes first, then fewest GPUs per node.  vLLM would also accept PP inside a
-    node, which sometimes needs fewer GPUs in all (405B in bf16: TP=4 x PP=3 = 12 H100s for one 128k
-    request); this planner keeps stages on node boundaries, as clusters allocate whole nodes.
+    node, which sometimes needs fewer GPUs in all (405B in bf16: TP=1 x PP=13 = 13 H100s for one 128k
+    request); this planner keeps stages on node boundaries, as clusters allocate whole nodes.  Each
+    candidate is judged by :func:`layout_fit`, the same check ``llmlab launch`` and ``llmlab generate`` make.
     """
     s = model_spec(model)
     context = context or s.require_context()
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    usable = _usable_or_fail(gpu_name, utilization, overhead_gib)
+    _usable_or_fail(gpu_name, utilization, overhead_gib)
     tps = valid_tp_sizes(s, gpus_per_node)
     candidates = sorted(((tp, pp) for pp in range(1, min(max_nodes, s.num_layers) + 1) for tp in tps),
                         key=lambda c: (c[1], c[0]))
     for tp, pp in candidates:
-        found = _evaluate(s, dtype, kv_dtype, tp, pp, usable, context, block_size)
-        if found is None or found[4] < concurrency:
+        fit = layout_fit(s, tp, pp, gpu_name, dtype=dtype, kv_dtype=kv_dtype, context=context,
+                         concurrency=concurrency, utilization=utilization, overhead_gib=overhead_gib,
+                         block_size=block_size)
+        if not fit.fits:
             continue
-        weights, budgets, per_token, blocks, fits = found
         cmd, notes = serve_command(s, tp=tp, pp=pp, max_model_len=context, dtype=dtype, kv_dtype=kv_dtype,
                                    gpu_memory_utilization=utilization)
         if s.sliding_window and context > s.sliding_window:
             notes.append(f"sliding window of {s.sliding_window} tokens: concurrency is approximate "
                          "(vLLM reserves one scheduling chunk more per request)")
-        return Plan(s.name, dtype or "checkpoint", kv_dtype, gpu(gpu_name).name, gpus_per_node, tp, pp, pp,
-                    tp * pp, context, concurrency, utilization, max(weights), min(budgets), max(per_token),
-                    blocks, int(fits * context), fits, cmd, notes)
+        return Plan(s.name, dtype or "checkpoint", kv_dtype, fit.gpu, gpus_per_node, tp, pp, pp, tp * pp, context,
+                    concurrency, utilization, fit.weight_bytes_per_gpu, fit.kv_budget_bytes_per_gpu,
+                    fit.kv_bytes_per_token_per_gpu, fit.kv_blocks, fit.kv_tokens, fit.max_concurrency, cmd, notes)
     raise PlanError(f"{s.name} does not fit {concurrency} request(s) of {context:,} tokens on up to {max_nodes} "
                     f"nodes of {gpus_per_node} x {gpu(gpu_name).name}: use a smaller dtype or context, or more "
                     "GPUs per node.")

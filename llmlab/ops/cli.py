@@ -19,11 +19,10 @@ def cmd_serve(args) -> int:
     if args.status:
         info = embedded.embedded_status()
         if args.json:
-            print(json.dumps(info and {k: v for k, v in info.items() if k != "api_key_file"}))
+            print(json.dumps(info and {**{k: v for k, v in info.items() if k != "api_key_file"},
+                                       "ready": info.status == "ready"}))
         elif info:
-            state = "ready" if info["ready"] else "loading"
-            print(f"embedded server {state} at http://{info['host']}:{info['port']}/v1 (pid {info['pid']}, "
-                  f"log {info['log']})")
+            print(f"embedded server {info.status} at {info.base_url} (pid {info.pid}, log {info.log})")
         else:
             print("no embedded server is running")
         return 0 if info else 1
@@ -33,7 +32,7 @@ def cmd_serve(args) -> int:
             return 0
     if args.background:
         info = embedded.ensure_embedded(timeout=args.timeout)
-        print(f"embedded server ready at http://{info['host']}:{info['port']}/v1 (log {info['log']}); "
+        print(f"embedded server ready at {info.base_url} (log {info.log}); "
               "stop it with `llmlab serve --stop`")
         return 0
     with embedded.EmbeddedServer(port=args.port, publish=True) as srv:
@@ -153,10 +152,10 @@ def cmd_generate(args) -> int:
                              gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                              dtype=args.dtype, enforce_eager=args.enforce_eager, kv_cache_gib=args.kv_cache_gib,
                              distributed_executor_backend=args.distributed_executor_backend, gpu=args.gpu)
-    except offline.EngineFailed as e:
+    except generate.EngineFailed as e:
         print(f"llmlab generate: {e}", file=sys.stderr)
         return 1
-    except (offline.OfflineError, ValueError) as e:
+    except (generate.OfflineError, ValueError) as e:
         print(f"llmlab generate: {e}", file=sys.stderr)
         return 2
     report = result.report()

@@ -12,7 +12,8 @@ import shlex
 import sys
 import time
 
-from llmlab.ops import doctor, jobs
+from llmlab.ops import jobs
+from llmlab.serve.vllm import installed_vllm, vllm_outside_range
 
 
 def _json(obj) -> None:
@@ -28,7 +29,7 @@ def cmd_launch(a) -> int:
                         share_dir=a.share_dir, rehearse=a.rehearse, **overrides)
     if not a.dry_run:
         jobs.require_slurm("sbatch")  # before the plan: on a laptop, say so first
-    if plan.job.engine == "gpu" and (untested := doctor.vllm_outside_range(doctor.installed_vllm())):
+    if plan.job.engine == "gpu" and (untested := vllm_outside_range(installed_vllm())):
         print(f"warning: {untested}", file=sys.stderr)
     dry = jobs.dry_run_lines(plan)
     if a.json and a.dry_run:

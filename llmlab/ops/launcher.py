@@ -37,7 +37,7 @@ from llmlab.cluster import (
     load_progress,
     vllm_flags,
 )
-from llmlab.serve.info import read_connection_file, write_connection_file
+from llmlab.serve.info import Address, ServerInfo, read_key
 from llmlab.serve.proc import free_port
 
 
@@ -179,7 +179,7 @@ NCCL_IB_ENV = {"NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "0", "NCCL_IB_HCA": 
 
 
 @dataclass
-class RenderedJob:
+class RenderedJob(Address):
     """What the launcher runs for one job, with nothing secret in it."""
 
     job: JobSettings
@@ -206,10 +206,6 @@ class RenderedJob:
         from llmlab.serve.vllm import vllm_serve
 
         return vllm_serve(self.python, self.model_path, self.flags)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
 
     def summary(self) -> str:
         """The layout in words, for the job's output and the notebook."""
@@ -555,7 +551,7 @@ def capped_timeout(timeout: float, time_left: str, stop_grace: float) -> tuple[f
 
 def _cmd_wait_ready(a) -> int:
     t0 = time.monotonic()
-    key = Path(a.key_file).read_text().strip()  # /health goes through the proxy, which wants the key
+    key = read_key(a.key_file)  # /health goes through the proxy, which wants the key
     timeout, why = capped_timeout(a.timeout, a.time_left, a.stop_grace)
     if why:
         say(f"note: {why}")
@@ -565,13 +561,14 @@ def _cmd_wait_ready(a) -> int:
              "ray_address": a.ray_address or None, "ready_after_s": round(time.monotonic() - t0 + a.elapsed, 1)}
     if os.environ.get("LLMLAB_SHARE_DIR"):  # llmlab launch --share GROUP: where the group's learners look
         extra.update(share_dir=os.environ["LLMLAB_SHARE_DIR"], group=os.environ.get("LLMLAB_SHARE_GROUP"))
-    info = write_connection_file(Path(a.connection_file), kind="slurm", host=a.host, port=a.port, model=a.model,
-                                 api_key_file=Path(a.key_file), job_id=a.job_id, **extra)
-    url = f"http://{a.host}:{a.port}/v1"
+    info = ServerInfo.from_dict(dict(kind="slurm", host=a.host, port=a.port, model=a.model, api_key_file=a.key_file,
+                                     job_id=a.job_id, **extra))
+    info.write(Path(a.connection_file))
+    url = info.base_url
     if extra.get("share_dir"):
         from llmlab.serve import share
 
-        shared = share.publish(extra["share_dir"], read_connection_file(info))
+        shared = share.publish(extra["share_dir"], info)
         say(f"shared with group {extra['group']}: learners set LLMLAB_CONNECTION_FILE={shared}")
     say(f"READY: {a.model} at {url} (job {a.job_id}, {extra['ready_after_s']:g} s after the job started)")
     print(f"  notebook:  client, model = llmlab.connect()    # finds {a.connection_file}\n"

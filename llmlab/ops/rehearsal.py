@@ -33,7 +33,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -55,6 +54,7 @@ from llmlab.rehearse import (
     require_kv,
     roofline_tok_s,
 )
+from llmlab.serve.vllm import VLLMProcess
 
 _LLAMA3_SPECIAL = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128008: "<|eom_id|>",
                    128009: "<|eot_id|>"}
@@ -302,64 +302,11 @@ def serve_argv(job, model_dir: Path, port: int, uds: Path | None = None) -> tupl
     return argv, env, shlex.join(["vllm", "serve", str(model_dir), *flags])
 
 
-class Server:
-    """One vLLM server in its own process group; :meth:`stop` ends the whole group (API server, engine core,
-    GPU workers) and waits until no process of it is left."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, host: str, port: int):
-        self.argv, self.env, self.log_path, self.host, self.port = argv, env, log_path, host, port
-        self.api_key = secrets.token_urlsafe(24)
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
-
-    def start(self) -> Server:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**self.env, "VLLM_API_KEY": self.api_key}  # the key travels in the environment, never in argv
-        with open(self.log_path, "w") as log:
-            log.write("$ " + " ".join(self.argv) + "\n")
-            log.flush()
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, start_new_session=True)
-        return self
-
-    def wait_ready(self, timeout: float, progress: bool) -> None:
-        from llmlab.serve.vllm import wait_for_health
-
-        wait_for_health(self.host, self.port, self.proc.pid, self.log_path, timeout, progress,
-                        exit_code=self.proc.poll)
-
-    def stop(self, grace: float = 30.0) -> bool:
-        """SIGTERM the group, SIGKILL after ``grace``; True once no process of the group is left."""
-        if self.proc is None:
-            return True
-        from llmlab.serve.proc import terminate
-
-        pgid = self.proc.pid
-        terminate(pgid, grace)
-        with contextlib.suppress(Exception):
-            self.proc.wait(timeout=10)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                return False
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            time.sleep(0.2)
-        return False
-
-    def version(self) -> str | None:
-        req = urllib.request.Request(f"http://{self.host}:{self.port}/version",
-                                     headers={"Authorization": f"Bearer {self.api_key}"})
-        with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=5) as r:
-            return json.loads(r.read()).get("version")
-        return None
+def server(argv: list[str], env: dict[str, str], log_path: Path, port: int) -> VLLMProcess:
+    """The rehearsal's vLLM on 127.0.0.1:``port`` with a key of its own (in the environment, never in argv), in
+    its own process group: ``stop()`` ends the whole group (API server, engine core, GPU workers)."""
+    key = secrets.token_urlsafe(24)
+    return VLLMProcess(argv, {**env, "VLLM_API_KEY": key}, log_path, host="127.0.0.1", port=port, api_key=key)
 
 
 @contextlib.contextmanager
@@ -399,7 +346,7 @@ def _row(summary: dict) -> dict:
     return {k: summary.get(k) for k in keys}
 
 
-def benchmark(srv: Server, name: str, prompt_ids: list[int], *, concurrency=DEFAULT_CONCURRENCY,
+def benchmark(srv: VLLMProcess, name: str, prompt_ids: list[int], *, concurrency=DEFAULT_CONCURRENCY,
               input_len: int = 64, output_len: int = 256, batch1_requests: int = 5, min_requests: int = 4,
               timeout: float = 600.0, progress: bool = True, say=print) -> dict:
     """Batch-1 decode (``batch1_requests`` streamed requests one after another) and a sweep: at each
@@ -478,7 +425,7 @@ def rehearse(model: str, *, tp: int | None = None, pp: int | None = None, max_mo
         probe = write_probe(out / "probe")
         package_root = str(Path(__file__).resolve().parent.parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe), package_root, env.get("PYTHONPATH")) if p)
-    srv = Server(argv, env, out / "server.log", "127.0.0.1", port)
+    srv = server(argv, env, out / "server.log", port)
     released = False
     with _signals_raise():
         try:
@@ -496,7 +443,7 @@ def rehearse(model: str, *, tp: int | None = None, pp: int | None = None, max_mo
                               output_len=output_len, batch1_requests=batch1_requests, min_requests=min_requests,
                               progress=progress, say=say)
         finally:
-            released = srv.stop()
+            released = srv.stop(grace=30)
     mem = parse_memory_log(srv.log_path.read_text(errors="replace"))
     result = _result(job, layout, facts, label, line, version or mem.vllm_version, startup_s, mem, logged, predicted,
                      basis, before, bench, released)

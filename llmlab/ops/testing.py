@@ -44,8 +44,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def embedded() -> dict:
-    """Connection info of the running embedded server (host, port, model, api_key_file, pid, log)."""
+def embedded():
+    """The running embedded server's ``ServerInfo`` (host, port, model, api_key_file, pid, log; also readable as
+    ``embedded["port"]``)."""
     from llmlab.serve import embedded
 
     return embedded.ensure_embedded(progress=False)
@@ -53,6 +54,4 @@ def embedded() -> dict:
 
 @pytest.fixture(scope="session")
 def api_key(embedded) -> str:
-    from llmlab.serve.info import read_key
-
-    return read_key(embedded["api_key_file"])
+    return embedded.key()

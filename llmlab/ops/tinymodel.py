@@ -24,7 +24,9 @@ import time
 import zlib
 from pathlib import Path
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "llmlab-tiny"
+from llmlab.serve.embedded import TINY_MODEL
+
+MODEL_DIR = TINY_MODEL
 SWORD_MODULE = "usr/share/sword/modules/texts/ztext/engWEB2015eb"
 
 # The architecture: small enough to train in ~25 minutes on 2 CPU cores, with grouped-query attention

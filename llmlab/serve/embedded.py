@@ -1,9 +1,9 @@
 """The embedded server: the real vLLM engine (CPU build) serving the shipped tiny model on this machine.
 
 Why: on a laptop or in CI there is no GPU, yet the notebooks must talk to a real vLLM server.  This
-module starts ``vllm serve`` (:func:`vllm_serve`) as a child process, waits until ``/health``
-answers, and records where it listens in ``~/.llmlab/embedded.json`` (the connection-file format of
-``llmlab.connection``) so that every notebook kernel finds the one running server.
+module starts ``vllm serve`` (:func:`vllm_serve`) as a :class:`~llmlab.serve.vllm.VLLMProcess`, waits until
+``/health`` answers, and records where it listens in ``~/.llmlab/embedded.json`` (a
+:class:`~llmlab.serve.info.ServerInfo`) so that every notebook kernel finds the one running server.
 
 Security (docs/security.md): vLLM listens on a Unix socket in a private (0700) directory, so no other user of
 the machine can reach it, not even through 127.0.0.1; the only TCP listener is ``llmlab.serve.proxy`` on 127.0.0.1,
@@ -19,18 +19,13 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
-from llmlab.serve.info import (
-    ServerError,
-    llmlab_home,
-    read_connection_file,
-    write_connection_file,
-    write_private,
-)
-from llmlab.serve.proc import free_port, health, pid_alive, terminate
+from llmlab.serve.info import ServerError, ServerInfo, llmlab_home, read_key, write_private
+from llmlab.serve.proc import free_port, health, pid_alive
 from llmlab.serve.proxy import proxy_command, proxy_cpus
-from llmlab.serve.vllm import engine_command, engine_env, wait_for_health
+from llmlab.serve.vllm import VLLMProcess, engine_command, engine_env
 
 TINY_MODEL = Path(__file__).resolve().parent.parent / "models" / "llmlab-tiny"
 TINY_NAME = "llmlab-tiny"
@@ -43,7 +38,7 @@ def state_file() -> Path:
 
 # vLLM and its proxy start as one process group: a shell starts the proxy in the background (told to exit
 # when the shell's pid does), then becomes vLLM.  So the recorded pid is vLLM's, and stopping that group
-# (terminate) stops both.
+# (VLLMProcess.stop) stops both.
 PAIR = ('proxy_log=$1; shift; n=$1; shift; "${@:1:$n}" --watch-pid $$ >"$proxy_log" 2>&1 </dev/null & '
         'shift "$n"; exec "$@"')
 
@@ -72,7 +67,7 @@ class EmbeddedServer:
         self.key_file = llmlab_home() / "keys" / f"embedded-{self.port}.key"
         self.proxy_log = self.log_path.with_name(f"embedded-{self.port}.proxy.log")
         self.publish = publish  # write ~/.llmlab/embedded.json so that connect() finds this server
-        self.proc: subprocess.Popen | None = None
+        self.engine: VLLMProcess | None = None  # vLLM, with its proxy in the same process group
         self.run_dir: Path | None = None  # the private (0700) directory of vLLM's socket
 
     @property
@@ -80,12 +75,23 @@ class EmbeddedServer:
         return self.run_dir / "vllm.sock"
 
     @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.engine.proc if self.engine else None
+
+    @property
+    def info(self) -> ServerInfo:
+        """This server as its connection file describes it (what ``publish`` writes)."""
+        return ServerInfo(kind="embedded", host=self.host, port=self.port, model=self.name, api_key_file=self.key_file,
+                          pid=self.engine and self.engine.pid, log=str(self.log_path),
+                          extra={"uds": str(self.uds), "proxy_log": str(self.proxy_log)} if self.run_dir else {})
+
+    @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+        return self.info.base_url
 
     @property
     def api_key(self) -> str:
-        return self.key_file.read_text().strip()
+        return read_key(self.key_file)
 
     def start(self) -> EmbeddedServer:
         """Spawn the engine in its own session, so that it outlives the kernel that started it."""
@@ -98,30 +104,23 @@ class EmbeddedServer:
         self.run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))
         cmd = engine_command(self.model, self.name, self.uds, self.max_model_len, self.extra_args)
         proxy = proxy_command(f"{self.host}:{self.port}", self.uds, self.key_file, cpus=proxy_cpus())
-        with open(self.log_path, "w") as log:
-            log.write(f"$ {' '.join(cmd)}\n$ {' '.join(proxy)}  (log: {self.proxy_log})\n")
-            log.flush()
-            self.proc = subprocess.Popen(pair_command(proxy, cmd, self.proxy_log), stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=engine_env(self.run_dir, self.kv_cache_gib), start_new_session=True)
+        self.engine = VLLMProcess(pair_command(proxy, cmd, self.proxy_log), engine_env(self.run_dir, self.kv_cache_gib),
+                                  self.log_path, host=self.host, port=self.port, api_key=self.api_key,
+                                  header=f"$ {' '.join(cmd)}\n$ {' '.join(proxy)}  (log: {self.proxy_log})").start()
         if self.publish:
-            write_connection_file(state_file(), kind="embedded", host=self.host, port=self.port, model=self.name,
-                                  api_key_file=self.key_file, pid=self.proc.pid, log=str(self.log_path),
-                                  uds=str(self.uds), proxy_log=str(self.proxy_log))
+            self.info.write(state_file())
         return self
 
     def wait_ready(self, timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> EmbeddedServer:
-        wait_for_health(self.host, self.port, self.proc.pid, self.log_path, timeout, progress,
-                        exit_code=self.proc.poll, api_key=self.api_key)
+        self.engine.wait_ready(timeout, progress)
         return self
 
     def stop(self, grace: float = 20.0) -> None:
-        if self.proc is not None:
-            terminate(self.proc.pid, grace)
-            self.proc.wait()
+        if self.engine is not None:
+            self.engine.stop(grace)
         if self.publish:
             with contextlib.suppress(Exception):
-                if read_connection_file(state_file()).get("pid") == (self.proc and self.proc.pid):
+                if ServerInfo.read(state_file()).pid == (self.engine and self.engine.pid):
                     state_file().unlink()
         self.key_file.unlink(missing_ok=True)
         if self.run_dir is not None:
@@ -146,36 +145,41 @@ def _start_lock():
         yield
 
 
-def embedded_status() -> dict | None:
-    """The published embedded server's connection info plus ``ready``, or None if none is running."""
+def embedded_status() -> ServerInfo | None:
+    """The published embedded server, its ``status`` "ready" or "loading" (``/health`` asked now), or None if
+    none is running."""
     try:
-        info = read_connection_file(state_file())
+        info = ServerInfo.read(state_file())
     except ServerError:
         return None
-    if not pid_alive(info.get("pid")):
+    if not pid_alive(info.pid):
         return None
-    return {**info, "ready": health(info["host"], info["port"], api_key=key_of(info))}
+    return info.updated(status="ready" if health(info.host, info.port, api_key=key_of(info)) else "loading")
 
 
-def key_of(info: dict) -> str | None:
+def key_of(info: ServerInfo | Mapping) -> str | None:
     """The key of a connection file's server, or None if its key file cannot be read (not ours, or gone)."""
     try:
-        return Path(info["api_key_file"]).read_text().strip()
-    except OSError:
+        return ServerInfo.of(info).key()
+    except ServerError:
         return None
 
 
-def ensure_embedded(timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> dict:
-    """Return the running embedded server's connection info, starting one if none runs."""
+def _process(info: ServerInfo) -> VLLMProcess:
+    return VLLMProcess.attach(info.pid, Path(info.log), host=info.host, port=info.port, api_key=key_of(info))
+
+
+def ensure_embedded(timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> ServerInfo:
+    """Return the running embedded server (a :class:`ServerInfo`), starting one if none runs."""
     with _start_lock():
         info = embedded_status()
         if info is None:
             srv = EmbeddedServer(publish=True).start()
-            info = read_connection_file(state_file())
+            info = ServerInfo.read(state_file()).updated(status="loading")
             print(f"Starting the embedded vLLM server (log: {srv.log_path}); this takes about a minute.")
-    if not info.get("ready"):
-        wait_for_health(info["host"], info["port"], info["pid"], Path(info["log"]), timeout, progress,
-                        api_key=key_of(info))
+    if info.status != "ready":
+        _process(info).wait_ready(timeout, progress)
+        info = info.updated(status="ready")
     return info
 
 
@@ -185,9 +189,9 @@ def stop_embedded() -> bool:
     if info is None:
         state_file().unlink(missing_ok=True)
         return False
-    terminate(info["pid"])
+    _process(info).stop()
     state_file().unlink(missing_ok=True)
-    Path(info["api_key_file"]).unlink(missing_ok=True)
+    Path(info.api_key_file).unlink(missing_ok=True)
     if info.get("uds"):
         shutil.rmtree(Path(info["uds"]).parent, ignore_errors=True)
     return True

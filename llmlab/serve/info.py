@@ -2,7 +2,8 @@
 
 Why a leaf module: the embedded server, the SLURM launcher, sharing, ``llmlab status`` and ``connect()`` all
 read or write these files; keeping their one format here (importing nothing of llmlab) is what lets every other
-module depend on it without a circle.
+module depend on it without a circle.  :class:`ServerInfo` is that format, typed: ``ServerInfo.read(path)``,
+``info.write(path)``, ``info.base_url``, ``info.key()``.
 
 Connection file format (JSON, one object, written atomically with mode 0600)::
 
@@ -23,8 +24,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 REQUIRED_FIELDS = ("host", "port", "model", "api_key_file")
 
@@ -69,33 +73,137 @@ def write_private(path: Path, text: str, mode: int = 0o600) -> Path:
     return path
 
 
+def root_url(host: str, port: int) -> str:
+    """``http://host:port``: where ``/health``, ``/metrics`` and ``/version`` answer (the OpenAI API is under
+    ``/v1``).  The one place llmlab builds a server's address."""
+    return f"http://{host}:{port}"
+
+
+class Address:
+    """``root_url`` and ``base_url`` of anything that has a ``host`` and a ``port`` (a ServerInfo, a VLLMProcess,
+    the launcher's rendered job)."""
+
+    @property
+    def root_url(self) -> str:
+        return root_url(self.host, self.port)
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible API's base URL, ``http://host:port/v1``: what ``openai.OpenAI`` takes."""
+        return self.root_url + "/v1"
+
+
+# The connection file's fields that ServerInfo types; every other field the file carries lands in ``extra``.
+_TYPED = ("kind", "host", "port", "model", "api_key_file", "job_id", "started", "status", "pid", "log")
+_ALWAYS = ("kind", "host", "port", "model", "api_key_file", "job_id", "started")  # written even when None
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ServerInfo(Address, Mapping):
+    """One server, as its connection file describes it: where it listens, what it serves, where its key is.
+
+    ``ServerInfo.read(path)`` / ``info.write(path)`` are the one way llmlab reads and writes the file (format in
+    the module docstring); ``info.base_url`` is what an OpenAI client takes, ``info.key()`` the key from its
+    0600 file.  It is also a read-only mapping over the file's JSON fields (``info["host"]``,
+    ``info.get("nodes")``, ``{**info}``), so code and notebooks that read the raw file keep working.
+    """
+
+    kind: str | None = None         # "slurm" | "embedded" | "shared"
+    host: str
+    port: int
+    model: str
+    api_key_file: str               # a 0600 file holding the key (never the key)
+    job_id: str | None = None
+    started: str = field(default_factory=_now)
+    status: str | None = None       # "loading" makes connect() say so; embedded_status() sets "ready"/"loading"
+    pid: int | None = None
+    log: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # nodes, tp, pp, uds, share_dir, group, phase, ...
+
+    def __post_init__(self):
+        object.__setattr__(self, "port", int(self.port))
+        object.__setattr__(self, "api_key_file", str(self.api_key_file))
+        object.__setattr__(self, "extra", dict(self.extra))
+
+    def key(self) -> str:
+        """The API key, read from ``api_key_file``; :class:`AuthenticationFailed` says why it cannot be read."""
+        return read_key(self.api_key_file)
+
+    # -- the file ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping, source: Path | str | None = None) -> ServerInfo:
+        """Check a connection file's fields; a missing one is an error that names the file and the field."""
+        missing = [f for f in REQUIRED_FIELDS if not isinstance(data, Mapping) or f not in data]
+        if missing:
+            raise ServerError(f"The connection file {source or '(given)'} lacks the field(s) {', '.join(missing)}. "
+                              "Delete it and restart the server that writes it.")
+        typed = {k: data[k] for k in _TYPED if k in data and (k != "started" or data[k])}
+        return cls(**typed, extra={k: v for k, v in data.items() if k not in _TYPED})
+
+    @classmethod
+    def of(cls, info: ServerInfo | Mapping) -> ServerInfo:
+        """``info`` itself, or the ServerInfo of a connection file's fields given as a dict."""
+        return info if isinstance(info, ServerInfo) else cls.from_dict(info)
+
+    @classmethod
+    def read(cls, path: Path | str) -> ServerInfo:
+        """Read and check a connection file; each way it can be unusable is one sentence naming the fix."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ServerUnavailable(f"The connection file {path} does not exist: the job that wrote it has ended "
+                                    "(its clean-up removes it). Start a server, or unset LLMLAB_CONNECTION_FILE."
+                                    ) from None
+        except PermissionError:
+            raise ServerError(f"You cannot read the connection file {path} (permission denied): a shared server's "
+                              "file is readable by its group only; ask its owner to add you to the group.") from None
+        except json.JSONDecodeError as e:
+            raise ServerError(f"The connection file {path} is not valid JSON ({e}). Delete it and restart "
+                              "the server that writes it.") from None
+        return cls.from_dict(data, path)
+
+    def write(self, path: Path | str, mode: int = 0o600) -> Path:
+        """Publish this server atomically, readable by its owner only (``mode``); the key stays in its file."""
+        return write_private(Path(path), json.dumps(self.as_dict(), indent=2) + "\n", mode=mode)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The connection file's JSON object."""
+        out = {k: getattr(self, k) for k in _TYPED if k in _ALWAYS or getattr(self, k) is not None}
+        return {**out, **self.extra}
+
+    def updated(self, **changes) -> ServerInfo:
+        """A copy with ``changes`` applied, to typed fields or to ``extra`` (``info.updated(kind="shared",
+        share_dir=...)``)."""
+        return ServerInfo.from_dict({**self.as_dict(), **changes})
+
+    # -- the read-only mapping over the JSON fields --------------------------------------------------
+
+    def __getitem__(self, name: str) -> Any:
+        return self.as_dict()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
+
+
 def write_connection_file(path: Path, *, kind: str, host: str, port: int, model: str, api_key_file: Path,
                           job_id: str | None = None, **extra) -> Path:
-    """Publish where a server listens; the key itself stays in ``api_key_file``."""
-    info = {"kind": kind, "host": host, "port": int(port), "model": model, "api_key_file": str(api_key_file),
-            "job_id": job_id, "started": datetime.now(UTC).isoformat(timespec="seconds"), **extra}
-    return write_private(Path(path), json.dumps(info, indent=2) + "\n")
+    """Publish where a server listens (``ServerInfo(...).write(path)``); the key itself stays in ``api_key_file``."""
+    return ServerInfo.from_dict(dict(kind=kind, host=host, port=port, model=model, api_key_file=api_key_file,
+                                     job_id=job_id, **extra)).write(path)
 
 
-def read_connection_file(path: Path) -> dict:
-    """Read and check a connection file; a malformed one is an error that names the file and the field."""
-    path = Path(path)
-    try:
-        info = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ServerUnavailable(f"The connection file {path} does not exist: the job that wrote it has ended "
-                                "(its clean-up removes it). Start a server, or unset LLMLAB_CONNECTION_FILE.") from None
-    except PermissionError:
-        raise ServerError(f"You cannot read the connection file {path} (permission denied): a shared server's "
-                          "file is readable by its group only; ask its owner to add you to the group.") from None
-    except json.JSONDecodeError as e:
-        raise ServerError(f"The connection file {path} is not valid JSON ({e}). Delete it and restart "
-                          "the server that writes it.") from None
-    missing = [f for f in REQUIRED_FIELDS if not isinstance(info, dict) or f not in info]
-    if missing:
-        raise ServerError(f"The connection file {path} lacks the field(s) {', '.join(missing)}. Delete it and "
-                          "restart the server that writes it.")
-    return info
+def read_connection_file(path: Path) -> ServerInfo:
+    """``ServerInfo.read(path)``: a malformed file is an error that names the file and the field."""
+    return ServerInfo.read(path)
 
 
 def find_connection_file() -> Path | None:
@@ -106,11 +214,13 @@ def find_connection_file() -> Path | None:
     return files[0] if files else None
 
 
-def base_url_of(info: dict) -> str:
-    return f"http://{info['host']}:{info['port']}/v1"
+def base_url_of(info: ServerInfo | Mapping) -> str:
+    """``ServerInfo.of(info).base_url``, for code that holds a connection file's fields as a dict."""
+    return ServerInfo.of(info).base_url
 
 
 def read_key(path: str | Path) -> str:
+    """The API key in ``path`` (a 0600 file); the one way llmlab reads a key file."""
     try:
         return Path(path).expanduser().read_text().strip()
     except OSError as e:

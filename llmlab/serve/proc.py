@@ -16,6 +16,8 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
+from llmlab.serve.info import root_url
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -36,37 +38,73 @@ def health(host: str, port: int, timeout: float = 2.0, api_key: str | None = Non
     request; while the engine loads, the proxy answers 503."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        request = urllib.request.Request(f"http://{host}:{port}/health", headers=headers)
+        request = urllib.request.Request(root_url(host, port) + "/health", headers=headers)
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """``/proc/PID/stat`` after the command's name: [state, ppid, pgrp, ...]; None where /proc cannot say."""
+    with contextlib.suppress(OSError, IndexError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return None
+
+
+def _signal(pid: int, sig: int, group: bool) -> bool | None:
+    """Send ``sig`` (0: only ask) to a process or its group: True if it exists, False if not, None if not ours."""
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return None
+    return True
+
+
 def pid_alive(pid: int | None) -> bool:
     """True for a running process; False for none, or a zombie (exited, not yet reaped by its parent)."""
     if not pid:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
+    exists = _signal(pid, 0, group=False)
+    if exists is not True:
+        return exists is None
+    stat = _stat(pid)
+    return stat is None or stat[0] != "Z"
 
 
-def terminate(pid: int, grace: float = 20.0) -> None:
-    """SIGTERM the engine's process group (the API server and its engine core), SIGKILL after ``grace``."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGTERM)
+def group_alive(pgid: int) -> bool:
+    """True while a process of the group ``pgid`` runs; zombies (exited, not yet reaped) do not count."""
+    exists = _signal(pgid, 0, group=True)
+    if exists is not True:
+        return exists is None
+    if not Path("/proc/self/stat").exists():
+        return True  # no /proc (macOS): the group exists, which is all we can tell
+    for entry in Path("/proc").iterdir():
+        stat = _stat(entry.name) if entry.name.isdigit() else None
+        if stat and stat[2] == str(pgid) and stat[0] != "Z":
+            return True
+    return False
+
+
+def terminate(pid: int, grace: float = 20.0, settle: float = 20.0) -> bool:
+    """End the process group ``pid`` leads (an API server, its engine core, its workers, a proxy beside it).
+
+    SIGTERM the group, wait up to ``grace`` s for its leader, SIGKILL the group, then wait up to ``settle`` s until
+    no process of it runs.  Returns True once none does (False: some survived, or belong to someone else)."""
+    _signal(pid, signal.SIGTERM, group=True)
     deadline = time.monotonic() + grace
     while pid_alive(pid) and time.monotonic() < deadline:
         with contextlib.suppress(ChildProcessError):
             if os.waitpid(pid, os.WNOHANG)[0]:
                 break
         time.sleep(0.2)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + settle
+    while True:
+        _signal(pid, signal.SIGKILL, group=True)
+        if not group_alive(pid):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import grp
 import hashlib
-import json
 import os
 import pwd
 import socket
@@ -33,7 +32,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from llmlab.serve.info import AuthenticationFailed, ServerError, llmlab_home, write_private
+from llmlab.serve.info import AuthenticationFailed, ServerError, ServerInfo, llmlab_home, read_key, write_private
 
 REVOKED = "# revoked"
 
@@ -82,12 +81,10 @@ def prepare_dir(share_dir: str | Path, group: str) -> Path:
     return root
 
 
-def publish(share_dir: str | Path, info: dict) -> Path:
+def publish(share_dir: str | Path, info: ServerInfo) -> Path:
     """Write ``server.json`` (group-readable, no key) once the server is ready."""
     root = Path(share_dir)
-    path = write_private(root / "server.json", json.dumps({**info, "kind": "shared", "share_dir": str(root)},
-                                                          indent=2) + "\n", mode=0o640)
-    return path
+    return ServerInfo.of(info).updated(kind="shared", share_dir=str(root)).write(root / "server.json", mode=0o640)
 
 
 def learners(share_dir: str | Path) -> dict[str, str]:
@@ -121,7 +118,7 @@ def revoke(share_dir: str | Path, name: str) -> None:
 # The learner's side (llmlab.connect)
 # --------------------------------------------------------------------------------------------------
 
-def learner_key(info: dict) -> tuple[str, bool]:
+def learner_key(info: ServerInfo) -> tuple[str, bool]:
     """The learner's own key for a shared server, made and registered on first use: (key, newly registered).
 
     Raises one sentence when the learner is outside the group or was revoked.
@@ -130,7 +127,7 @@ def learner_key(info: dict) -> tuple[str, bool]:
     group = info.get("group", "the share's group")
     key_file = llmlab_home() / "keys" / f"shared-{hashlib.sha256(str(root).encode()).hexdigest()[:12]}.key"
     if key_file.exists():
-        key = key_file.read_text().strip()
+        key = read_key(key_file)
     else:
         import secrets
 
@@ -178,6 +175,6 @@ def wait_until_accepted(base_url: str, key: str, timeout: float = 5.0) -> None:
         time.sleep(0.3)
 
 
-def is_shared_for_me(info: dict) -> bool:
+def is_shared_for_me(info: ServerInfo) -> bool:
     """A shared server whose owner's key this user cannot read: use a learner key instead."""
-    return info.get("kind") == "shared" and not os.access(info["api_key_file"], os.R_OK)
+    return info.kind == "shared" and not os.access(info.api_key_file, os.R_OK)

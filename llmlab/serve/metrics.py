@@ -1,0 +1,139 @@
+"""vLLM's ``/metrics``: fetch it with the server's key and read Prometheus' text format.
+
+Why here: notebook 02 reads the KV-cache counters, ``llmlab metrics`` a job's figures, the version tests every
+release's metric names -- all from one scrape.  The parser is our own (about 30 lines, no dependency) and
+strict: a malformed line raises ``ValueError`` naming it rather than being skipped.  ``llmlab.kvcache``
+re-exports these names for the lesson.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from llmlab.serve.info import AuthenticationFailed, ServerError, ServerUnavailable
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One line of a Prometheus exposition: a metric name, its labels and a value."""
+
+    name: str
+    labels: dict = field(default_factory=dict)
+    value: float = 0.0
+
+
+_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_SAMPLE = re.compile(rf"^(?P<name>{_NAME})(?:\{{(?P<labels>.*)\}})?\s+(?P<value>\S+)(?:\s+-?\d+)?\s*$")
+_LABEL = re.compile(rf'\s*(?P<key>{_NAME})\s*=\s*"(?P<value>(?:[^"\\]|\\.)*)"\s*(?:,|$)')
+_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def _unescape(value: str) -> str:
+    return re.sub(r'\\[\\"n]', lambda m: _ESCAPES[m.group(0)], value)
+
+
+def _labels(text: str, line: str) -> dict:
+    labels, pos = {}, 0
+    text = text.strip()
+    while pos < len(text):
+        m = _LABEL.match(text, pos)
+        if not m:
+            raise ValueError(f"cannot read the labels of this metrics line: {line!r}")
+        labels[m["key"]] = _unescape(m["value"])
+        pos = m.end()
+    return labels
+
+
+def parse_prometheus(text: str) -> Metrics:
+    """Parse Prometheus' text exposition format (version 0.0.4) into :class:`Metrics`.
+
+    Why a parser of our own: about 30 lines, no dependency, and it shows what the format is: one
+    ``name{label="value",...} number [timestamp]`` per line, ``#`` comments (``# HELP``, ``# TYPE``), and
+    label values with ``\\\\``, ``\\"`` and ``\\n`` escaped.  ``NaN`` and ``+Inf``/``-Inf`` are numbers too.
+    A malformed line raises ``ValueError`` naming it, rather than being skipped silently.
+    """
+    samples, types = [], {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 4 and parts[1] == "TYPE":
+                types[parts[2]] = parts[3].strip()
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            raise ValueError(f"not a Prometheus sample line: {raw!r}")
+        try:
+            value = float(m["value"])
+        except ValueError:
+            raise ValueError(f"the value of this metrics line is not a number: {raw!r}") from None
+        samples.append(Sample(m["name"], _labels(m["labels"] or "", raw), value))
+    return Metrics(samples, types)
+
+
+class Metrics:
+    """Parsed samples with the few look-ups a lesson needs: ``m.value(name, **labels)`` sums all samples
+    of ``name`` whose labels include the given ones (e.g. over engines), ``m[name]`` lists the samples."""
+
+    def __init__(self, samples: list[Sample], types: dict[str, str] | None = None):
+        self.samples, self.types = list(samples), dict(types or {})
+
+    def __getitem__(self, name: str) -> list[Sample]:
+        return [s for s in self.samples if s.name == name]
+
+    def __contains__(self, name: str) -> bool:
+        return any(s.name == name for s in self.samples)
+
+    @property
+    def names(self) -> list[str]:
+        return sorted({s.name for s in self.samples})
+
+    def value(self, name: str, default: float | None = None, **labels) -> float:
+        """Sum of the matching samples; a metric that is absent is an error unless a default is given."""
+        found = [s.value for s in self[name] if all(s.labels.get(k) == str(v) for k, v in labels.items())]
+        if not found:
+            if default is not None:
+                return default
+            close = [n for n in self.names if name.split(":")[-1].split("_")[0] in n][:5]
+            raise KeyError(f"no metric {name!r}{' with ' + str(labels) if labels else ''} in this scrape"
+                           f"{'; similar: ' + ', '.join(close) if close else ''}")
+        return sum(found)
+
+    def labels(self, name: str) -> dict:
+        """The labels of a single-sample metric, e.g. vLLM's ``vllm:cache_config_info``."""
+        found = self[name]
+        if len(found) != 1:
+            raise KeyError(f"expected one sample of {name!r}, found {len(found)}")
+        return dict(found[0].labels)
+
+
+
+def metrics_url(base_url: str) -> str:
+    """``/metrics`` lives at the server's root, not under the OpenAI ``/v1`` prefix."""
+    url = str(base_url).rstrip("/")
+    return url.removesuffix("/v1") + "/metrics"
+
+
+def fetch_metrics(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> Metrics:
+    """Scrape a vLLM server's ``/metrics`` and parse it.  The key goes along as a Bearer token: vLLM
+    itself guards only ``/v1``, but a proxy in front of a shared server may guard every route."""
+    url = metrics_url(str(base_url))
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            text = r.read().decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise AuthenticationFailed(f"{url} refused the API key ({e.code}): pass the key the server was "
+                                       "started with (client.api_key after llmlab.connect()).") from None
+        raise ServerError(f"{url} answered {e.code}: the server does not export Prometheus metrics there "
+                          "(vLLM does unless started with --disable-log-stats).") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ServerUnavailable(f"No server answers at {url} ({getattr(e, 'reason', e)}): is it running? "
+                                "`llmlab serve --status` says.") from None
+    return parse_prometheus(text)

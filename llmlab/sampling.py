@@ -17,7 +17,10 @@ The order, as read in vLLM 0.32 (``vllm/v1/sample/``), for one decoding step of 
    a. ``MinTokensLogitsProcessor.apply``: while fewer than ``min_tokens`` tokens have been generated, every
       stop token id gets ``-inf``: ``stop_token_ids`` plus the EOS id(s) of the tokenizer and generation config,
       which the engine adds even with ``ignore_eos`` (``SamplingParams.update_from_generation_config``).
-      Stop *strings* are matched on the decoded text later, so ``min_tokens`` cannot block them.
+      Stop *strings* are matched later, on the decoded text, by the detokenizer (``v1/engine/detokenizer.py``,
+      ``BaseIncrementalDetokenizer.update``); it too honours ``min_tokens``: it checks only once more than
+      ``min_tokens`` tokens exist, and only text after the first ``min_tokens`` tokens.  So ``min_tokens`` holds
+      off both kinds of stop; this module models the token-level part.
    b. ``LogitBiasLogitsProcessor.apply``: adds ``logit_bias[token]`` (clamped to [-100, 100] when the request
       is parsed, ``SamplingParams.from_optional``).
 3. Penalties, ``Sampler.apply_penalties`` -> ``ops/penalties.py: apply_all_penalties`` ->
@@ -277,7 +280,8 @@ def _counts(token_ids: Iterable[int], vocab: int, what: str) -> np.ndarray:
 def apply_min_tokens(logits: Any, num_generated: int, min_tokens: int, stop_token_ids: Iterable[int]) -> np.ndarray:
     """Forbid every stop token (EOS included) while fewer than ``min_tokens`` tokens have been generated.
 
-    vLLM: ``MinTokensLogitsProcessor``. Only token-level stops can be blocked; stop strings are not.
+    vLLM: ``MinTokensLogitsProcessor``.  Stop strings are not tokens: vLLM's detokenizer holds them off for the
+    first ``min_tokens`` tokens (see the module docstring), not this processor.
     """
     x = _logits(logits)
     ids = [int(t) for t in stop_token_ids if t is not None]

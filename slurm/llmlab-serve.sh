@@ -13,8 +13,11 @@
 #      job's port, which checks the key (read from its file: not in `ps`, not in any log) on every request and
 #      forwards only /v1/*, /health and /metrics; prints the model-load progress, waits for /health, then
 #      writes the connection file that llmlab.connect() reads and prints how to use the server;
-#   5. on exit, scancel or the time limit: removes the connection file, stops the proxy, vLLM and Ray, removes
-#      the key, the Ray token and the socket directory.
+#   5. publishes the server early: a connection file with status "loading" (and the load phase) from its first
+#      seconds, so that llmlab.connect() says the server is still loading, then "ready" once /health answers;
+#   6. ends the job when vLLM or the proxy exits on its own (a dead proxy must not hold the GPUs);
+#   7. on exit, scancel or the time limit, within SLURM's KillWait: removes the connection file, the key and the
+#      Ray token first, then stops vLLM, the proxy and Ray at once, and removes the socket and Ray's folders.
 #
 # Knobs (environment; sbatch passes yours to the job): LLMLAB_HOME, LLMLAB_PYTHON, LLMLAB_MODEL_PATH,
 # LLMLAB_MODEL_DIR, LLMLAB_CACHE_DIR, LLMLAB_MAX_MODEL_LEN, LLMLAB_EXTRA_VLLM_ARGS, LLMLAB_RAY_TIMEOUT,
@@ -52,16 +55,27 @@ fi
 summary='' engine='' served_model='' host='' port='' expected_nodes='' tp='' pp='' ray_timeout='' ready_timeout=''
 serve_line='' ray_address='' ray_expected_gpus=0 ray_head_cmd='' ray_temp_dir='' bind_host='' uds=''
 serve_argv=() nodes=() ray_worker_cmds=()
-port_arg=() run_dir=''
+port_arg=() run_dir='' ray_dir=''
 if [[ $dry_run == 1 ]]; then
   port_arg=(--port 8000)  # a real run picks a free port on the head node
 else  # vLLM's socket: a private directory on the head node's local disk (mktemp -d makes it 0700)
   run_dir=$(mktemp -d "${TMPDIR:-/tmp}/llmlab-run-$job_id.XXXXXX")
   export LLMLAB_RUN_DIR=$run_dir
+  # Ray's folder (multi-node jobs), made before anything starts: an unpredictable name, mode 0700.  Ray makes its
+  # own folders 0777 (any local user could replace its sockets); inside this one nobody else reaches them.  Short:
+  # Ray's socket paths have at most 107 bytes (a long $TMPDIR falls back to /tmp; LLMLAB_RAY_TMPDIR is taken as is).
+  ray_root=${LLMLAB_RAY_TMPDIR:-${TMPDIR:-/tmp}}
+  [[ -n ${LLMLAB_RAY_TMPDIR:-} ]] || ((${#ray_root} <= 18)) || ray_root=/tmp
+  ray_dir=$(mktemp -d "$ray_root/llmlab-ray.XXXXXX")
+  export LLMLAB_RAY_DIR=$ray_dir
 fi
 rendered=$("$PY" -m llmlab.ops.launcher render "$job" --shell --job-id "$job_id" --nodes "${node_list[*]}" \
-  --python "$PY" "${port_arg[@]}") || { [[ -n $run_dir ]] && rm -rf -- "$run_dir"; exit 1; }
+  --python "$PY" "${port_arg[@]}") || { [[ -n $run_dir ]] && rm -rf -- "$run_dir" "$ray_dir"; exit 1; }
 eval "$rendered"
+if [[ -n $ray_dir && -z $ray_head_cmd ]]; then  # one node: no Ray
+  rmdir -- "$ray_dir"
+  ray_dir=''
+fi
 
 if [[ $dry_run == 1 ]]; then
   echo "$summary"
@@ -91,7 +105,14 @@ printf '%s' "$rendered" >"$log_dir/rendered.sh"  # what ran, for the record (no 
 
 vllm_pid='' proxy_pid='' helper_pid='' cleaned=''
 ray_pids=() ray_steps=() attempt=1
+# The clean-up must end within SLURM's KillWait (scancel and the time limit send SIGTERM, then SIGKILL that many
+# seconds later; 30 by default): its grace for the processes leaves room for the rest.
+kill_wait=$(timeout 10 scontrol show config 2>/dev/null | sed -n 's/^KillWait *= *\([0-9]*\).*/\1/p') || true
+kill_wait=${kill_wait:-30}
 stop_grace=${LLMLAB_STOP_GRACE:-20}
+if ((stop_grace > kill_wait - 8)); then
+  stop_grace=$((kill_wait > 9 ? kill_wait - 8 : 1))
+fi
 
 # shellcheck disable=SC2329  # wait_gone, cleanup and on_signal run from the traps below
 # Waits at most $2 seconds for every process in "$1" (pids; "-PGID" for a process group) to end.
@@ -114,33 +135,39 @@ cleanup() {
   # that arrived while vLLM was being stopped once left the key behind (seen on the H100: a failed start, then
   # the SIGTERM that scancel sends).
   trap '' TERM INT HUP
-  rm -f "$conn_file"  # first: nobody connects to a server that is going away
+  local t0=$SECONDS procs=()
+  # First, in milliseconds: the published address (nobody connects to a server that is going away) and the
+  # secrets (the proxy holds the key in memory, Ray its token), before anything that can take seconds.
+  rm -f "$conn_file" "$key_file"
   [[ -n ${LLMLAB_SHARE_DIR:-} ]] && rm -f "$LLMLAB_SHARE_DIR/server.json"
-  # Secrets next, before the slow steps: the proxy holds the key in memory, Ray its token.
-  rm -f "$key_file"
   [[ -n $ray_head_cmd ]] && rm -f "$RAY_AUTH_TOKEN_PATH"
+  # Then every process at once, under one grace period: SLURM's SIGKILL comes KillWait seconds after its SIGTERM.
   [[ -n $helper_pid ]] && { kill -TERM "$helper_pid" 2>/dev/null || true; }
   if [[ -n $vllm_pid ]] && kill -0 -- "-$vllm_pid" 2>/dev/null; then
     say "stopping vLLM (pid $vllm_pid)"
     kill -TERM -- "-$vllm_pid" 2>/dev/null || true
-    wait_gone "-$vllm_pid" "$stop_grace" || kill -KILL -- "-$vllm_pid" 2>/dev/null || true
+    procs+=("-$vllm_pid")
   fi
-  if [[ -n $proxy_pid ]]; then
-    kill -TERM "$proxy_pid" 2>/dev/null || true
-    wait_gone "$proxy_pid" 5 || kill -KILL "$proxy_pid" 2>/dev/null || true
-  fi
+  [[ -n $proxy_pid ]] && kill -TERM "$proxy_pid" 2>/dev/null && procs+=("$proxy_pid")
   if ((${#ray_pids[@]})); then
     say "stopping Ray on ${nodes[*]}"
-    stop_ray  # srun passes SIGTERM to `ray start --block`, which stops that node's Ray processes
+    kill -TERM "${ray_pids[@]}" 2>/dev/null || true  # srun passes it to `ray start --block`, which stops its node's Ray
+    procs+=("${ray_pids[@]}")
   fi
-  # Ray's session files on this (the head) node, once no process of this node uses them any more (an agent
-  # that outlives its raylet by a second would recreate them); other nodes' copies stay in their /tmp.
-  if [[ -n $ray_temp_dir && -d $ray_temp_dir ]]; then
-    for ((t = 0; t < 10; t++)); do pgrep -f -- "$ray_temp_dir" >/dev/null || break; sleep 1; done
-    rm -rf -- "$ray_temp_dir" || true
+  if ((${#procs[@]})) && ! wait_gone "${procs[*]}" "$stop_grace"; then
+    kill -KILL -- "${procs[@]}" 2>/dev/null || true
+    wait_gone "${procs[*]}" 2 || true
+  fi
+  ray_pids=()
+  # Ray's folder on this (the head) node, once no process of this job's user uses it any more (an agent that
+  # outlives its raylet by a second would recreate files), within the budget; other nodes' copies are private
+  # too (0700) and stay in their temporary folder.
+  if [[ -n $ray_dir && -d $ray_dir ]]; then
+    while ((SECONDS - t0 < kill_wait - 4)) && pgrep -u "$UID" -f -- "$ray_dir" >/dev/null; do sleep 1; done
+    rm -rf -- "$ray_dir" || true
   fi
   [[ -n $run_dir ]] && rm -rf -- "$run_dir"
-  say "stopped; connection file and key removed"
+  say "stopped; connection file and key removed (clean-up $((SECONDS - t0)) s; SLURM's KillWait ${kill_wait} s)"
 }
 # shellcheck disable=SC2329
 on_signal() {
@@ -172,12 +199,29 @@ run_helper() {
   return "$rc"
 }
 
+# The connection file, from now on: "loading" with the phase (llmlab.connect() then says the server is still
+# loading instead of starting the embedded tiny model), rewritten as the load goes on and "ready" at READY.
+pub_args=(--host "$host" --port "$port" --model "$served_model" --key-file "$key_file" --connection-file "$conn_file"
+  --job-id "$job_id" --engine "$engine" --tp "$tp" --pp "$pp" --nodes "${nodes[*]}" --ray-address "$ray_address")
+run_helper loading "${pub_args[@]}" --phase "$([[ -n $ray_head_cmd ]] && echo "starting Ray on ${#nodes[@]} nodes" ||
+  echo "starting vLLM")" || die "could not write the connection file $conn_file"
+
+# Ray's folder on each node: the head node's mktemp -d, or the same (unpredictable) name made 0700 on a worker
+# node, in the step that then runs `ray start`; a folder of that name that is not this user's own 0700 one (made by
+# someone else, a link) is refused.
+# shellcheck disable=SC2016  # expanded by the bash of that step
+private_dir_then='d=$1; shift
+mkdir -m 700 -- "$d" 2>/dev/null || [[ -d $d && ! -L $d && -O $d && $(stat -c %a -- "$d") == 700 ]] ||
+  { echo "llmlab: $d on $(hostname) is not a private (0700) folder of $(id -un): Ray is not started in it" >&2; exit 1; }
+exec "$@"'
+
 start_ray() {  # node, command (a shlex-quoted string from the renderer)
   local node=$1 args=() log=$log_dir/ray-$1.log
   eval "args=($2)"
   [[ -e $log ]] && mv -f "$log" "$log.attempt$((attempt - 1))"  # keep a failed attempt's log
   say "Ray on $node: ${args[*]}"
-  srun --overlap --nodes=1 --ntasks=1 -w "$node" "${args[@]}" >"$log" 2>&1 </dev/null &
+  srun --overlap --nodes=1 --ntasks=1 -w "$node" bash -c "$private_dir_then" llmlab-ray "$ray_dir" "${args[@]}" \
+    >"$log" 2>&1 </dev/null &
   ray_pids+=("$!")
   ray_steps+=(--step "$node:$!:$log")
 }
@@ -249,12 +293,26 @@ proxy_pid=$!
 # The wait ends before the job's time limit does (squeue's %L: the time left), so a load that cannot finish in
 # time fails with that reason instead of being killed mid-load.
 time_left=$(squeue -h -j "$job_id" -o %L 2>/dev/null || true)
-run_helper wait-ready --host "$host" --port "$port" --pid "$vllm_pid" --log "$vllm_log" --model "$served_model" \
-  --key-file "$key_file" --connection-file "$conn_file" --job-id "$job_id" --engine "$engine" --tp "$tp" \
-  --pp "$pp" --nodes "${nodes[*]}" --ray-address "$ray_address" --timeout "$ready_timeout" --elapsed "$SECONDS" \
-  --time-left "$time_left" --stop-grace "$stop_grace" || exit 1
+# The key goes to /health only while the proxy started here lives and holds the port (not a squatter on it).
+run_helper wait-ready "${pub_args[@]}" --pid "$vllm_pid" --log "$vllm_log" --proxy-pid "$proxy_pid" \
+  --proxy-log "$log_dir/proxy.log" --timeout "$ready_timeout" --elapsed "$SECONDS" --time-left "$time_left" \
+  --stop-grace "$stop_grace" || exit 1
 
+# Serving: the job ends (clean-up included) as soon as vLLM or its proxy exits, whichever goes first; a dead proxy
+# would otherwise leave nobody able to reach the server while the job holds its GPUs until the time limit.
+# (A poll, not `wait -n PID PID`: bash before 5.1, as on RHEL 8, waits there for any job, a Ray step included.)
+while kill -0 "$vllm_pid" 2>/dev/null && kill -0 "$proxy_pid" 2>/dev/null; do
+  sleep 2 &
+  wait $! || true
+done
 rc=0
+if kill -0 "$vllm_pid" 2>/dev/null; then
+  wait "$proxy_pid" || rc=$?
+  proxy_pid=''
+  die "the key-checking proxy exited on its own (code $rc): nobody can reach vLLM any more, so the job ends now
+instead of holding its nodes until the time limit. Last lines of $log_dir/proxy.log:
+$(tail -n 20 "$log_dir/proxy.log")"
+fi
 wait "$vllm_pid" || rc=$?
 vllm_pid=''
 die "vLLM exited on its own (code $rc). Last lines of $vllm_log:

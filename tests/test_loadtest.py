@@ -359,3 +359,66 @@ def test_server_killed_mid_run_loses_nothing(conn, tmp_path):
     assert [r.status for r in resumed.records] == ["ok"] * 16
     assert all(r.output_tokens == 48 for r in resumed.records)
     assert lt.load(path).summary()["ok"] == 16
+
+
+# --- a full disk (issue 26): what was measured stays measured ------------------------------------------------
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 16 KiB file system (tmpfs) that fills up part-way through a run: ENOSPC as the kernel gives it,
+    short writes included.  Mounting needs root, as CI has."""
+    import subprocess
+
+    where = tmp_path / "tiny"
+    where.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,mode=0700", "tmpfs", str(where)],
+                         capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"cannot mount a 16 KiB tmpfs to fill up (needs root): {res.stderr.strip()}")
+    try:
+        yield where
+    finally:  # lazily if a file is still open there (a leak the test then reports), so no mount stays behind
+        if subprocess.run(["umount", str(where)]).returncode:
+            subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_a_full_disk_loses_no_record_of_a_run(tiny_disk):
+    """Before: the ENOSPC of one record aborted the run, the interrupt handler wrote again and failed again, and a
+    chained traceback replaced the LoadResult.  Now the file keeps whole lines, the run goes on, and it says so."""
+    import warnings
+
+    path = tiny_disk / "run.jsonl"
+    with pytest.warns(UserWarning) as warned:
+        res = lt.run(FakeClient(), "m", prompts(60), concurrency=3, max_tokens=40, progress=False, save=path)
+    assert [r.id for r in res.records] == list(range(60)) and [r.status for r in res.records] == ["ok"] * 60
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a torn line would warn
+        kept = lt.load(path)
+    assert 0 < len(kept) < 60
+    assert {r.id: asdict(r) for r in kept.records} == {r.id: asdict(r) for r in res.records if r.id in
+                                                       {k.id for k in kept.records}}
+    said = " ".join(str(w.message) for w in warned)
+    assert "No space left on device" in said
+    assert f"{path} keeps {len(kept)} of the 60 records of this run" in said and ".save(" in said
+
+
+def test_saving_over_a_file_on_a_full_disk_keeps_the_old_file(tiny_disk):
+    """Before: save() truncated the file first, so a full disk destroyed the earlier results as well."""
+    import errno
+
+    small = lt.run(FakeClient(), "m", prompts(2), max_tokens=4, progress=False)
+    big = lt.run(FakeClient(), "m", prompts(60), concurrency=3, max_tokens=40, progress=False)
+    for name in ("run.jsonl", "run.csv"):
+        path = small.save(tiny_disk / name)
+        before = path.read_bytes()
+        with pytest.raises(OSError, match=rf"No space left on device.*{name} is unchanged") as err:
+            big.save(path)
+        assert err.value.errno == errno.ENOSPC
+        assert path.read_bytes() == before, "the earlier results were damaged"
+        path.unlink()
+    assert list(tiny_disk.iterdir()) == [], "a temporary file was left behind"
+    # a .csv run is written whole at its end: a full disk then warns, and the run's records are still returned
+    with pytest.warns(UserWarning, match=r"run.csv: could not write the 60 records.*No space left"):
+        res = lt.run(FakeClient(), "m", prompts(60), concurrency=3, max_tokens=40, progress=False,
+                     save=tiny_disk / "run.csv")
+    assert len(res.ok) == 60 and list(tiny_disk.iterdir()) == []

@@ -390,3 +390,20 @@ def test_job_starts_jupyterlab_whose_notebook_reaches_the_embedded_server(tmp_pa
         subprocess.run([str(VENV / "bin" / "llmlab"), "serve", "--stop"], capture_output=True, timeout=60,
                        env={**os.environ, "LLMLAB_HOME": str(work / "llmlab-home")})
     assert re.search(r"llmlab: starting the tiny model's vLLM server", log.read_text())
+
+
+def test_a_seen_session_token_cannot_set_a_lasting_password(tmp_path):
+    """Issue 26: jupyter_server lets a POST of ``password=<token>&new_password=X`` to /login write a hashed password
+    into ~/.jupyter/jupyter_server_config.json, valid for every later Jupyter of that user; anyone who once saw a
+    session's token (a screen share, a screenshot) could keep a way in.  The app's config turns that off; loaded as
+    Jupyter loads it, the identity provider must say so (a misspelt trait would be ignored with a mere warning)."""
+    from jupyter_server.auth.identity import PasswordIdentityProvider
+    from traitlets.config.loader import PyFileConfigLoader
+
+    home = tmp_path / "home"
+    home.mkdir()
+    staged = rendered(tmp_path, form())
+    config = Path(source_before(staged, home, tmp_path / "work")["LLMLAB_JUPYTER_CONFIG"])
+    loaded = PyFileConfigLoader(config.name, str(config.parent)).load_config()
+    assert PasswordIdentityProvider(config=loaded).allow_password_change is False
+    assert PasswordIdentityProvider().allow_password_change is True  # jupyter_server's default: why the line exists

@@ -6,11 +6,18 @@ their revocation, streaming that is not buffered, and a client that goes away ab
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import io
+import json
+import logging
 import os
 import re
 import socket
+import socketserver
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -284,3 +291,157 @@ def test_upstream_that_does_not_answer_is_503_with_the_reason(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=20) == 0  # SIGTERM is a clean stop
+
+
+# -- issue 26: a proxy of the test's own in front of a stand-in for vLLM (no engine needed) ---------------------
+
+class _StandIn(http.server.BaseHTTPRequestHandler):
+    """vLLM's place on a Unix socket: every request is answered 200 with the number of body bytes it carried."""
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self):
+        got = len(self.rfile.read(int(self.headers.get("content-length") or 0)))
+        body = json.dumps({"path": self.path, "body_bytes": got}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args):  # a Unix socket has no client address to log
+        pass
+
+
+@contextlib.contextmanager
+def stand_in_vllm(folder: Path):
+    """A stand-in for vLLM listening on ``folder/vllm.sock`` (a thread of this process) while the block runs."""
+    server = socketserver.ThreadingUnixStreamServer(str(folder / "vllm.sock"), _StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield folder / "vllm.sock"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextlib.contextmanager
+def proxy_process(tmp_path: Path, upstream: Path, *args: str, ulimit: str = ""):
+    """``python -m llmlab.serve.proxy`` of the test's own: yields (process, port, owner key) once it answers; its
+    output goes to ``tmp_path/proxy.log``.  ``ulimit``: options for bash's ulimit, e.g. ``-n 64``."""
+    key = "owner-" + os.urandom(16).hex()
+    port = free_port()
+    cmd = [sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
+           f"unix:{upstream}", "--key-file", str(write_private(tmp_path / "owner.key", key + "\n")), *args]
+    if ulimit:
+        cmd = ["bash", "-c", f'ulimit {ulimit} && exec "$@"', "bash", *cmd]
+    with open(tmp_path / "proxy.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while _get(f"http://127.0.0.1:{port}/health", key)[0] == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "proxy.log").read_text()
+            time.sleep(0.2)
+        yield proc, port, key
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_a_large_body_sent_in_one_write_is_not_taken_for_a_large_head(tmp_path):
+    """P3: the head-size limit counts the head only, however much body arrives in the same read."""
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds) as (_, port, key):
+        body = json.dumps({"model": "llmlab-tiny", "prompt": "hello " * 20000, "max_tokens": 1}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        answer = _exchange(port, head + body)
+    assert len(body) > 100_000 and _statuses(answer) == [200]
+    assert f'"body_bytes": {len(body)}'.encode() in answer  # all of it reached vLLM's place
+
+
+def test_a_head_larger_than_the_limit_is_still_refused_when_it_comes_in_pieces(tmp_path):
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds) as (_, port, key):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(f"GET /v1/models HTTP/1.1\r\nAuthorization: Bearer {key}\r\n".encode())
+            for _ in range(20):
+                s.sendall(b"X-Filler: " + b"a" * 4000 + b"\r\n")
+            s.sendall(b"\r\n")
+            answer = s.recv(65536)
+    assert _statuses(answer) == [431]
+
+
+def test_a_flood_of_bad_entries_in_the_keys_folder_writes_a_bounded_proxy_log(tmp_path):
+    """S4c: learners who fill a room's keys/ with files (thousands, long names, lines that are not digests) must
+    not fill proxy.log, which lands in the instructor's home quota: each re-read of keys/ is logged, and each log
+    line is cut to a width (LogBudget)."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for i in range(2000):
+        (keys / f"learner-{i:04d}-{'x' * 60}").write_text("not a digest\n")
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, _key):
+        for n in range(4):
+            (keys / "flood").write_text("still not a digest\n" * (50_000 + n))
+            time.sleep(1.1)  # the key ring looks at its files at most once a second, when a request comes
+            assert _get(f"http://127.0.0.1:{port}/v1/models", "any-key-at-all")[0] == 401
+    log = (tmp_path / "proxy.log").read_text()
+    assert len(log) < 64 * 2**10 and len(log.splitlines()) <= 60, f"{len(log):,} characters: {log[-300:]}"
+
+
+def test_the_proxy_log_has_a_budget_of_lines_and_of_line_width():
+    """LogBudget: a burst of lines, then one per interval, each cut at a width; what was held back is counted."""
+    out = io.StringIO()
+    budget = proxy.LogBudget(burst=5, every=3600, width=100)
+    handler = logging.StreamHandler(out)
+    handler.addFilter(budget)
+    logger = logging.getLogger("llmlab.test.log-budget")
+    logger.addHandler(handler)
+    logger.propagate = False
+    for i in range(10_000):
+        logger.warning("line %d %s", i, "x" * 500)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 6 and all(len(line) < 160 for line in lines) and "suppressed" in lines[-1]
+    budget.every = 1e-6  # time enough has passed: the next line goes out, saying how many were held back
+    logger.warning("after the flood")
+    assert out.getvalue().splitlines()[-1] == "(9995 log lines suppressed) after the flood"
+
+
+def test_proxy_raises_its_soft_open_file_limit_to_the_hard_one(tmp_path):
+    """P2: a job that inherits a soft limit of 1024 open files would refuse connections long before the hard
+    limit; the proxy raises the soft limit at start (here: soft 64)."""
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, ulimit="-S -n 64") as (proc, _, _):
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+    soft, hard = re.search(r"Max open files\s+(\S+)\s+(\S+)", limits).groups()
+    assert soft == hard != "64", limits
+
+
+def test_proxy_reports_the_port_it_bound_in_a_private_ready_file(tmp_path):
+    """Bind, then publish: with port 0 the system picks a free port, and the proxy writes it (0600) once it
+    listens; a caller reads the port from there instead of choosing one that someone else may hold."""
+    key = write_private(tmp_path / "owner.key", "owner-" + os.urandom(16).hex() + "\n")
+    ready = tmp_path / "run" / "proxy.ready"
+    with stand_in_vllm(tmp_path) as uds:
+        proc = subprocess.Popen([sys.executable, "-m", "llmlab.serve.proxy", "--listen", "127.0.0.1:0", "--upstream",
+                                 f"unix:{uds}", "--key-file", str(key), "--ready-file", str(ready)])
+        try:
+            bound = proxy.wait_bound(ready, lambda: proc.poll() is None, tmp_path / "none.log", timeout=60)
+            assert os.stat(ready).st_mode & 0o777 == 0o600 and bound["pid"] == proc.pid
+            assert bound["host"] == "127.0.0.1" and bound["port"] > 0
+            assert _get(f"http://127.0.0.1:{bound['port']}/v1/models", key.read_text().strip())[0] == 200
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+
+def test_proxy_on_a_port_someone_holds_exits_with_a_sentence_and_writes_no_ready_file(tmp_path):
+    key = write_private(tmp_path / "owner.key", "owner-" + os.urandom(16).hex() + "\n")
+    ready = tmp_path / "proxy.ready"
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}",
+                              "--upstream", f"unix:{tmp_path}/vllm.sock", "--key-file", str(key), "--ready-file",
+                              str(ready)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and not ready.exists()
+    assert f"127.0.0.1:{port}" in out.stderr and "in use" in out.stderr

@@ -24,10 +24,10 @@ import pytest
 from test_slurm import CPU_JOB, job_processes, needs_slurm, slurm_env, wait_for  # noqa: F401
 
 from llmlab.ops import jobs
-from llmlab.serve import share
+from llmlab.serve import keyring, share
 from llmlab.serve.info import ServerInfo
 from llmlab.serve.proc import free_port, health
-from llmlab.serve.proxy import proxy_command
+from llmlab.serve.proxy import digest, key_digest_line, proxy_command
 
 GROUP, LEARNER, OUTSIDER = "llmlab-ws", "llmlab-learner", "llmlab-outsider"
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,6 +134,90 @@ def test_revoked_learner_is_shut_out_without_a_restart(room):
     assert put_back.returncode != 0 and "PermissionError" in put_back.stderr  # the sticky keys/ holds
     assert share.learners(root) == {LEARNER: "revoked"}
     assert "1 revoked" in jobs._shared(ServerInfo.read(conn))
+
+
+# --------------------------------------------------------------------------------------------------
+# The key ring's rules (llmlab.serve.keyring), file by file: no server, files given their owners with chown
+# --------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def keys_dir():
+    ensure_user(LEARNER, GROUP)
+    ensure_user(OUTSIDER)
+    parent = Path(tempfile.mkdtemp(prefix="llmlab-keys-"))
+    root = share.prepare_dir(parent / "ws", GROUP)
+    yield root / "keys"
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def put(path: Path, text: str, owner: str | None = None) -> Path:
+    path.write_text(text)
+    if owner:
+        os.chown(path, int(subprocess.check_output(["id", "-u", owner])), -1)
+    return path
+
+
+def test_keyring_counts_one_digest_from_the_file_named_after_its_owner(keys_dir):
+    line = {k: key_digest_line(k, "x") + "\n" for k in ("mine", "copy", "squat", "two", "owner-a", "owner-b")}
+    put(keys_dir / LEARNER, line["mine"], LEARNER)
+    put(keys_dir / "spare", line["copy"], LEARNER)                      # a copy under another name
+    put(keys_dir / OUTSIDER, line["squat"], LEARNER)                    # a name taken from another user
+    put(keys_dir / "nobody-such", line["two"] + line["two"], LEARNER)
+    put(keys_dir / "instructor", line["owner-a"] + "# note\n" + line["owner-b"])  # the proxy's own user: trusted
+    os.mkfifo(keys_dir / "fifo")
+    (keys_dir / "link").symlink_to(keys_dir / "instructor")
+    ring = keyring.load(keys_dir)
+    assert set(ring.digests) == {digest("mine"), digest("owner-a"), digest("owner-b")}
+    assert share.learners(keys_dir.parent) == {LEARNER: "registered", "instructor": "registered"}
+
+
+def test_keyring_reads_again_only_what_changed(keys_dir, monkeypatch):
+    monkeypatch.setattr(keyring, "RACY_NS", 0)  # no change is "too recent" here
+    put(keys_dir / LEARNER, key_digest_line("one") + "\n", LEARNER)
+    ring = keyring.load(keys_dir)
+    assert keyring.load(keys_dir, ring.signature) is None  # one stat of the folder, one of the learner's file
+    put(keys_dir / LEARNER, key_digest_line("two", "rewritten in place") + "\n", LEARNER)
+    assert keyring.load(keys_dir, ring.signature).digests == (digest("two"),)
+
+
+def test_keyring_learner_file_with_two_digests_or_oversized_registers_nothing(keys_dir):
+    put(keys_dir / LEARNER, key_digest_line("a") + "\n" + key_digest_line("b") + "\n", LEARNER)
+    assert keyring.load(keys_dir).digests == ()
+    put(keys_dir / LEARNER, key_digest_line("a") + "  " + "x" * keyring.MAX_LEARNER_BYTES + "\n", LEARNER)
+    assert keyring.load(keys_dir).digests == ()
+    put(keys_dir / LEARNER, key_digest_line("a", "learner@node") + "\n", LEARNER)
+    assert keyring.load(keys_dir).digests == (digest("a"),)
+
+
+def test_keyring_sees_a_change_made_within_the_clock_tick(keys_dir):
+    """The signature of a folder changed in the last two seconds is not trusted: a file added within the same tick
+    of the file system's clock leaves the folder's times as they were."""
+    ring = keyring.load(keys_dir)
+    put(keys_dir / LEARNER, key_digest_line("fast") + "\n", LEARNER)
+    again = keyring.load(keys_dir, ring.signature)
+    assert again is not None and again.digests == (digest("fast"),)
+
+
+def test_keyring_file_of_another_user_registers_nothing(keys_dir):
+    keys_file = put(keys_dir.parent.parent / "keys.txt", key_digest_line("k") + "\n")
+    assert keyring.load(keys_file).digests == (digest("k"),)
+    os.chown(keys_file, int(subprocess.check_output(["id", "-u", LEARNER])), -1)
+    assert keyring.load(keys_file).digests == ()
+
+
+def test_revoke_refuses_the_learners_digests_in_every_file(keys_dir):
+    put(keys_dir / LEARNER, key_digest_line("theirs") + "\n", LEARNER)
+    put(keys_dir / "spare", key_digest_line("spare") + "\n", LEARNER)
+    share.revoke(keys_dir.parent, LEARNER)
+    marker = (keys_dir / LEARNER).read_text()
+    assert marker.startswith(share.REVOKED) and f"revoked sha256:{digest('theirs').hex()}" in marker
+    assert f"revoked sha256:{digest('spare').hex()}" in marker and not (keys_dir / "spare").exists()
+    assert stat.S_IMODE((keys_dir / LEARNER).stat().st_mode) == 0o644 and (keys_dir / LEARNER).stat().st_uid == 0
+    put(keys_dir / "instructor", key_digest_line("theirs") + "\n" + key_digest_line("other") + "\n")
+    assert keyring.load(keys_dir).digests == (digest("other"),)  # refused even in the instructor's own file
+    share.revoke(keys_dir.parent, LEARNER)  # again: what was refused stays refused
+    assert f"revoked sha256:{digest('theirs').hex()}" in (keys_dir / LEARNER).read_text()
+    assert not list(keys_dir.glob(".*"))  # no temp file left behind
 
 
 @needs_slurm

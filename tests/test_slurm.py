@@ -77,7 +77,8 @@ def test_shipped_jobs_are_the_issue_layouts():
     layouts = {n: (j.nodes, j.gpus_per_node, j.tp, j.pp) for n, j in jobs.items()}
     assert layouts == {"llama3.1-8b": (1, 1, 1, 1), "llama3.1-70b": (1, 4, 4, 1), "llama3.1-405b-fp8": (1, 8, 8, 1),
                        "llama3.1-405b": (2, 8, 8, 2), "llama3.1-405b-tp16": (2, 8, 16, 1),
-                       CPU_JOB: (2, 0, 1, 1)}
+                       CPU_JOB: (2, 0, 1, 1), "llmlab-wide-cpu": (2, 0, 1, 1)}
+    assert jobs["llmlab-wide-cpu"].model.endswith("tests/fixtures/llmlab-wide")  # resolved against models.toml
 
 
 @pytest.mark.parametrize("name", GPU_JOBS)
@@ -295,10 +296,20 @@ def test_tp_vs_pp_arithmetic():
     assert tp8["allreduces"] == tp16["allreduces"] == 2 * 126
     assert tp8["allreduce_bytes_per_gpu"] == 2 * 7 / 8 * message
     assert tp8["tp_link"] == "NVLink" and tp16["tp_link"] == "InfiniBand"
-    assert tp8["tp_us"] == pytest.approx(252 * 2 * 7 / 8 * message / 900e9 * 1e6)
-    assert tp16["tp_us"] == pytest.approx(252 * 2 * 15 / 16 * message / 50e9 * 1e6)
+    # per direction: NVLink's 900 GB/s counts both ways; between nodes, one 50 GB/s port per GPU, 8 per node
+    assert tp8["tp_us"] == pytest.approx(252 * 2 * 7 / 8 * message / 450e9 * 1e6)
+    assert tp16["tp_us"] == pytest.approx(252 * 2 * 15 / 16 * message / (8 * 50e9) * 1e6)
+    assert tp8["tp_bytes_per_gpu"] == 126 * 2 * 7 / 8 * message  # a GPU of TP=8 x PP=2 holds 63 layers
     assert tp8["pp_bytes"] == message and tp16["pp_transfers"] == 0
-    assert tp16["comm_us"] / tp8["comm_us"] > 15  # why TP stays inside a node
+    # with InfiniBand the two layouts cost about the same (vLLM's blog: "similar"): 14.1 vs 15.6 ms at 256 tokens
+    busy = {r["layout"]: r["comm_us"] / 1e3 for r in cluster.tp_vs_pp(tokens=256, allreduce_latency_us=22.5)}
+    assert busy == {"TP=8 x PP=2": pytest.approx(14.06, abs=0.01), "TP=16 x PP=1": pytest.approx(15.58, abs=0.01)}
+    # without it (one 100 Gb/s Ethernet port per node) TP=16's communication is 20x TP=8 x PP=2's: PP is essential
+    slow = cluster.tp_vs_pp(tokens=256, allreduce_latency_us=22.5, ib_gbps=12.5, nics_per_node=1)
+    assert slow[1]["comm_us"] / slow[0]["comm_us"] > 20
+    # the old reading (900 GB/s one way, one port for the whole node) is still there as parameters
+    old = cluster.tp_vs_pp(tokens=256, allreduce_latency_us=22.5, nvlink_gbps=900, nics_per_node=1)
+    assert [round(r["comm_us"] / 1e3) for r in old] == [10, 85]
     assert tp8["weights_gib_per_gpu"] == max(memory.weight_bytes_per_gpu("llama3.1-405b", None, 8, 2)) / 2**30
 
 
@@ -367,6 +378,20 @@ def job_processes(job_id: str) -> list[str]:
     return found
 
 
+def status_of(conn: Path) -> str | None:
+    """The connection file's status ("loading", "ready"), or None while there is none."""
+    try:
+        return json.loads(conn.read_text()).get("status") or "(none)"
+    except (OSError, ValueError):
+        return None
+
+
+def ray_folder(job_id: str) -> Path:
+    """Ray's --temp-dir of a job, as its launcher rendered it (~/.llmlab/logs/job-ID/rendered.sh)."""
+    rendered = (cluster.job_log_dir(job_id) / "rendered.sh").read_text()
+    return Path(shlex.split(re.search(r"^ray_temp_dir=(.*)$", rendered, re.M)[1])[0])
+
+
 def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -389,7 +414,7 @@ def test_cpu_job_serves_with_its_key_and_cleans_up_after_scancel(slurm_env, tmp_
         if state not in ("PENDING", "RUNNING", "CONFIGURING"):
             raise AssertionError(f"job {job_id} ended ({state}) before its server was ready:\n"
                                  f"{output.read_text() if output.exists() else '(no output)'}")
-        return conn.exists()
+        return status_of(conn) == "ready"  # the file is there, "loading", from the job's first seconds
 
     try:
         wait_for(ready, 900, f"the connection file of job {job_id}", poll=2)
@@ -436,7 +461,7 @@ def test_cpu_job_serves_with_its_key_and_cleans_up_after_scancel(slurm_env, tmp_
         wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
         t_clean = time.monotonic() - t1
     assert not Path(info["api_key_file"]).exists()
-    assert not Path(f"/tmp/llmlab-ray-{job_id}").exists(), "Ray's per-job session files should be removed"
+    assert not ray_folder(job_id).parent.exists(), "Ray's per-job session files should be removed"
     text = output.read_text()
     assert "received SIGTERM (scancel or time limit): shutting down" in text
     assert "stopped; connection file and key removed" in text
@@ -464,7 +489,7 @@ def test_job_whose_ray_worker_cannot_start_fails_fast_with_the_reason(slurm_env,
     assert "starting vLLM" not in text
     assert not (servers_dir() / f"job-{job_id}.json").exists()
     wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
-    assert not Path(f"/tmp/llmlab-ray-{job_id}").exists()
+    assert not ray_folder(job_id).parent.exists()
     print(f"\nSLURM job {job_id} with a broken Ray worker: FAILED after {elapsed:.1f} s")
 
 
@@ -520,3 +545,224 @@ def test_the_readiness_wait_never_outlasts_the_jobs_time_limit():
     timeout, why = launcher.capped_timeout(5400, "30:00", 20)  # a 405B job submitted with --time=00:30:00
     assert timeout == 1800 - 20 - 30 and "time limit leaves 1800 s" in why and "--time" in why
     assert launcher.capped_timeout(5400, "00:40", 20)[0] == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 26: Ray's folder, the "loading" connection file, the clean-up's budget, a proxy that dies
+# --------------------------------------------------------------------------------------------------
+
+def test_rays_folder_is_the_launchers_private_one_not_a_name_made_of_the_job_id():
+    """Ray makes its --temp-dir and its session/sockets/logs folders 0777; /tmp/llmlab-ray-<job id> was also
+    predictable.  Now the folder is ray/ inside the launcher's mktemp -d (LLMLAB_RAY_DIR), on every node."""
+    env = {"LLMLAB_RAY_HEAD_IP": "10.0.0.1", "LLMLAB_RAY_DIR": "/tmp/llmlab-ray.Ab3dE9"}
+    r = launcher.render("llama3.1-405b", job_id="4242", nodes=["a", "b"], port=9000, env=env)
+    assert r.ray.temp_dir == "/tmp/llmlab-ray.Ab3dE9/ray"
+    for cmd in (r.ray.head_command(), r.ray.worker_command(1)):
+        assert [a for a in cmd if a.startswith("--temp-dir")] == ["--temp-dir=/tmp/llmlab-ray.Ab3dE9/ray"]
+    assert "ray_temp_dir=/tmp/llmlab-ray.Ab3dE9/ray" in r.shell()
+    shown = launcher.render("llama3.1-405b", job_id="4242", nodes=["a", "b"], port=9000,
+                            env={"LLMLAB_RAY_HEAD_IP": "x", "TMPDIR": "/local"})
+    assert shown.ray.temp_dir == "/local/llmlab-ray.XXXXXX/ray"  # what the launcher's mktemp makes
+    with pytest.raises(cluster.SettingsError, match="too long for Ray's Unix sockets.*LLMLAB_RAY_TMPDIR"):
+        launcher.render("llama3.1-405b", nodes=["a", "b"], port=9000,
+                        env={"LLMLAB_RAY_HEAD_IP": "x", "LLMLAB_RAY_DIR": "/scratch/" + "x" * 40})
+    dry = dry_run("llama3.1-405b")
+    assert "llmlab-ray.XXXXXX/ray --block" in dry.stdout, dry.stdout
+
+
+@needs_slurm
+def test_cpu_job_says_loading_then_ready_and_its_clean_up_fits_in_killwait(slurm_env, tmp_path, monkeypatch):
+    """While the job starts, its connection file says "loading" with the phase, and connect() says so instead of
+    starting the embedded tiny model; then "ready".  Ray's folder is private; after scancel the key and the token
+    are gone at once, and the clean-up ends within the test bed's KillWait (15 s; SIGKILL comes after it)."""
+    from llmlab.serve import embedded
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("connect() started the embedded tiny model while the job's server was loading")
+
+    monkeypatch.setattr(embedded, "ensure_embedded", no_fallback)
+    monkeypatch.delenv("LLMLAB_CONNECTION_FILE", raising=False)
+    job_id = submit(slurm_env, tmp_path)
+    output = tmp_path / f"slurm-{job_id}.out"
+    conn = servers_dir() / f"job-{job_id}.json"
+    keys = Path(os.environ["LLMLAB_HOME"]) / "keys"
+    secrets = [keys / f"job-{job_id}.key", keys / f"ray-job-{job_id}.token"]
+    seen: list[tuple[str, str]] = []
+
+    def watch(until: str | None):
+        """Record each (status, phase) the connection file goes through; done when its status is ``until``
+        (None: as soon as there is a file)."""
+        def look():
+            state, _ = job_state(slurm_env, job_id)
+            if state not in ("PENDING", "RUNNING", "CONFIGURING"):
+                raise AssertionError(f"job {job_id} ended ({state}):\n{output.read_text() if output.exists() else ''}")
+            status = status_of(conn)
+            if status:
+                info = json.loads(conn.read_text())
+                if not seen or seen[-1] != (status, info.get("phase")):
+                    seen.append((status, info.get("phase")))
+            return status is not None and (until is None or status == until)
+        return look
+
+    try:
+        wait_for(watch(None), 600, f"job {job_id}'s connection file", poll=0.5)
+        assert seen[0][0] == "loading", f"the first connection file said {seen[0]}, not loading"
+        assert seen[0][1] == "starting Ray on 2 nodes"
+        assert stat.S_IMODE(conn.stat().st_mode) == 0o600
+        with pytest.raises(llmlab.ServerUnavailable) as err:
+            llmlab.connect(quiet=True)
+        message = str(err.value)
+        assert f"SLURM job {job_id} is still loading the model" in message and "\n" not in message
+        assert f"llmlab status --wait {job_id}" in message
+
+        wait_for(lambda: "Ray cluster complete" in output.read_text(), 600, "Ray on both nodes", poll=1)
+        folder = ray_folder(job_id)
+        assert folder.name == "ray" and folder.parent.name.startswith("llmlab-ray.") and job_id not in str(folder)
+        st = folder.parent.lstat()
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+        assert (folder / "session_latest" / "sockets").is_dir()
+
+        wait_for(watch("ready"), 900, f"job {job_id}'s server to be ready", poll=0.5)
+        assert len({phase for status, phase in seen if status == "loading"}) >= 2, seen  # the phase follows the load
+        client, model = llmlab.connect(quiet=True)
+        assert model == CPU_JOB and json.loads(conn.read_text())["api_key_file"] == str(secrets[0])
+        assert all(p.exists() for p in secrets)
+    finally:
+        t0 = time.monotonic()
+        subprocess.run(["scancel", job_id], env=slurm_env, check=True)
+        wait_for(lambda: not any(p.exists() for p in secrets), 30, "the key and the token to go", poll=0.1)
+        t_secrets = time.monotonic() - t0
+        wait_for(lambda: job_state(slurm_env, job_id)[0] not in ("RUNNING", "COMPLETING", "CONFIGURING"), 90,
+                 "the job to end")
+        wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
+        t_gone = time.monotonic() - t0
+    text = output.read_text()
+    took = re.search(r"stopped; connection file and key removed \(clean-up (\d+) s; SLURM's KillWait (\d+) s\)", text)
+    assert took, text[-2000:]
+    assert int(took[2]) == 15 and int(took[1]) <= 15 - 3, took[0]  # the launcher read the test bed's KillWait
+    assert t_secrets < 5, f"the key and the Ray token went {t_secrets:.1f} s after scancel"
+    assert not conn.exists() and not ray_folder(job_id).parent.exists()
+    print(f"\nSLURM CPU job {job_id}: loading file states {[s for s, _ in seen]}; after scancel the key and the "
+          f"token went in {t_secrets:.1f} s, the launcher's clean-up took {took[1]} s (KillWait 15 s), every "
+          f"process of the job was gone after {t_gone:.1f} s")
+
+
+def test_a_job_whose_proxy_dies_after_ready_ends_and_cleans_up(tmp_path):
+    """Before: the launcher waited on vLLM alone, so a dead proxy (a crash, the OOM killer) left the job holding its
+    nodes, unreachable, until the time limit.  Now the job ends with the reason, clean-up included."""
+    settings = tmp_path / "models.toml"
+    settings.write_text('["cpu1"]\nmodel = "llmlab-tiny"\nengine = "cpu"\nnodes = 1\ngpus_per_node = 0\n'
+                        'tp = 1\npp = 1\n')
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(LLMLAB_PYTHON=sys.executable, LLMLAB_HOME=str(home), LLMLAB_SETTINGS_FILE=str(settings),
+               SLURM_JOB_ID="778", LLMLAB_NODES="node1")
+    out = tmp_path / "job.out"
+    conn = home / "servers" / "job-778.json"
+    with out.open("w") as f:
+        job = subprocess.Popen(["bash", str(SLURM / "llmlab-serve.sh"), "cpu1"], stdout=f, stderr=subprocess.STDOUT,
+                               env=env, start_new_session=True)
+    try:
+        def ready():
+            assert job.poll() is None, out.read_text()
+            return "READY:" in out.read_text()
+
+        wait_for(ready, 600, "the server to be ready", poll=1)
+        info = json.loads(conn.read_text())
+        key = Path(info["api_key_file"])
+        proxies = [line.split(":")[0] for line in _processes_of(job.pid) if "llmlab.serve.proxy" in line]
+        assert len(proxies) == 1, _processes_of(job.pid)
+        t0 = time.monotonic()
+        os.kill(int(proxies[0]), 9)  # as the OOM killer would
+        rc = job.wait(timeout=60)
+        ended = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+    text = out.read_text()
+    assert rc == 1 and "FAILED: the key-checking proxy exited on its own" in text, text[-2000:]
+    assert "stopped; connection file and key removed" in text
+    assert not key.exists() and not conn.exists()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(info["pid"], 0)  # vLLM's whole group is gone
+    assert ended < 30, f"the job took {ended:.1f} s to end after its proxy died"
+    print(f"\nproxy killed: the job ended {ended:.1f} s later, cleaned up")
+
+
+def _processes_of(session: int) -> list[str]:
+    """"PID: command line" of every process in session ``session`` (the launcher's, started with a session)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3]) == session:
+                found.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_the_readiness_check_sends_the_key_only_to_the_jobs_own_proxy(tmp_path, capsys):
+    """L1: the port is chosen when the job is rendered and printed in its output; if another user listens there
+    first, the job's proxy cannot bind, and /health -- with the owner's key -- went to the squatter, who answered
+    200 and was published as READY.  Now the key goes only to a listener that the job's proxy process holds."""
+    import http.server
+    import threading
+
+    heard = []
+
+    class Squatter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            heard.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    squatter = http.server.HTTPServer(("127.0.0.1", 0), Squatter)
+    port = squatter.server_address[1]
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    proxy = subprocess.Popen(["sleep", "60"])  # the job's proxy: alive, but it does not hold the port
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    try:
+        ok = launcher.wait_until_ready("127.0.0.1", port, os.getpid(), log, timeout=20, poll=0.2,
+                                       api_key="owner-key", proxy_pid=proxy.pid, proxy_log=tmp_path / "proxy.log")
+        assert ok is False and heard == [], heard
+        assert f"another process listens on port {port}, not this job's proxy" in capsys.readouterr().out
+        assert launcher.port_holder(port, proxy.pid) == "other" and launcher.port_holder(port, os.getpid()) == "ours"
+        # the same check passes when the listener is the proxy's own (here: this process holds the socket)
+        assert launcher.wait_until_ready("127.0.0.1", port, os.getpid(), log, timeout=20, poll=0.2,
+                                         api_key="owner-key", proxy_pid=os.getpid())
+        assert heard == ["Bearer owner-key"]
+        proxy.kill()
+        proxy.wait()
+        assert launcher.wait_until_ready("127.0.0.1", port, os.getpid(), log, timeout=20, poll=0.2,
+                                         api_key="owner-key", proxy_pid=proxy.pid) is False
+        assert "the key-checking proxy (pid" in capsys.readouterr().out and len(heard) == 1
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+        if proxy.poll() is None:
+            proxy.kill()
+
+
+def test_a_learner_of_a_room_whose_server_is_loading_is_told_so(tmp_path, monkeypatch):
+    """The room's server.json, as the launcher publishes it while the instructor's job loads: a learner's connect()
+    names the room's job and its phase, and never starts the embedded tiny model instead."""
+    from llmlab.serve import embedded
+    from llmlab.serve.info import write_connection_file
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("connect() started the embedded tiny model")
+
+    monkeypatch.setattr(embedded, "ensure_embedded", no_fallback)
+    room = write_connection_file(tmp_path / "server.json", kind="shared", host="127.0.0.1", port=free_port(),
+                                 model=CPU_JOB, api_key_file="/nonexistent/owner.key", job_id="88", status="loading",
+                                 phase="loading weights: 3/8 shards", share_dir=str(tmp_path), group="ws")
+    monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(room))
+    with pytest.raises(llmlab.ServerUnavailable) as err:
+        llmlab.connect(quiet=True)
+    assert "The room's server (job 88) is still loading the model (loading weights: 3/8 shards" in str(err.value)
+    assert "llmlab status --wait" in str(err.value) and "\n" not in str(err.value)

@@ -27,8 +27,8 @@ def h100s_for_405b(count) -> None:
 
     n = _whole(count, "the number of H100s")
     expected = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="H100-80").weights_whole
-    require(n != 16, "16 is a layout that vLLM accepts (TP must divide the heads); this question asks only for "
-            "the memory: usable bytes per GPU, divided into the weights, rounded up.")
+    require(n != 16, "16 is what a layout on whole nodes of 8 needs (notebook 01, section 7); this question asks only "
+            "for the memory: usable bytes per GPU, divided into the weights, rounded up.")
     require(n >= expected, f"{n} H100s do not hold the weights: use 0.9 x 79.18 GiB - 3 GiB per card, and round up.")
     require(n == expected, f"{n} H100s hold them, but fewer do: divide the weights by 0.9 x 79.18 GiB - 3 GiB "
             "(in bytes), then round up.")

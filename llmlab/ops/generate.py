@@ -101,16 +101,28 @@ def read_prompts(path: str | os.PathLike) -> tuple[list, list]:
 
 
 def write_outputs(path: str | os.PathLike, batch: BatchResult, ids: list | None = None) -> Path:
-    """One JSON line per prompt: id, text, token counts, finish reason, TTFT."""
+    """One JSON line per prompt: id, text, token counts, finish reason, TTFT.
+
+    Atomic: a temporary file beside ``path`` replaces it only once complete, so a full disk leaves an earlier
+    ``path`` as it was; the :class:`OfflineError` then says what was kept and what the batch measured."""
+    from llmlab.loadtest.results import replace_file
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     ids = ids if ids is not None else list(range(len(batch.completions)))
-    with open(path, "w") as f:
-        for i, c in zip(ids, batch.completions, strict=True):
-            f.write(json.dumps({"id": i, "prompt": c.prompt, "text": c.text, "prompt_tokens": c.prompt_tokens,
-                                "output_tokens": c.output_tokens, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason, "ttft_s": c.ttft}) + "\n")
-    return path
+    lines = [json.dumps({"id": i, "prompt": c.prompt, "text": c.text, "prompt_tokens": c.prompt_tokens,
+                         "output_tokens": c.output_tokens, "finish_reason": c.finish_reason,
+                         "stop_reason": c.stop_reason, "ttft_s": c.ttft}) + "\n"
+             for i, c in zip(ids, batch.completions, strict=True)]
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return replace_file(path, "".join(lines).encode())
+    except OSError as e:
+        kept = f"{path} is kept as it was" if existed else "no file was created"
+        tokens = sum(c.output_tokens for c in batch.completions)
+        raise OfflineError(f"Could not write the {len(lines)} outputs to {path} ({e.strerror}): {kept}. The batch "
+                           f"itself ran ({tokens} output tokens in {batch.seconds:.1f} s); free some space or choose "
+                           "another --output, and run it again.") from e
 
 
 PHASES = [  # log markers of the engine's start-up, in order, and what a learner should read for each

@@ -428,11 +428,15 @@ def failure(output: str, vllm_log: str) -> tuple[str, list[str]] | None:
     return (f"{reason}: {said}" if reason else said), lines or output.splitlines()[-6:]
 
 
-def _ready_status(st: JobStatus, conn: Path) -> JobStatus:
+def _ready_status(st: JobStatus, conn: Path) -> JobStatus | None:
+    """READY if the published server answers, FAILED if it stopped; None while the launcher's connection file
+    still says "loading" (it publishes the server early, so that ``connect()`` can say so)."""
     try:
         info = ServerInfo.read(conn)
     except Exception as e:  # noqa: BLE001 - a broken file is reported, not raised
         return replace(st, state="FAILED", detail=f"its connection file is unreadable: {e}")
+    if info.status == "loading":
+        return None
     url = info.base_url
     st = replace(st, url=url, model=info.model, api_key_file=info.api_key_file, nodes=info.get("nodes") or [],
                  use=f"client, model = llmlab.connect()  # or LLMLAB_CONNECTION_FILE={conn}")
@@ -503,7 +507,7 @@ def status(job_id: str) -> JobStatus:
         # A server that answers is READY, whatever its logs say on the way: a Ray attempt that failed and was
         # retried prints FAILED, and vLLM logs handled exceptions with tracebacks.
         ready = _ready_status(st, conn)
-        if ready.state == "READY" or not failed:
+        if ready is not None and (ready.state == "READY" or not failed):
             return ready
     if failed:
         return replace(st, state="FAILED", detail=failed[0], reason=failed[0], log_lines=failed[1])

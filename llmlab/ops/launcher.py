@@ -37,7 +37,7 @@ from llmlab.cluster import (
     load_progress,
     vllm_flags,
 )
-from llmlab.serve.info import Address, ServerInfo, read_key
+from llmlab.serve.info import Address, ServerError, ServerInfo, read_key
 from llmlab.serve.proc import free_port
 
 
@@ -48,6 +48,8 @@ def model_path(job: JobSettings, env: dict) -> str:
         return env["LLMLAB_MODEL_PATH"]
     if job.engine == "cpu" and job.model == memory.TINY_NAME:
         return str(memory.MODELS_DIR / memory.TINY_NAME)
+    if Path(job.model).is_dir():  # a model folder that models.toml names
+        return job.model
     hf_id = memory.HF_IDS.get(job.model, job.model)
     if env.get("LLMLAB_MODEL_DIR"):
         return str(Path(env["LLMLAB_MODEL_DIR"]) / hf_id.rsplit("/", 1)[-1])
@@ -74,6 +76,7 @@ class RayLayout:
     cpus_per_node: int | None = None
     extra_head_args: list[str] = field(default_factory=list)
     extra_worker_args: list[str] = field(default_factory=list)
+    private_dir: str | None = None  # the launcher's ``mktemp -d`` (0700) on the head node; None: not made yet
 
     @property
     def head(self) -> str:
@@ -107,9 +110,16 @@ class RayLayout:
 
     @property
     def temp_dir(self) -> str:
-        """Ray's session files, per job: the default /tmp/ray belongs to whichever user started Ray first on a
-        shared node, and a second user's Ray then fails on its permissions."""
-        return f"{self.tmp_root}/llmlab-ray-{self.job_id}"
+        """Ray's session files, per job, one level inside a private folder.
+
+        Ray makes its ``--temp-dir`` and the session, ``sockets/`` and ``logs/`` folders in it mode 0777, so that
+        any local user could replace the raylet's and the object store's sockets, and a predictable name
+        (``/tmp/llmlab-ray-<job id>``) could be made by another user before the job starts.  So the launcher
+        makes an unpredictable 0700 folder (``mktemp -d``, :data:`RAY_DIR_PATTERN`) before Ray starts, on the head
+        node itself and on each worker node in the step that starts Ray there (same name, refused unless it is the
+        job user's own 0700 folder), and Ray's folder is ``ray/`` inside it: out of every other user's reach.
+        Before the launcher made it (a dry run, a notebook), the name shows the pattern."""
+        return f"{self.private_dir or f'{self.tmp_root}/{RAY_DIR_PATTERN}'}/ray"
 
     def head_command(self) -> list[str]:
         """``ray start --head``: no dashboard (nobody needs it, and it would be one more open port)."""
@@ -132,6 +142,14 @@ class RayLayout:
 
     def max_port(self) -> int:
         return self.port_base + 100 * (len(self.nodes) + 1) - 1
+
+
+# Ray's private folder: ``mktemp -d $TMPDIR/llmlab-ray.XXXXXX`` in the launcher.  Short on purpose: Ray puts its
+# Unix sockets at <temp dir>/session_<date>_<time>_<us>_<pid>/sockets/plasma_store(.N), and a socket path has at
+# most 107 bytes; RAY_SOCKET_TAIL is that tail at its longest.
+RAY_DIR_PATTERN = "llmlab-ray.XXXXXX"
+RAY_SOCKET_TAIL = len("/session_2026-11-23_15-43-00_123456_4194304/sockets/plasma_store.99")
+RAY_SOCKET_MAX = 107
 
 
 # The CI test bed runs every "node" on one machine and keeps Ray on loopback.  Not 127.0.0.1: Ray 2.60 replaces
@@ -290,10 +308,15 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     ray = None
     if job.uses_ray:
         ray = RayLayout(nodes, head_ip(env, loopback), ray_port_base(job_id, env), job.gpus_per_node, loopback,
-                        str(job_id), env.get("LLMLAB_RAY_TMPDIR", "/tmp"),
+                        str(job_id), env.get("LLMLAB_RAY_TMPDIR") or env.get("TMPDIR") or "/tmp",
                         int(env["SLURM_CPUS_ON_NODE"]) if env.get("SLURM_CPUS_ON_NODE", "").isdigit() else None,
                         shlex.split(env.get("LLMLAB_RAY_HEAD_ARGS", "")),
-                        shlex.split(env.get("LLMLAB_RAY_WORKER_ARGS", "")))
+                        shlex.split(env.get("LLMLAB_RAY_WORKER_ARGS", "")),
+                        private_dir=env.get("LLMLAB_RAY_DIR") or None)
+        if len(ray.temp_dir.encode()) + RAY_SOCKET_TAIL > RAY_SOCKET_MAX:
+            raise SettingsError(f"Ray's folder {ray.temp_dir} is too long for Ray's Unix sockets (at most "
+                                f"{RAY_SOCKET_MAX} bytes with {RAY_SOCKET_TAIL} of Ray's own): set LLMLAB_RAY_TMPDIR "
+                                "to a shorter folder of the node's local disk, e.g. /tmp.")
         # vLLM's ray.init() joins this cluster instead of starting its own.
         run_env["RAY_ADDRESS"] = ray.address
         # Draining waits up to 30 s on SIGTERM for work that a vLLM server never leaves; skip it, so that
@@ -476,17 +499,78 @@ def wait_for_ray(address: str, nodes: int, gpus: int, timeout: float, steps: dic
         time.sleep(poll)
 
 
-def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, poll: float = 2.0,
-                     api_key: str | None = None) -> bool:
-    """Poll ``/health`` while vLLM loads; print the phase / shard progress whenever it changes.
+def listening_inodes(port: int) -> set[str]:
+    """Inodes of the sockets that listen on TCP ``port`` on this node, any address (``/proc/net/tcp`` and
+    ``tcp6``, which every user may read)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                found.add(f[9])
+    return found
 
-    Returns True once /health answers 200; prints the reason (exit, time-out) with the log's last lines
+
+def socket_inodes(pid: int) -> set[str]:
+    """Inodes of the sockets process ``pid`` holds open (its ``/proc/PID/fd``: readable for our own processes)."""
+    found = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.add(target[8:-1])
+    return found
+
+
+def port_holder(port: int, pid: int) -> str:
+    """Who listens on ``port`` here: "ours" (process ``pid`` holds every listening socket of it), "nobody" (yet),
+    or "other".  The launcher sends the key to ``/health`` only when "ours": a squatter on the chosen port must
+    never receive it (issue 26)."""
+    listening = listening_inodes(port)
+    if not listening:
+        return "nobody"
+    return "ours" if listening <= socket_inodes(pid) else "other"
+
+
+def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, poll: float = 2.0,
+                     api_key: str | None = None, proxy_pid: int | None = None, proxy_log: Path | None = None,
+                     on_phase=None) -> bool:
+    """Poll ``/health`` while vLLM loads; print the phase / shard progress whenever it changes, and tell
+    ``on_phase(phase)`` (the launcher rewrites its "loading" connection file with it).
+
+    ``proxy_pid``: the key-checking proxy, which must stay alive and be the one listening on ``port`` before the
+    key goes there; if it exits (its port was taken, a crash) or another process holds the port, the wait fails
+    at once.  Returns True once /health answers 200; prints the reason (exit, time-out) with the log's last lines
     and returns False otherwise.
     """
     from llmlab.serve.proc import health, pid_alive
 
     start, last = time.monotonic(), ""
-    while not health(host, port, api_key=api_key):
+    while True:
+        if proxy_pid is not None:
+            if not pid_alive(proxy_pid):
+                say(f"FAILED: the key-checking proxy (pid {proxy_pid}) exited while vLLM was starting. Last lines of "
+                    f"{proxy_log}:\n{tail(proxy_log, 10) if proxy_log else ''}")
+                return False
+            holder = port_holder(port, proxy_pid)
+            if holder == "other":
+                say(f"FAILED: another process listens on port {port}, not this job's proxy (pid {proxy_pid}): the "
+                    "key is not sent there. Submit the job again (it picks another free port).")
+                return False
+        else:
+            holder = "ours"
+        if holder == "ours" and health(host, port, api_key=api_key):
+            return True
         if not pid_alive(pid):
             say(f"FAILED: vLLM exited while starting. Last lines of {log}:\n{tail(log, 25)}")
             return False
@@ -499,8 +583,9 @@ def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, 
         if now != last:
             say(f"vLLM: {now}")
             last = now
+            if on_phase is not None:
+                on_phase(now)
         time.sleep(poll)
-    return True
 
 
 def _cmd_render(a) -> int:
@@ -549,28 +634,52 @@ def capped_timeout(timeout: float, time_left: str, stop_grace: float) -> tuple[f
                   f"SLURM's kill), not after the {timeout:g} s of LLMLAB_READY_TIMEOUT: a longer --time gives it more")
 
 
+def publish(a, status: str, phase: str | None = None, **extra) -> ServerInfo:
+    """Write the job's connection file (and a room's ``server.json``): "loading" from the launcher's first
+    seconds, with the phase, so that ``llmlab.connect()`` says the server is still loading instead of starting the
+    embedded tiny model; "ready" once ``/health`` answered.  The key stays in its 0600 file."""
+    extra = {"nodes": a.nodes.split(), "tp": a.tp, "pp": a.pp, "engine": a.engine, "ray_address": a.ray_address or None,
+             **extra}
+    if phase is not None:
+        extra["phase"] = phase
+    if os.environ.get("LLMLAB_SHARE_DIR"):  # llmlab launch --share GROUP: where the group's learners look
+        extra.update(share_dir=os.environ["LLMLAB_SHARE_DIR"], group=os.environ.get("LLMLAB_SHARE_GROUP"))
+    path = Path(a.connection_file)
+    try:  # "started" is the first publication's time, kept through every rewrite
+        extra["started"] = ServerInfo.read(path).started
+    except ServerError:
+        pass
+    info = ServerInfo.from_dict(dict(kind="slurm", host=a.host, port=a.port, model=a.model, api_key_file=a.key_file,
+                                     job_id=a.job_id, status=status, **extra))
+    info.write(path)
+    if extra.get("share_dir"):
+        from llmlab.serve import share
+
+        share.publish(extra["share_dir"], info)
+    return info
+
+
+def _cmd_loading(a) -> int:
+    publish(a, "loading", a.phase)
+    return 0
+
+
 def _cmd_wait_ready(a) -> int:
     t0 = time.monotonic()
     key = read_key(a.key_file)  # /health goes through the proxy, which wants the key
     timeout, why = capped_timeout(a.timeout, a.time_left, a.stop_grace)
     if why:
         say(f"note: {why}")
-    if not wait_until_ready(a.host, a.port, a.pid, Path(a.log), timeout, a.poll, api_key=key):
+    if not wait_until_ready(a.host, a.port, a.pid, Path(a.log), timeout, a.poll, api_key=key,
+                            proxy_pid=a.proxy_pid, proxy_log=Path(a.proxy_log) if a.proxy_log else None,
+                            on_phase=lambda phase: publish(a, "loading", phase)):
         return 1
-    extra = {"nodes": a.nodes.split(), "tp": a.tp, "pp": a.pp, "engine": a.engine, "log": a.log, "pid": a.pid,
-             "ray_address": a.ray_address or None, "ready_after_s": round(time.monotonic() - t0 + a.elapsed, 1)}
-    if os.environ.get("LLMLAB_SHARE_DIR"):  # llmlab launch --share GROUP: where the group's learners look
-        extra.update(share_dir=os.environ["LLMLAB_SHARE_DIR"], group=os.environ.get("LLMLAB_SHARE_GROUP"))
-    info = ServerInfo.from_dict(dict(kind="slurm", host=a.host, port=a.port, model=a.model, api_key_file=a.key_file,
-                                     job_id=a.job_id, **extra))
-    info.write(Path(a.connection_file))
+    info = publish(a, "ready", log=a.log, pid=a.pid, ready_after_s=round(time.monotonic() - t0 + a.elapsed, 1))
     url = info.base_url
-    if extra.get("share_dir"):
-        from llmlab.serve import share
-
-        shared = share.publish(extra["share_dir"], info)
-        say(f"shared with group {extra['group']}: learners set LLMLAB_CONNECTION_FILE={shared}")
-    say(f"READY: {a.model} at {url} (job {a.job_id}, {extra['ready_after_s']:g} s after the job started)")
+    if info.get("share_dir"):
+        say(f"shared with group {info.get('group')}: learners set "
+            f"LLMLAB_CONNECTION_FILE={Path(info['share_dir']) / 'server.json'}")
+    say(f"READY: {a.model} at {url} (job {a.job_id}, {info['ready_after_s']:g} s after the job started)")
     print(f"  notebook:  client, model = llmlab.connect()    # finds {a.connection_file}\n"
           f"  pinned:    LLMLAB_CONNECTION_FILE={a.connection_file}\n"
           f"  curl:      curl {url}/models -H \"Authorization: Bearer $(cat {a.key_file})\"", flush=True)
@@ -605,12 +714,20 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--ray-temp-dir", default="", help="Ray's session folder, for the raylet's fatal error")
     w.set_defaults(func=_cmd_wait_ray)
     h = sub.add_parser("wait-ready")
-    for name in ("host", "model", "log", "key-file", "connection-file", "job-id", "engine"):
-        h.add_argument(f"--{name}", required=True)
-    for name in ("port", "pid", "tp", "pp"):
-        h.add_argument(f"--{name}", type=int, required=True)
-    h.add_argument("--nodes", default="")
-    h.add_argument("--ray-address", default="")
+    ld = sub.add_parser("loading", help="write the connection file with status 'loading'")
+    for q in (h, ld):  # what the connection file says
+        for name in ("host", "model", "key-file", "connection-file", "job-id", "engine"):
+            q.add_argument(f"--{name}", required=True)
+        for name in ("port", "tp", "pp"):
+            q.add_argument(f"--{name}", type=int, required=True)
+        q.add_argument("--nodes", default="")
+        q.add_argument("--ray-address", default="")
+    ld.add_argument("--phase", default="starting")
+    ld.set_defaults(func=_cmd_loading)
+    h.add_argument("--log", required=True)
+    h.add_argument("--pid", type=int, required=True)
+    h.add_argument("--proxy-pid", type=int, help="the key-checking proxy: must live and hold --port")
+    h.add_argument("--proxy-log", default="")
     h.add_argument("--timeout", type=float, default=5400)
     h.add_argument("--poll", type=float, default=2)
     h.add_argument("--elapsed", type=float, default=0, help="seconds the job ran before vLLM started")

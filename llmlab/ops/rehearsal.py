@@ -3,11 +3,11 @@
 Why here: notebook 09 (``llmlab.rehearse``) teaches what a rehearsal measures and the arithmetic that must
 reproduce it; this module is the runner.  :func:`rehearse` starts the *job script's own* ``vllm serve`` flags
 (:func:`llmlab.cluster.vllm_flags` for the job of ``slurm/models.toml``) on a dummy model directory
-(``--load-format dummy``: a ``config.json`` and a generated tokenizer, no weights), listening on 127.0.0.1,
-then measures the GPU's bandwidth, parses the memory lines, and runs a batch-1 decode and a concurrency sweep
-with the course's load generator.  Everything lands in ``rehearsal.json`` (+ ``rehearsal.png`` and the server
-log).  The server runs in its own process group and is stopped on every exit path (return, exception, Ctrl-C,
-SIGTERM).
+(``--load-format dummy``: a ``config.json`` and a generated tokenizer, no weights), on a Unix socket behind
+llmlab.serve.proxy on 127.0.0.1 as the launcher serves it, then measures the GPU's bandwidth, parses the memory
+lines, and runs a batch-1 decode and a concurrency sweep with the course's load generator.  Everything lands in
+``rehearsal.json`` (+ ``rehearsal.png`` and the server log).  The server runs in its own process group and is
+stopped on every exit path (return, exception, Ctrl-C, SIGTERM).
 
 On the CPU engine (``engine="cpu"``: the CI test with the tiny model) the same steps run; what differs: the KV
 budget is ``VLLM_CPU_KVCACHE_SPACE`` rather than a measured remainder, there are no CUDA graphs, and the
@@ -31,6 +31,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import UTC, datetime
@@ -47,6 +48,7 @@ from llmlab.rehearse import (
     MemoryLog,
     RehearseError,
     bytes_per_decode_step,
+    graph_estimate_subtracted,
     parse_memory_log,
     plot_rehearsal,
     predict_kv_before_start,
@@ -54,6 +56,8 @@ from llmlab.rehearse import (
     require_kv,
     roofline_tok_s,
 )
+from llmlab.serve.info import write_private
+from llmlab.serve.proxy import pair_command, proxy_command, wait_bound
 from llmlab.serve.vllm import VLLMProcess
 
 _LLAMA3_SPECIAL = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128008: "<|eom_id|>",
@@ -302,11 +306,27 @@ def serve_argv(job, model_dir: Path, port: int, uds: Path | None = None) -> tupl
     return argv, env, shlex.join(["vllm", "serve", str(model_dir), *flags])
 
 
-def server(argv: list[str], env: dict[str, str], log_path: Path, port: int) -> VLLMProcess:
-    """The rehearsal's vLLM on 127.0.0.1:``port`` with a key of its own (in the environment, never in argv), in
-    its own process group: ``stop()`` ends the whole group (API server, engine core, GPU workers)."""
+def server(argv: list[str], env: dict[str, str], log_path: Path, run_dir: Path) -> VLLMProcess:
+    """The rehearsal's vLLM (``argv`` serves on ``run_dir/vllm.sock``) behind llmlab.serve.proxy on a port of
+    127.0.0.1 that the system picks, with a key of its own (a 0600 file in the 0700 ``run_dir``, never in argv), in
+    one process group: ``stop()`` ends all of it (proxy, API server, engine core, GPU workers).
+
+    Why the proxy: vLLM's own TCP port answers /pause, /invocations, ... without a key to every user of the node,
+    and a port chosen before anyone binds it may be another user's by then (who would get the key with the first
+    /health).  The caller reads the bound port with :func:`bound_port` before it sends anything."""
     key = secrets.token_urlsafe(24)
-    return VLLMProcess(argv, {**env, "VLLM_API_KEY": key}, log_path, host="127.0.0.1", port=port, api_key=key)
+    key_file = write_private(run_dir / "key", key + "\n")
+    proxy = proxy_command("127.0.0.1:0", run_dir / "vllm.sock", key_file, ready_file=run_dir / "proxy.ready")
+    return VLLMProcess(pair_command(proxy, argv, log_path.with_name("proxy.log"), run_dir / "proxy.ready"),
+                       {**env, "VLLM_RPC_BASE_PATH": str(run_dir)}, log_path, host="127.0.0.1", api_key=key,
+                       header=f"$ {' '.join(argv)}\n$ {' '.join(proxy)}")
+
+
+def bound_port(srv: VLLMProcess, run_dir: Path) -> int:
+    """The port the started :func:`server`'s proxy listens on, once it does (its ready file); an error that quotes
+    the proxy if it could not listen."""
+    srv.port = wait_bound(run_dir / "proxy.ready", lambda: srv.alive, srv.log_path.with_name("proxy.log"))["port"]
+    return srv.port
 
 
 @contextlib.contextmanager
@@ -416,21 +436,20 @@ def rehearse(model: str, *, tp: int | None = None, pp: int | None = None, max_mo
     before = predict_kv_before_start(layout, gpu_bytes)
     model_dir = out / "model"
     tok = make_dummy_model(job.model, model_dir)
-    from llmlab.serve import proc
-
-    port = proc.free_port("127.0.0.1")
-    argv, env, line = serve_argv(job, model_dir, port)
+    run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))  # 0700: vLLM's socket, the key, the proxy's ready file
+    argv, env, line = serve_argv(job, model_dir, 0, uds=run_dir / "vllm.sock")
     env = {**os.environ, **env}
     if engine == "gpu":
         probe = write_probe(out / "probe")
         package_root = str(Path(__file__).resolve().parent.parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(probe), package_root, env.get("PYTHONPATH")) if p)
-    srv = server(argv, env, out / "server.log", port)
+    srv = server(argv, env, out / "server.log", run_dir)
     released = False
     with _signals_raise():
         try:
             t0 = time.monotonic()
             srv.start()
+            bound_port(srv, run_dir)
             srv.wait_ready(ready_timeout, progress)
             startup_s = time.monotonic() - t0
             say(f"/health answered after {startup_s:.0f} s")
@@ -444,6 +463,7 @@ def rehearse(model: str, *, tp: int | None = None, pp: int | None = None, max_mo
                               progress=progress, say=say)
         finally:
             released = srv.stop(grace=30)
+            shutil.rmtree(run_dir, ignore_errors=True)
     mem = parse_memory_log(srv.log_path.read_text(errors="replace"))
     result = _result(job, layout, facts, label, line, version or mem.vllm_version, startup_s, mem, logged, predicted,
                      basis, before, bench, released)
@@ -479,7 +499,8 @@ def _result(job, layout: Layout, facts: dict, label: str, line: str, version, st
         "activation_peak_gib": act_gib,
         "non_torch_gib": r0["non_torch"] / GiB if r0 else mem.non_torch_gib,
         "cuda_graph_gib": mem.cuda_graph_gib or mem.graph_gib,
-        "cuda_graph_estimate_subtracted": bool(r0.get("cudagraph_estimate_applied", mem.cuda_graph_estimate_applied)),
+        "cuda_graph_estimate_subtracted": (graph_estimate_subtracted(r0) if r0 else
+                                           bool(mem.cuda_graph_estimate_applied)),  # from the bytes, not the setting
         "available_kv_gib": mem.available_kv_gib,
         "kv_bytes_per_token_per_gpu": max(layout.kv_per_token_per_stage()),
         "kv_tokens_logged": logged, "kv_tokens_predicted": predicted, "kv_prediction_basis": basis,

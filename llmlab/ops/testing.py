@@ -4,6 +4,10 @@
   and nbval's notebook kernels (which inherit the environment) all find the one embedded server.
 - ``embedded`` fixture: the real embedded vLLM server, started once per session, stopped at the end.
 - Notebook cells tagged ``cluster-only`` are skipped with a visible reason: they need a GPU cluster.
+- ``LLMLAB_TEST_SERVER=cluster`` (``make test-cluster``): before the first test, the launcher's CPU job serves a
+  second small model (``llmlab-wide``, every shape unlike the tiny model's) under the SLURM test bed, and
+  ``LLMLAB_CONNECTION_FILE`` points every notebook kernel at it -- a cluster's server, found a cluster's way
+  (``tests/cluster_mode.py``).  The job is cancelled at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +19,18 @@ import pytest
 
 CLUSTER_ONLY = "cluster-only"
 _HOME: str | None = None
+_CLUSTER_JOB: str | None = None
+
+
+def _cluster_mode(config):
+    """The tests/cluster_mode.py module of the checkout under test (test infrastructure, not part of llmlab)."""
+    import importlib.util
+
+    path = config.rootpath / "tests" / "cluster_mode.py"
+    spec = importlib.util.spec_from_file_location("llmlab_cluster_mode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_configure(config):
@@ -28,8 +44,23 @@ def pytest_configure(config):
         os.environ.pop(var, None)
 
 
+def pytest_sessionstart(session):
+    """Cluster mode: serve ``llmlab-wide`` through the SLURM launcher before any notebook kernel starts (kernels
+    inherit ``LLMLAB_CONNECTION_FILE``)."""
+    global _CLUSTER_JOB
+    if os.environ.get("LLMLAB_TEST_SERVER") != "cluster" or session.config.option.collectonly:
+        return
+    from pathlib import Path
+
+    job_id, conn = _cluster_mode(session.config).up(Path(os.environ["LLMLAB_HOME"]))
+    _CLUSTER_JOB = job_id
+    os.environ["LLMLAB_CONNECTION_FILE"] = str(conn)
+
+
 def pytest_unconfigure(config):
     """Stop the session's embedded server (started by a fixture or by a notebook's connect())."""
+    if _CLUSTER_JOB is not None:
+        _cluster_mode(config).down(_CLUSTER_JOB)
     if _HOME is not None:
         from llmlab.serve import embedded
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from llmlab.serve.info import ServerError, ServerInfo, llmlab_home, read_key, write_private
 from llmlab.serve.proc import free_port, health, pid_alive
-from llmlab.serve.proxy import proxy_command, proxy_cpus
+from llmlab.serve.proxy import pair_command, proxy_command, proxy_cpus, wait_bound
 from llmlab.serve.vllm import VLLMProcess, engine_command, engine_env
 
 TINY_MODEL = Path(__file__).resolve().parent.parent / "models" / "llmlab-tiny"
@@ -34,17 +34,6 @@ DEFAULT_TIMEOUT = 300.0
 
 def state_file() -> Path:
     return llmlab_home() / "embedded.json"
-
-
-# vLLM and its proxy start as one process group: a shell starts the proxy in the background (told to exit
-# when the shell's pid does), then becomes vLLM.  So the recorded pid is vLLM's, and stopping that group
-# (VLLMProcess.stop) stops both.
-PAIR = ('proxy_log=$1; shift; n=$1; shift; "${@:1:$n}" --watch-pid $$ >"$proxy_log" 2>&1 </dev/null & '
-        'shift "$n"; exec "$@"')
-
-
-def pair_command(proxy: list[str], engine: list[str], proxy_log: Path) -> list[str]:
-    return ["bash", "-c", PAIR, "llmlab-serve", str(proxy_log), str(len(proxy)), *proxy, *engine]
 
 
 class EmbeddedServer:
@@ -103,13 +92,27 @@ class EmbeddedServer:
         # Local disk, short path (a socket path has at most 107 bytes), mode 0700 (mkdtemp's).
         self.run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))
         cmd = engine_command(self.model, self.name, self.uds, self.max_model_len, self.extra_args)
-        proxy = proxy_command(f"{self.host}:{self.port}", self.uds, self.key_file, cpus=proxy_cpus())
-        self.engine = VLLMProcess(pair_command(proxy, cmd, self.proxy_log), engine_env(self.run_dir, self.kv_cache_gib),
+        ready = self.run_dir / "proxy.ready"  # in the 0700 folder: only we can write it
+        proxy = proxy_command(f"{self.host}:{self.port}", self.uds, self.key_file, cpus=proxy_cpus(), ready_file=ready)
+        # vLLM and its proxy as one process group; vLLM starts only once the proxy listens (proxy.PAIR)
+        self.engine = VLLMProcess(pair_command(proxy, cmd, self.proxy_log, ready),
+                                  engine_env(self.run_dir, self.kv_cache_gib),
                                   self.log_path, host=self.host, port=self.port, api_key=self.api_key,
                                   header=f"$ {' '.join(cmd)}\n$ {' '.join(proxy)}  (log: {self.proxy_log})").start()
+        self._wait_bound(ready)
         if self.publish:
             self.info.write(state_file())
         return self
+
+    def _wait_bound(self, ready: Path) -> None:
+        """Bind, then publish: the port is written into ``embedded.json``, and the key sent to it (``/health``),
+        only once our proxy holds it.  If another process (another user's) holds it, the start fails here with the
+        proxy's sentence, before vLLM loads, and nothing ever reaches that port."""
+        try:
+            wait_bound(ready, lambda: self.engine.alive, self.proxy_log)
+        except ServerError:
+            self.stop()
+            raise
 
     def wait_ready(self, timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> EmbeddedServer:
         self.engine.wait_ready(timeout, progress)

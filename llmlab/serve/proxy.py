@@ -26,9 +26,16 @@ spent about twice the CPU per streamed token on a 2-core machine (81 against 38-
 78-156 us at 1), and a 2-core laptop takes that from vLLM (``benchmarks/proxy_overhead.py``; docs/security.md).
 
 Run: ``python -m llmlab.serve.proxy --listen HOST:PORT --upstream unix:/run/dir/vllm.sock --key-file FILE
-[--keys DIR_OR_FILE] [--watch-pid PID]``.  Secrets only through files (never the command line): ``--key-file``
-holds the owner's key; an older vLLM without ``--uds`` is reached as ``--upstream http://127.0.0.1:PORT``
-with its internal key in ``--upstream-key-file``.
+[--keys DIR_OR_FILE] [--watch-pid PID] [--ready-file FILE]``.  Secrets only through files (never the command
+line): ``--key-file`` holds the owner's key; an older vLLM without ``--uds`` is reached as ``--upstream
+http://127.0.0.1:PORT`` with its internal key in ``--upstream-key-file``.  ``--listen HOST:0`` lets the system pick
+a free port; ``--ready-file`` is written (0600, ``{"host", "port", "pid"}``) once the proxy listens, and is what a
+caller waits for (:func:`wait_bound`) before it publishes the port or sends the key there (bind, then publish).
+
+Under load from others (docs/security.md, tests/test_security.py): the soft open-file limit is raised to the hard
+one, and near it idle connections that never showed a key are closed first (:meth:`Proxy.admit`); a connection
+that has shown no key is closed after its first refusal; a client that pipelines without reading is held back by
+TCP, not by the proxy's memory (:meth:`Client._reading`); the log has a budget (:class:`LogBudget`).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
+import errno
 import hashlib
 import hmac
 import json
@@ -50,6 +59,8 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import httptools
+
+from llmlab.serve.info import write_private
 
 log = logging.getLogger("llmlab.serve.proxy")
 
@@ -104,46 +115,19 @@ class KeyRing:
         self._checked = float("-inf")
         self.refresh(force=True)
 
-    def _files(self) -> list[Path]:
-        p = self.registered_path
-        if p is None or not p.exists():
-            return []
-        if p.is_dir():
-            return sorted(f for f in p.iterdir() if not f.name.startswith(".") and f.is_file())
-        return [p]
-
     def refresh(self, force: bool = False) -> None:
         """Re-read the registered digests if the files changed (at most every ``recheck`` seconds)."""
+        from llmlab.serve import keyring  # which files count, and how they are read: llmlab/serve/keyring.py
+
         now = time.monotonic()
         if not force and now - self._checked < self.recheck:
             return
         self._checked = now
-        files = self._files()
-        try:
-            signature = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files)
-        except OSError:  # a file went away between listing and stat: read again next time
-            self._checked = float("-inf")
+        ring = keyring.load(self.registered_path, None if force else self._signature)
+        if ring is None:  # nothing changed (or keys/ is unreadable just now: keep what was read)
             return
-        if signature == self._signature and not force:
-            return
-        digests = []
-        for f in files:
-            try:
-                lines = f.read_text(errors="replace").splitlines()
-            except OSError as e:
-                log.warning("cannot read registered keys %s (%s)", f, e.strerror)
-                continue
-            for n, line in enumerate(lines, 1):
-                line = line.strip()
-                if not line or line.startswith("#"):
-                    continue
-                m = DIGEST_LINE.match(line)
-                if m:
-                    digests.append(bytes.fromhex(m[1]))
-                else:
-                    log.warning("%s:%d is not a 'sha256:<64 hex digits>' line; ignored", f, n)
-        self._digests, self._signature = tuple(digests), signature
-        log.info("%d registered key(s) from %s", len(digests), self.registered_path)
+        self._digests, self._signature = ring.digests, ring.signature
+        log.info("%d registered key(s) from %s", len(ring.digests), self.registered_path)
 
     @property
     def registered(self) -> int:
@@ -191,6 +175,7 @@ def allowed(path: str) -> bool:
 # Content-Length and no body, which this proxy would have to special-case for no client that needs it.
 METHODS = {"GET", "POST", "DELETE"}
 MAX_HEAD = 64 * 2**10  # bytes of a request line + headers; uvicorn's h11 allows 16 KiB, nginx 8 KiB by default
+MAX_PIPELINE = 16  # requests waiting on one connection before the proxy stops reading it
 # Connections the kernel may hold before we accept them.  asyncio's default of 100 is too few for a workshop's
 # burst (30 learners x a threaded cell of 8-32 requests): the rest see SYN retries, a second or more each.
 BACKLOG = 2048  # uvicorn's (vLLM's) default
@@ -216,6 +201,47 @@ def error_response(status: int, message: str, extra: tuple[bytes, ...] = (), clo
     return b"\r\n".join(head) + b"\r\n\r\n" + body
 
 
+def closing(answer: bytes) -> bytes:
+    """An :func:`error_response` that also says ``connection: close`` (the proxy closes after it)."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head + b"\r\nconnection: close\r\n\r\n" + body
+
+
+class LogBudget(logging.Filter):
+    """At most ``burst`` log lines at once, then one every ``every`` seconds, each cut at ``width`` characters;
+    the lines held back are counted.
+
+    Why: proxy.log lands in the owner's home (and quota), and much of what the proxy logs can be provoked by
+    others: file names and lines in a room's ``keys/``, clients near the open-file limit.  A budget bounds it
+    whatever the cause: with the defaults, about 9,000 lines and 18 MB a day at most.
+    """
+
+    def __init__(self, burst: int = 50, every: float = 10.0, width: int = 2000):
+        super().__init__()
+        self.burst, self.every, self.width = burst, every, width
+        self.tokens, self.last, self.held = float(burst), time.monotonic(), 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        self.tokens, self.last = min(self.burst, self.tokens + (now - self.last) / self.every), now
+        if self.tokens < 1:
+            self.held += 1
+            return self.held == 1 and self._say_so(record)
+        self.tokens -= 1
+        message = record.getMessage()
+        if len(message) > self.width:
+            message = f"{message[:self.width]} ... ({len(message) - self.width} more characters cut)"
+        if self.held:
+            message = f"({self.held} log lines suppressed) {message}"
+        record.msg, record.args, self.held = message, None, 0
+        return True
+
+    def _say_so(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = ("log budget spent (%d lines at once, then one per %g s): lines are suppressed "
+                                   "and counted from here", (self.burst, self.every))
+        return True
+
+
 class Request:
     """One request as the client sent it: collected by ``httptools`` callbacks, judged when its head is complete."""
 
@@ -225,6 +251,7 @@ class Request:
         self.body = bytearray()
         self.method = b"GET"
         self.refusal: bytes | None = None  # the whole error answer, if the request is refused
+        self.keyed = False  # it carried a key the proxy accepts
         self.keep_alive = True
         self.http10 = False
 
@@ -248,6 +275,7 @@ class Upstream(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.client.proxy.upstreams += 1  # a file descriptor (Proxy.admit)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -285,6 +313,7 @@ class Upstream(asyncio.Protocol):
         self.transport.close()  # one connection per request (it asked for Connection: close)
 
     def connection_lost(self, exc) -> None:
+        self.client.proxy.upstreams -= 1
         if not self.done.done():
             self.done.set_result(None)
 
@@ -303,7 +332,9 @@ class Client(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.current = Request()
         self.in_head, self.head_size = True, 0  # bytes of the current request's head so far (MAX_HEAD)
-        self.broken = False  # the parser met bytes that are not HTTP: answer 400 and close
+        self.broken = False  # answer what is queued, then close; nothing more is read or parsed
+        self.keyed = False  # a request on this connection carried an accepted key (Proxy.admit sheds others first)
+        self.write_paused = False  # the client does not read its answers as fast as they come
         self.queue: collections.deque[Request] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.upstream: Upstream | None = None
@@ -314,10 +345,14 @@ class Client(asyncio.Protocol):
     # -- the client's side of the connection
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self._arm_idle()
+        if self.proxy.admit(self):
+            self._arm_idle()
+        else:
+            self.close()
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self.proxy.clients.pop(self, None)
         if self.idle:
             self.idle.cancel()
         if self.upstream and self.upstream.transport:
@@ -326,13 +361,17 @@ class Client(asyncio.Protocol):
         if self.worker:
             self.worker.cancel()
 
-    def pause_writing(self) -> None:  # a slow reader: stop reading vLLM until it catches up
+    def pause_writing(self) -> None:  # a slow reader: stop reading vLLM, and the client, until it catches up
+        self.write_paused = True
         if self.upstream and self.upstream.transport:
             self.upstream.transport.pause_reading()
+        self._reading()
 
     def resume_writing(self) -> None:
+        self.write_paused = False
         if self.upstream and self.upstream.transport:
             self.upstream.transport.resume_reading()
+        self._reading()
 
     def write(self, data: bytes) -> None:
         if not self.closed:
@@ -341,37 +380,61 @@ class Client(asyncio.Protocol):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self.proxy.clients.pop(self, None)
             self.transport.close()
+
+    @property
+    def idle_without_key(self) -> bool:
+        """Nothing in progress, and no key shown yet: the first to go when file descriptors run short."""
+        return not (self.keyed or self.closed or self.queue or self.worker)
 
     def _arm_idle(self) -> None:
         self.idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT, self.close)
 
-    def data_received(self, data: bytes) -> None:
-        if self.broken:
-            return
-        if self.in_head:
-            self.head_size += len(data)
-            if self.head_size > MAX_HEAD:
-                self._refuse_now(431, f"Refused: request line and headers larger than {MAX_HEAD // 2**10} KiB.")
-                return
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:  # refused in on_headers_complete already
-            pass
-        except httptools.HttpParserError as e:
-            if not self.broken:
-                self._refuse_now(400, f"Refused: malformed HTTP request ({e}).")
-        else:
-            if sum(len(r.body) for r in self.queue) > MAX_BODY:  # a client that pipelines without reading
-                self.transport.pause_reading()
+    def _reading(self) -> None:
+        """Read from the client only while its answers drain and few of its requests wait.
 
-    def _refuse_now(self, status: int, message: str) -> None:
-        """What cannot be answered in turn (bytes that are not HTTP): answered after the requests before it, then
-        the connection is closed; nothing more is read from it."""
+        Why: a client that pipelines requests and never reads the answers (401s or 404s are small, but the proxy
+        writes them faster than nobody reads) would otherwise grow the proxy's buffers without bound.  Paused,
+        the kernel's socket buffers fill and the client's own sends block: TCP holds it back, not our memory."""
+        if self.closed:
+            return
+        wanted = not (self.broken or self.write_paused or len(self.queue) >= MAX_PIPELINE
+                      or sum(len(r.body) for r in self.queue) > MAX_BODY)
+        if wanted != self.transport.is_reading():
+            (self.transport.resume_reading if wanted else self.transport.pause_reading)()
+
+    def data_received(self, data: bytes) -> None:
+        """Feed the parser.  Only bytes of a head count toward MAX_HEAD: while a head is incomplete, at most the
+        room left is fed at once, so body bytes that arrive in the same read (a long prompt sent in one write)
+        are never taken for head, and a head that outgrows the limit is refused however its bytes are split."""
+        while data and not self.broken:
+            if self.in_head:
+                room = MAX_HEAD - self.head_size
+                if room <= 0:
+                    self._refuse_now(error_response(
+                        431, f"Refused: request line and headers larger than {MAX_HEAD // 2**10} KiB.", close=True))
+                    return
+                part, data = data[:room], data[room:]
+                self.head_size += len(part)
+            else:
+                part, data = data, b""
+            try:
+                self.parser.feed_data(part)
+            except httptools.HttpParserUpgrade:  # refused in on_headers_complete already
+                pass
+            except httptools.HttpParserError as e:
+                if not self.broken:
+                    self._refuse_now(error_response(400, f"Refused: malformed HTTP request ({e}).", close=True))
+        self._reading()
+
+    def _refuse_now(self, answer: bytes) -> None:
+        """``answer`` (it says ``connection: close``) after the requests before it, then close: what cannot be
+        answered in turn (bytes that are not HTTP, a head too large); nothing more is read from the connection."""
         self.broken = True
         self.transport.pause_reading()
         request = Request()
-        request.refusal, request.keep_alive = error_response(status, message, close=True), False
+        request.refusal, request.keep_alive = answer, False
         self.queue.append(request)
         self._start()
 
@@ -388,13 +451,19 @@ class Client(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         r = self.current
         self.in_head, self.head_size = False, 0
+        if self.broken:  # a request behind one that closes the connection: never judged, never answered
+            return
         r.method, r.keep_alive = self.parser.get_method(), self.parser.should_keep_alive()
         r.http10 = self.parser.get_http_version() == "1.0"
         r.refusal = self.proxy.judge(r)
+        self.keyed = self.keyed or r.keyed
         if self.parser.should_upgrade():
-            self._refuse_now(400, "Refused: protocol upgrades (websockets, h2c) are not forwarded.")
+            self._refuse_now(error_response(400, "Refused: protocol upgrades (websockets, h2c) are not forwarded.",
+                                            close=True))
         elif int(next((v for k, v in r.headers if k.lower() == b"content-length"), b"0")) > MAX_BODY:
-            self._refuse_now(413, f"Request body larger than {MAX_BODY // 2**20} MiB.")  # before it is sent
+            self._refuse_now(error_response(413, f"Request body larger than {MAX_BODY // 2**20} MiB.", close=True))
+        elif r.refusal is not None and not self.keyed:  # no key shown on this connection yet: its last answer
+            r.refusal, r.keep_alive = closing(r.refusal), False
         elif r.refusal is None and not self.queue and self.worker is None and any(
                 k.lower() == b"expect" and v.lower() == b"100-continue" for k, v in r.headers):
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -409,9 +478,14 @@ class Client(asyncio.Protocol):
                 r.keep_alive = False
 
     def on_message_complete(self) -> None:
+        self.in_head, self.head_size = True, 0  # what follows is the next request's head
         if self.broken:  # answered by _refuse_now; nothing of this request is forwarded
             return
-        self.queue.append(self.current)
+        r = self.current
+        self.queue.append(r)
+        # A refusal that closes the connection (no key shown yet, a body too large) is the last thing answered:
+        # nothing behind it is parsed or read, so a client without a key sends at most one request.
+        self.broken = r.refusal is not None and not r.keep_alive
         self._start()
 
     # -- answering, one request at a time
@@ -431,8 +505,8 @@ class Client(asyncio.Protocol):
                     await self._forward(request)
                 if not request.keep_alive:
                     self.close()
-                elif not self.broken and not self.closed and not self.transport.is_reading():
-                    self.transport.resume_reading()
+                else:
+                    self._reading()
         finally:
             self.worker = None
         if not self.closed:
@@ -444,8 +518,12 @@ class Client(asyncio.Protocol):
             await self.proxy.connect(lambda: upstream)
         except OSError as e:
             log.info("upstream %s: %s", self.proxy.upstream, e)  # expected while vLLM loads
-            self.write(error_response(503, "The vLLM server behind this proxy does not answer (still loading, "
-                                           "or it stopped); `llmlab status` shows which."))
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                self.write(error_response(503, "The proxy is out of file descriptors (too many connections); try "
+                                               "again in a moment."))
+            else:
+                self.write(error_response(503, "The vLLM server behind this proxy does not answer (still loading, "
+                                               "or it stopped); `llmlab status` shows which."))
             return
         self.upstream = upstream
         try:
@@ -462,7 +540,8 @@ class Client(asyncio.Protocol):
 
 
 class Proxy:
-    """What every connection shares: the keys, the upstream's address, and how a request is judged."""
+    """What every connection shares: the keys, the upstream's address, how a request is judged, and the open
+    connections, counted against the file descriptors the process may have (``fd_budget``, set by :func:`serve`)."""
 
     def __init__(self, upstream: str, keys: KeyRing, upstream_key: str | None = None):
         if upstream.startswith("unix:"):
@@ -476,6 +555,31 @@ class Proxy:
             raise ProxyError(f"--upstream {upstream!r}: give unix:/path/to/vllm.sock or http://127.0.0.1:PORT.")
         self.upstream, self.keys = upstream, keys
         self.auth = b"authorization: Bearer %b\r\n" % upstream_key.encode() if upstream_key else b""
+        self.clients: dict[Client, None] = {}  # open client connections, oldest first
+        self.upstreams = 0  # open connections to vLLM
+        self.fd_budget: int | None = None  # connections (both kinds) to hold before shedding; None: no limit
+
+    def admit(self, new: Client) -> bool:
+        """Count a new connection; False if it must be closed at once.
+
+        Why: every connection is a file descriptor, and at the process's limit the event loop accepts and drops
+        (connection reset) whoever comes next, the owner included.  So near the limit the proxy closes idle
+        connections that never showed a key, oldest first, down to 7/8 of the budget; only when every other
+        connection is a keyed one at work is the new one turned away."""
+        self.clients[new] = None
+        if self.fd_budget is None or len(self.clients) + self.upstreams <= self.fd_budget:
+            return True
+        target, shed = self.fd_budget - max(1, self.fd_budget // 8), 0
+        for client in list(self.clients):  # oldest first
+            if len(self.clients) + self.upstreams <= target:
+                break
+            if client is not new and client.idle_without_key:
+                client.close()
+                shed += 1
+        admitted = len(self.clients) + self.upstreams <= self.fd_budget
+        log.warning("near the open-file limit: closed %d idle connection(s) that showed no key%s", shed,
+                    "" if admitted else "; a new connection is turned away (all others are keyed and at work)")
+        return admitted
 
     async def connect(self, factory) -> None:
         loop = asyncio.get_running_loop()
@@ -487,7 +591,7 @@ class Proxy:
     def judge(self, r: Request) -> bytes | None:
         """The refusal for a request whose head is complete, or None to forward it.  The order matters: a path
         that is not normal is refused before the key is looked at, and the allow-list only after the key, so
-        that nobody without a key learns which routes exist."""
+        that nobody without a key learns which routes exist.  Sets ``r.keyed`` when the key is accepted."""
         try:
             url = httptools.parse_url(r.url)
         except httptools.HttpParserInvalidURLError:
@@ -502,6 +606,7 @@ class Proxy:
             return error_response(401, "Unauthorized: missing or wrong API key (send 'Authorization: Bearer <key>'; "
                                        "llmlab.connect() reads it from the server's key file).",
                                   (b"www-authenticate: Bearer",))
+        r.keyed = True
         if not allowed(path):
             return error_response(404, f"Not Found: this server forwards only {ALLOWED_PREFIX}*, "
                                        f"{' and '.join(ALLOWED_EXACT)}.")
@@ -529,9 +634,73 @@ async def _watch_pid(pid: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
+def raise_fd_limit() -> int | None:
+    """Raise the soft limit on open files to the hard one; return the limit now in force (None: unlimited).
+
+    Why: every stream costs two descriptors (the client's connection and vLLM's socket), and SLURM jobs often
+    inherit a soft limit of 1024 from the submitting shell, against the thousands of streams a workshop has in
+    flight (vLLM raises its own limit the same way)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # macOS: an unlimited hard limit cannot be the soft one
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def fd_budget(limit: int | None) -> int | None:
+    """The connections (clients' and vLLM's) the proxy holds before it sheds idle keyless ones: the limit, less
+    the descriptors open now (standard streams, the event loop, the listener) and a reserve for the key files and
+    for connections accepted in one burst before the proxy sees them."""
+    if limit is None:
+        return None
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc (macOS)
+        open_now = 16
+    return max(1, limit - open_now - max(8, limit // 32))
+
+
+def write_ready(ready_file: Path, sockets: list) -> None:
+    """Say, in a 0600 file, where the proxy listens, once it does: ``{"host", "port", "pid"}``."""
+    ports = {s.getsockname()[1] for s in sockets}
+    if len(ports) != 1:  # a host name with several addresses and port 0: the system picked one port for each
+        raise ProxyError(f"--listen picked several ports ({sorted(ports)}); give one address, e.g. 127.0.0.1:0.")
+    host = sockets[0].getsockname()[0]
+    write_private(Path(ready_file), json.dumps({"host": host, "port": ports.pop(), "pid": os.getpid()}) + "\n")
+
+
+def wait_bound(ready_file: Path, alive, log_path: Path, timeout: float = 60.0) -> dict:
+    """Wait until the proxy listens, as its ready file says, and return what the file holds.
+
+    Why: a port is published (a connection file, a job's output) and the owner's key is sent there (the /health
+    check) only once the proxy holds it: until then another user may be listening on it.  ``alive()`` turns
+    False when the proxy (or the process group it is part of) has exited: then the proxy's own sentence, the
+    last lines of ``log_path``, is the error, and nothing was sent anywhere."""
+    from llmlab.serve.info import ServerError
+    from llmlab.serve.proc import last_lines
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(Path(ready_file).read_text())
+        if not alive():
+            tail = last_lines(log_path, 20)
+            said = [line for line in tail.splitlines() if line.startswith("llmlab proxy:")]  # its one sentence
+            raise ServerError(f"The key-checking proxy could not start, so nothing was published and no key was "
+                              f"sent. {said[-1] if said else tail}")
+        if time.monotonic() > deadline:
+            raise ServerError(f"The key-checking proxy did not listen within {timeout:.0f} s; its log {log_path} "
+                              f"ends:\n{last_lines(log_path, 5)}")
+        time.sleep(0.05)
+
+
 def serve(listen: str, upstream: str, key_file: Path, keys: Path | None = None, upstream_key_file: Path | None = None,
-          watch_pid: int | None = None) -> None:
-    """Run the proxy until SIGTERM/SIGINT (or until ``watch_pid`` exits)."""
+          watch_pid: int | None = None, ready_file: Path | None = None) -> None:
+    """Run the proxy until SIGTERM/SIGINT (or until ``watch_pid`` exits).  Once it listens, ``ready_file`` says
+    where (removed again when it stops)."""
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise ProxyError(f"--listen {listen!r}: give HOST:PORT, e.g. 127.0.0.1:8000.")
@@ -542,6 +711,9 @@ def serve(listen: str, upstream: str, key_file: Path, keys: Path | None = None, 
         except OSError as e:
             raise ProxyError(f"Cannot read the upstream key file {upstream_key_file} ({e.strerror}).") from None
     proxy = Proxy(upstream, KeyRing(key_file, keys), upstream_key)
+    if ready_file:
+        Path(ready_file).unlink(missing_ok=True)  # a file left by an earlier run must not say "listening"
+    limit = raise_fd_limit()
 
     async def main() -> None:
         loop, stop = asyncio.get_running_loop(), asyncio.Event()
@@ -551,11 +723,17 @@ def serve(listen: str, upstream: str, key_file: Path, keys: Path | None = None, 
             server = await loop.create_server(lambda: Client(proxy), host.strip("[]"), int(port), reuse_address=True,
                                               backlog=BACKLOG)
         except OSError as e:
-            raise ProxyError(f"Cannot listen on {listen} ({e.strerror}); pick a free port.") from None
+            raise ProxyError(f"Cannot listen on {listen} ({e.strerror}): another process holds that port; pick a "
+                             "free one, or give port 0 to let the system choose.") from None
+        proxy.fd_budget = fd_budget(limit)
+        if ready_file:
+            write_ready(ready_file, server.sockets)
         log.info("listening on %s, forwarding to %s", listen, upstream)
         watcher = asyncio.ensure_future(_watch_pid(watch_pid, stop)) if watch_pid else None
         await stop.wait()
         server.close()
+        if ready_file:
+            Path(ready_file).unlink(missing_ok=True)
         if watcher:
             watcher.cancel()
 
@@ -576,11 +754,28 @@ def pin(cpus: str) -> None:
 
 
 def proxy_command(listen: str, uds: Path, key_file: Path, keys: Path | None = None,
-                  python: str = sys.executable, cpus: list[int] | None = None) -> list[str]:
+                  python: str = sys.executable, cpus: list[int] | None = None,
+                  ready_file: Path | None = None) -> list[str]:
     """``python -m llmlab.serve.proxy`` in front of the socket: file paths only, never a key."""
     cmd = [python, "-m", "llmlab.serve.proxy", "--listen", listen, "--upstream", f"unix:{uds}",
            "--key-file", str(key_file)]
-    return cmd + (["--keys", str(keys)] if keys else []) + (["--cpus", ",".join(map(str, cpus))] if cpus else [])
+    cmd += ["--keys", str(keys)] if keys else []
+    cmd += ["--ready-file", str(ready_file)] if ready_file else []
+    return cmd + (["--cpus", ",".join(map(str, cpus))] if cpus else [])
+
+
+# The proxy and the engine behind it as one process group: a shell starts the proxy in the background (told to exit
+# when the shell's pid does), waits until the proxy's ready file says it listens, then becomes the engine.  So the
+# recorded pid is the engine's, stopping that group stops both, and no engine loads behind a proxy that could not
+# bind: the shell exits 3 instead, and the proxy's sentence is in its log (wait_bound quotes it).
+PAIR = ('proxy_log=$1 ready=$2; shift 2; n=$1; shift; "${@:1:$n}" --watch-pid $$ >"$proxy_log" 2>&1 </dev/null & '
+        'proxy=$!; shift "$n"; until [ -e "$ready" ]; do kill -0 "$proxy" 2>/dev/null || exit 3; sleep 0.05; done; '
+        'exec "$@"')
+
+
+def pair_command(proxy: list[str], engine: list[str], proxy_log: Path, ready_file: Path) -> list[str]:
+    """``proxy`` (a :func:`proxy_command` with ``ready_file``), then ``engine`` once the proxy listens (``PAIR``)."""
+    return ["bash", "-c", PAIR, "llmlab-serve", str(proxy_log), str(ready_file), str(len(proxy)), *proxy, *engine]
 
 
 def proxy_cpus() -> list[int]:
@@ -604,15 +799,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", type=Path, help="file or directory of registered 'sha256:<hex>' lines (re-read)")
     p.add_argument("--upstream-key-file", type=Path, help="the internal key of an http:// upstream")
     p.add_argument("--watch-pid", type=int, help="exit when this process (vLLM) exits")
+    p.add_argument("--ready-file", type=Path, help="write {host, port, pid} here (0600) once listening")
     p.add_argument("--log-level", default=os.environ.get("LLMLAB_PROXY_LOG_LEVEL", "warning"))
     p.add_argument("--cpus", help="run on these CPUs only, e.g. 0,1 (see proxy_cpus)")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="[llmlab proxy %(asctime)s] %(message)s",
                         datefmt="%H:%M:%S")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(LogBudget())
     try:
         if a.cpus:
             pin(a.cpus)
-        serve(a.listen, a.upstream, a.key_file, a.keys, a.upstream_key_file, a.watch_pid)
+        serve(a.listen, a.upstream, a.key_file, a.keys, a.upstream_key_file, a.watch_pid, a.ready_file)
     except ProxyError as e:
         print(f"llmlab proxy: {e}", file=sys.stderr)
         return 2

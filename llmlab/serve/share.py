@@ -15,26 +15,39 @@ see, owned by the instructor and the group, closed to everyone else::
 
 A learner's ``llmlab.connect()`` (with ``LLMLAB_CONNECTION_FILE=DIR/server.json``, which the OOD app sets)
 makes a random key in a 0600 file in *their* home, writes only its hash as ``keys/<their name>``, and uses it.
-The proxy in front of vLLM (``llmlab.serve.proxy``) accepts the owner's key and every registered hash, re-reading
-``keys/`` as it changes.  The instructor revokes a learner with ``llmlab revoke JOB USER``: their file is
-replaced by one the instructor owns that registers nothing, and the sticky bit keeps the learner from
-putting theirs back.  The instructor's job cannot write into a learner's home, and need not.
+The proxy in front of vLLM (``llmlab.serve.proxy``) accepts the owner's key and the registered hashes, re-reading
+``keys/`` as it changes, by the rules of ``llmlab.serve.keyring``: every learner can write into ``keys/``, so a file
+counts only as the one key of the user it is named after, and only if that user made it (a copy under another
+name, or a name taken before its user came, registers nothing); FIFOs, symlinks and oversized files are skipped
+without blocking.  The instructor revokes a learner with ``llmlab revoke JOB USER``: their files in ``keys/`` are
+removed, and their name gets a file the instructor owns that registers nothing and lists the revoked digests,
+which the proxy then refuses in any file; the sticky bit keeps the learner from putting theirs back.  Every file
+made in ``keys/`` goes through a random ``O_EXCL`` temp name (``tempfile.mkstemp``) and ``os.replace``: a name
+planted there in advance is never written through.  The instructor's job cannot write into a learner's home, and
+need not.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import grp
 import hashlib
 import os
 import pwd
+import secrets
 import socket
+import stat
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from llmlab.serve import keyring
 from llmlab.serve.info import AuthenticationFailed, ServerError, ServerInfo, llmlab_home, read_key, write_private
 
-REVOKED = "# revoked"
+REVOKED = keyring.REVOKED
+MAX_DENIED = 1000  # digests a revocation lists: its file stays far below keyring.MAX_TRUSTED_BYTES
 
 
 def user() -> str:
@@ -66,19 +79,58 @@ def check_group(group: str) -> grp.struct_group:
 
 
 def prepare_dir(share_dir: str | Path, group: str) -> Path:
-    """Create (or repair) the share directory with the modes above; return it."""
+    """Create (or repair) the share directory with the modes above; return it.
+
+    The folder and its ``keys/`` are opened without following a symlink and must be the caller's own: a learner who
+    planted the name (in a world-writable parent such as the default ``$LLMLAB_SHARE_ROOT/GROUP``) as a link to a
+    folder of the instructor's would otherwise have that folder opened to the group.  A symlink among the parents
+    is followed only if root or the caller made it."""
     g = check_group(group)
-    root = Path(share_dir).expanduser().resolve()
-    keys = root / "keys"
+    path = Path(os.path.abspath(Path(share_dir).expanduser()))
+    for part in (path, *path.parents):
+        try:
+            st = os.lstat(part)
+        except OSError:
+            continue
+        if stat.S_ISLNK(st.st_mode) and (part == path or st.st_uid not in (0, os.geteuid())):
+            raise ServerError(f"The share directory {path} goes through {part}, a symbolic link made by "
+                              f"{_owner_name(st.st_uid)}: give a real folder of yours (--share-dir).")
+    root = Path(os.path.realpath(path.parent)) / path.name
+    fds: list[int] = []
     try:
-        keys.mkdir(parents=True, exist_ok=True)
-        for path, mode in ((root, 0o2750), (keys, 0o3770)):
-            os.chown(path, -1, g.gr_gid)
-            os.chmod(path, mode)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        fds.append(_own_folder(root, None, root))
+        fds.append(_own_folder("keys", fds[0], root / "keys"))
+        for fd, mode in zip(fds, (0o2750, 0o3770), strict=True):
+            os.fchown(fd, -1, g.gr_gid)
+            os.fchmod(fd, mode)
     except OSError as e:
-        raise ServerError(f"Cannot prepare the share directory {root} ({e.strerror}): choose a folder you own on a "
+        why = "a symbolic link or not a folder" if e.errno in (errno.ELOOP, errno.ENOTDIR) else e.strerror
+        raise ServerError(f"Cannot prepare the share directory {root} ({why}): choose a folder you own on a "
                           "file system your learners can reach (--share-dir).") from None
+    finally:
+        for fd in fds:
+            os.close(fd)
     return root
+
+
+def _own_folder(name: str | Path, dir_fd: int | None, shown: Path) -> int:
+    """An fd of the folder ``name`` (made 0700 if missing), opened without following a symlink; only the caller's."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    if (uid := os.fstat(fd).st_uid) != os.geteuid():
+        os.close(fd)
+        raise ServerError(f"{shown} belongs to {_owner_name(uid)}, not to you: choose a folder of your own "
+                          "(--share-dir).")
+    return fd
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def publish(share_dir: str | Path, info: ServerInfo) -> Path:
@@ -88,30 +140,76 @@ def publish(share_dir: str | Path, info: ServerInfo) -> Path:
 
 
 def learners(share_dir: str | Path) -> dict[str, str]:
-    """Registered learners -> "registered" or "revoked" (a file of the share's owner that registers nothing)."""
-    keys = Path(share_dir) / "keys"
-    out = {}
-    for path in sorted(keys.glob("[!.]*")) if keys.is_dir() else []:
-        try:
-            revoked = path.read_text().startswith(REVOKED)
-        except OSError:
-            continue
-        out[path.name] = "revoked" if revoked else "registered"
-    return out
+    """Learners -> "registered" (their own file counts) or "revoked" (a file of the share's owner that registers
+    nothing).  What counts for nobody (copies, names taken from others, FIFOs, symlinks) is left out; it is read as
+    the proxy reads it (``llmlab.serve.keyring``): bounded, never blocking."""
+    try:
+        found, _ = keyring.entries(Path(share_dir) / "keys")
+    except OSError:
+        return {}
+    out = {e.name: "revoked" for e in found if e.trusted and e.revoked}
+    out.update({e.name: "registered" for e in keyring.accepted(found) if e.name not in out})
+    return dict(sorted(out.items()))
 
 
 def revoke(share_dir: str | Path, name: str) -> None:
-    """Shut one learner out within a second, without restarting the server: their hash file is replaced by
-    one that the share's owner holds (the sticky ``keys/`` keeps the learner from replacing it again)."""
+    """Shut one learner out within a second, without restarting the server.
+
+    Every file of theirs in ``keys/`` is removed (copies under other names, names taken from other learners), and
+    their name gets a file of the share's owner -- which the sticky ``keys/`` keeps them from replacing -- listing
+    the digests they had there: the proxy refuses those in any file, and any file of theirs under any name."""
     try:
-        pwd.getpwnam(name)
+        uid = pwd.getpwnam(name).pw_uid
     except KeyError:
         raise ServerError(f"There is no user {name!r} on this machine.") from None
-    path = Path(share_dir) / "keys" / name
-    tmp = path.with_name(f".{name}.revoked")
-    tmp.write_text(f"{REVOKED} by {user()} at {datetime.now(UTC):%Y-%m-%dT%H:%MZ}\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    keys = Path(share_dir) / "keys"
+    try:
+        found, _ = keyring.entries(keys)
+        denied: list[bytes] = []
+        fd = keyring.open_folder(keys)
+        try:
+            for e in sorted(found, key=lambda e: e.name != name):  # theirs by name first: it is what counted
+                if e.trusted and e.name == name:
+                    denied += e.denied  # revoked before: keep refusing what was refused then
+                elif e.uid == uid and not e.trusted:
+                    denied += keyring.digests_in(fd, e.name)
+        finally:
+            os.close(fd)
+        lines = [f"{REVOKED} by {user()} at {datetime.now(UTC):%Y-%m-%dT%H:%MZ}"]
+        lines += [f"revoked sha256:{d.hex()}" for d in list(dict.fromkeys(denied))[:MAX_DENIED]]
+        _replace_in(keys, name, "\n".join(lines) + "\n", 0o644)
+        for e in found:
+            if e.uid == uid and not e.trusted and e.name != name:
+                _remove_if_theirs(keys / e.name, uid)
+    except OSError as e:
+        raise ServerError(f"Cannot revoke {name} in {keys} ({e.strerror}): run `llmlab revoke` as the user who "
+                          "launched the shared server.") from None
+
+
+def _remove_if_theirs(path: Path, uid: int) -> None:
+    """Remove a learner's file (the share's owner may, in the sticky ``keys/``), not a folder, nor someone else's."""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if st.st_uid == uid and not stat.S_ISDIR(st.st_mode):
+            os.unlink(path)
+
+
+def _replace_in(folder: Path, name: str, text: str, mode: int) -> None:
+    """Put ``text`` at ``folder/name`` through a temp file of a random name made with ``O_EXCL`` (nothing planted in
+    the shared folder is written through or chmod-ed), then ``os.replace``, which swaps the entry whatever it was,
+    a symlink included.  A folder in the way is moved aside first (its owner may remove it)."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        with contextlib.suppress(OSError):
+            if stat.S_ISDIR(os.lstat(folder / name).st_mode):
+                os.rename(folder / name, folder / f".{name}.moved-aside.{secrets.token_hex(8)}")
+        os.replace(tmp, folder / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,30 +227,44 @@ def learner_key(info: ServerInfo) -> tuple[str, bool]:
     if key_file.exists():
         key = read_key(key_file)
     else:
-        import secrets
-
         key = secrets.token_urlsafe(32)
         key_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_private(key_file, key + "\n")
-    mine = root / "keys" / user()
+    keys, me = root / "keys", user()
+    not_in_group = ServerError(f"You cannot register a key with the shared server in {root}: you are not in its "
+                               f"group {group!r} (`id -Gn` lists yours); ask your instructor to add you.")
     try:
-        current = mine.read_text() if mine.exists() else ""
-    except PermissionError:
-        current = REVOKED
-    if current.startswith(REVOKED) or (mine.exists() and mine.stat().st_uid != os.getuid()):
-        raise AuthenticationFailed(f"Your access to the shared server in {root} was revoked by its owner: ask "
-                                   "your instructor.")
-    if current.split()[:1] == key_line(key).split()[:1]:
+        fd = keyring.open_folder(keys)
+    except OSError:
+        raise not_in_group from None
+    try:
+        instructor = os.fstat(fd).st_uid
+        mine = keyring.read_entry(fd, me, trusted_uid=instructor)  # never through a symlink, never blocking
+    finally:
+        os.close(fd)
+    if mine is not None and mine.uid != os.getuid():
+        if mine.uid == instructor:
+            raise AuthenticationFailed(f"Your access to the shared server in {root} was revoked by its owner: ask "
+                                       "your instructor.")
+        raise _taken(keys / me, mine.uid)
+    if mine is not None and not mine.problem and mine.digests == (hashlib.sha256(key.strip().encode()).digest(),):
         return key, False
     try:
-        tmp = mine.with_name(f".{user()}.{os.getpid()}")
-        tmp.write_text(key_line(key))
-        os.chmod(tmp, 0o640)
-        os.replace(tmp, mine)
+        _replace_in(keys, me, key_line(key), 0o640)
     except PermissionError:
-        raise ServerError(f"You cannot register a key with the shared server in {root}: you are not in its group "
-                          f"{group!r} (`id -Gn` lists yours); ask your instructor to add you.") from None
+        with contextlib.suppress(OSError):
+            if (uid := os.lstat(keys / me).st_uid) != os.getuid():  # taken in the meantime
+                raise _taken(keys / me, uid) from None
+        raise not_in_group from None
     return key, True
+
+
+def _taken(path: Path, uid: int) -> ServerError:
+    """Another learner made the file named after this one first: it registers nothing, and only the share's owner
+    can remove it."""
+    who = _owner_name(uid)
+    return ServerError(f"{path} was made by {who}, not by you: it registers nothing, and only your instructor can "
+                       f"remove it. Ask them to (`llmlab revoke JOB {who}` removes every file {who} made there).")
 
 
 def wait_until_accepted(base_url: str, key: str, timeout: float = 5.0) -> None:

@@ -1,0 +1,337 @@
+"""The check cells' hints, tested with the wrong answers they name (and the right answer passing).
+
+Every exercise ends with ``llmlab.check.<name>(answer)``, which prints "Right: ..." or raises ``NotYet`` with a
+sentence aimed at one specific mistake: 810 GB for 405B's weights, the doubled KV figure, seconds for
+microseconds, ...  Here each of those mistakes is made on purpose, and the sentence it must get is asserted.
+Only the checks that need no server: ``survivors``, ``prompt_rank`` and ``best_choice`` ask the server for the
+expected answer and are exercised by the solutions' nbval run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+from llmlab import check, cluster, memory, offline, rehearse
+
+SPEC_405B = memory.model_spec("llama3.1-405b")
+MESSAGE_405B = SPEC_405B.hidden_size * 2  # one token's hidden state in bf16
+
+
+def not_yet(fn, *args, hint: str, **kwargs) -> None:
+    """``fn(*args)`` raises NotYet, whose message starts with "Not yet:" and contains ``hint``."""
+    with pytest.raises(check.NotYet, match=re.escape(hint)) as e:
+        fn(*args, **kwargs)
+    assert str(e.value).startswith("Not yet: ")
+    assert isinstance(e.value, AssertionError)  # an unsolved exercise fails nbval loudly
+
+
+def right(capsys, fn, *args, **kwargs) -> str:
+    """``fn(*args)`` passes and prints one line starting with "Right:"; returns it."""
+    fn(*args, **kwargs)
+    out = capsys.readouterr().out
+    assert out.startswith("Right: ") and out.count("\n") == 1, out
+    return out
+
+
+# --- notebook 01: memory arithmetic ------------------------------------------------------------------------------
+
+def test_weights_405b_fp16(capsys):
+    params = memory.param_count("llama3.1-405b")
+    not_yet(check.weights_405b_fp16, 810 * 10**9, hint="810 GB multiplies the rounded name (405B)")
+    not_yet(check.weights_405b_fp16, params, hint="that is the parameter count; each fp16 parameter takes 2 bytes")
+    not_yet(check.weights_405b_fp16, 2 * params + 2, hint=f"expected 2 bytes x {params:,} parameters")
+    not_yet(check.weights_405b_fp16, 811.7e9 + 0.5, hint="should be a whole number")
+    not_yet(check.weights_405b_fp16, "811.7 GB", hint="should be a number")
+    assert "811.7 GB" in right(capsys, check.weights_405b_fp16, 2 * params)
+
+
+def test_h100s_and_a100s_for_405b(capsys):
+    h100 = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="H100-80").weights_whole
+    assert h100 == 12
+    not_yet(check.h100s_for_405b, 16, hint="16 is what a layout on whole nodes of 8 needs")
+    not_yet(check.h100s_for_405b, h100 - 1, hint=f"{h100 - 1} H100s do not hold the weights")
+    not_yet(check.h100s_for_405b, h100 + 1, hint=f"{h100 + 1} H100s hold them, but fewer do")
+    not_yet(check.h100s_for_405b, 11.07, hint="round GPUs up with math.ceil")
+    right(capsys, check.h100s_for_405b, h100)
+
+    a100 = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="A100-40").weights_whole
+    not_yet(check.a100s_for_405b, 21, hint="21 divides by the datasheet 40 GB")
+    not_yet(check.a100s_for_405b, a100 - 1, hint="do not hold the weights")
+    not_yet(check.a100s_for_405b, a100 + 1, hint="hold them, but fewer do")
+    right(capsys, check.a100s_for_405b, a100)
+
+
+def test_kv_405b(capsys):
+    per = memory.kv_bytes_per_token("llama3.1-405b")
+    assert per == 516_096
+    not_yet(check.kv_405b, 2 * per, 2 * per * 131_072, hint="that is twice the config's value: like the published "
+            "123.05 GB figure")
+    not_yet(check.kv_405b, per // 2, per // 2 * 131_072, hint="layers x 2 (K and V) x num_key_value_heads")
+    not_yet(check.kv_405b, per, per * 128_000, hint="multiply the bytes per token by 131,072 tokens")
+    assert "63.00 GiB" in right(capsys, check.kv_405b, per, per * 131_072)
+
+
+def test_layout_405b(capsys):
+    not_yet(check.layout_405b, 16, 1, hint="tensor parallelism stays inside a node (8 GPUs)")
+    not_yet(check.layout_405b, 3, 4, hint="TP=3 does not divide the 128 heads")
+    not_yet(check.layout_405b, 4, 3, hint="TP=4 x PP=3 does not hold it: ")  # valid for vLLM, too small
+    not_yet(check.layout_405b, 4, 4, hint="TP=4 x PP=4 fits but is not the smallest")
+    assert "699,408 KV tokens" in right(capsys, check.layout_405b, 8, 2)
+
+
+def test_embedded_kv_tokens(capsys):
+    not_yet(check.embedded_kv_tokens, 2 * 2**30 // 2048, hint="that is blocks x 128")
+    not_yet(check.embedded_kv_tokens, 1_000_000, hint="concurrency = blocks / ceil(500 / 128)")
+    right(capsys, check.embedded_kv_tokens, 1_024_000)
+
+
+# --- notebook 02: KV caching -------------------------------------------------------------------------------------
+
+def test_tiny_kv_bytes_per_token(capsys):
+    spec = memory.model_spec("llmlab-tiny")
+    per = memory.kv_bytes_per_token(spec)
+    assert per == 2048
+    not_yet(check.tiny_kv_bytes_per_token, per // 2, hint="that is half: count both K and V")
+    not_yet(check.tiny_kv_bytes_per_token, per * spec.num_heads // spec.num_kv_heads, hint="query heads")
+    not_yet(check.tiny_kv_bytes_per_token, per + 1, hint="x 4 bytes (float32)")
+    right(capsys, check.tiny_kv_bytes_per_token, per)
+
+
+def test_cache_matches_arithmetic(capsys):
+    per, tokens = 2048, 10
+    layers = memory.model_spec("llmlab-tiny").num_layers
+    not_yet(check.cache_matches_arithmetic, tokens * per, tokens, per // 2, hint="first get the bytes per token right")
+    not_yet(check.cache_matches_arithmetic, tokens * per // layers, tokens, per, hint="that is one layer's share")
+    not_yet(check.cache_matches_arithmetic, tokens * per // 2, tokens, per, hint="that is half: add the values")
+    not_yet(check.cache_matches_arithmetic, tokens * per + 4, tokens, per, hint="not a whole number of tokens' worth")
+    not_yet(check.cache_matches_arithmetic, 11 * per, tokens, per, hint="the tensors hold 11 tokens' worth, not 10")
+    right(capsys, check.cache_matches_arithmetic, tokens * per, tokens, per)
+
+
+def test_request_blocks(capsys):
+    not_yet(check.request_blocks, 63, 10, 80, hint="the request holds its output tokens too")
+    not_yet(check.request_blocks, 74, 10, 80, hint="divide 1,200 by 16 and round UP")
+    not_yet(check.request_blocks, 75, 9, 80, hint="divide 1,200 by 128 and round up")
+    not_yet(check.request_blocks, 75, 10, 0, hint="the last block is only partly filled")
+    right(capsys, check.request_blocks, 75, 10, 80)
+
+
+def test_prefix_hits(capsys):
+    not_yet(check.prefix_hits, 300, 300, hint="the cache stores whole blocks only")
+    not_yet(check.prefix_hits, 304, 256, hint="with blocks of 16")
+    not_yet(check.prefix_hits, 288, 384, hint="with blocks of 128")
+    right(capsys, check.prefix_hits, 288, 256)
+
+
+# --- notebook 03 (and 00, 08): the server's answers, as response objects -------------------------------------------
+
+def completion(tokens=5, finish_reason="length", stop_reason=None, text="x", obj="text_completion"):
+    choice = SimpleNamespace(text=text, finish_reason=finish_reason, stop_reason=stop_reason)
+    return SimpleNamespace(object=obj, choices=[choice], usage=SimpleNamespace(completion_tokens=tokens))
+
+
+def test_first_completion(capsys):
+    not_yet(check.first_completion, None, hint="pass the object that client.completions.create(...) returned")
+    not_yet(check.first_completion, completion(obj="chat.completion"), hint="use client.completions.create, not chat")
+    not_yet(check.first_completion, completion(tokens=16), hint="the server generated 16 tokens; ask for max_tokens=5")
+    not_yet(check.first_completion, completion(finish_reason="stop"), hint="Add ignore_eos through extra_body")
+    right(capsys, check.first_completion, completion())
+
+
+def test_ended_by_model_and_stopped_at(capsys):
+    not_yet(check.ended_by_model, completion(400, "length"), 40, hint="give the model room")
+    not_yet(check.ended_by_model, completion(50, "stop", ","), 40, hint="it stopped at your stop string ','")
+    not_yet(check.ended_by_model, completion(30, "stop"), 40, hint="only 30 tokens: ask the server to mask")
+    right(capsys, check.ended_by_model, completion(45, "stop"), 40)
+
+    not_yet(check.stopped_at, completion(12, "stop", None), ",", hint="stop_reason is None; pass stop=[',']")
+    not_yet(check.stopped_at, completion(3, "stop", ",", text="The king said,"), ",", hint="',' is in the text")
+    right(capsys, check.stopped_at, completion(3, "stop", ",", text="The king said"), ",")
+
+
+# --- notebook 04: sampling (the check that needs no server) --------------------------------------------------------
+
+def test_same_text(capsys):
+    not_yet(check.same_text, None, "a", hint="store the generated *text*")
+    not_yet(check.same_text, "", "", hint="the text is empty")
+    not_yet(check.same_text, "a b", "a c", hint="Only greedy decoding")
+    right(capsys, check.same_text, "a b", "a b")
+
+
+# --- notebook 06: threaded requests --------------------------------------------------------------------------------
+
+def in_order(ask, prompts, workers):
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(ask, prompts))
+
+
+def as_they_finish(ask, prompts, workers):
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return [f.result() for f in as_completed([pool.submit(ask, p) for p in prompts])]
+
+
+def test_job_queue(capsys):
+    not_yet(check.job_queue, lambda ask, prompts, workers: [ask(p) for p in prompts],
+            hint="only one request was in flight at a time")
+    not_yet(check.job_queue, as_they_finish, hint="the answers are not in the order of the prompts")
+    not_yet(check.job_queue, lambda ask, prompts, workers: in_order(ask, prompts, 2 * workers),
+            hint="requests ran at once for workers=4")
+    not_yet(check.job_queue, lambda ask, prompts, workers: in_order(ask, prompts * 2, workers)[:len(prompts)],
+            hint="call it exactly once per prompt")
+    not_yet(check.job_queue, lambda ask, prompts, workers: None, hint="send_all returned None")
+    right(capsys, check.job_queue, in_order)
+
+
+def test_tpot_by_hand(capsys):
+    record = SimpleNamespace(output_tokens=11, ttft=0.5, latency=1.5, itl=[0.1] * 10)
+    not_yet(check.tpot_by_hand, 1.5 / 11, record, hint="latency / tokens counts the wait for the first token too")
+    not_yet(check.tpot_by_hand, (1.5 - 0.5) / 11, record, hint="divide by output_tokens - 1")
+    not_yet(check.tpot_by_hand, "0.1 s", record, hint="tpot should be a number of seconds")
+    assert "100.00 ms" in right(capsys, check.tpot_by_hand, (1.5 - 0.5) / 10, record)
+
+
+def test_knee(capsys):
+    sweep = pd.DataFrame({"output_tokens_per_s": [100.0, 700.0, 900.0, 1000.0]},
+                         index=pd.Index([1, 8, 64, 256], name="concurrency"))
+    not_yet(check.knee, 32, sweep, hint="32 is not a concurrency of the sweep")
+    not_yet(check.knee, 256, sweep, hint="that is where throughput peaks")
+    not_yet(check.knee, 8, sweep, hint="take the smallest concurrency that reaches it")
+    right(capsys, check.knee, 64, sweep)
+
+
+# --- notebook 07: offline (the checks that need no engine) ----------------------------------------------------------
+
+def test_chat_prompt_ids(capsys):
+    tok = offline.load_tokenizer()
+    messages = [{"role": "user", "content": "Name a planet."}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    not_yet(check.chat_prompt_ids, text, messages, hint="that is text: vLLM tokenizes a text prompt again")
+    not_yet(check.chat_prompt_ids, {"input_ids": [1, 2]}, messages, hint="take its ['input_ids']")
+    not_yet(check.chat_prompt_ids, tok(text)["input_ids"], messages, hint="it starts with two <s>")
+    not_yet(check.chat_prompt_ids, offline.chat_token_ids(tok, messages, add_generation_prompt=False), messages,
+            hint="add_generation_prompt=True appends 'Assistant:'")
+    right(capsys, check.chat_prompt_ids, offline.chat_token_ids(tok, messages), messages)
+
+
+def test_offline_sampling(capsys):
+    online = {"model": "m", "prompt": "p", "temperature": 0.7, "max_tokens": 32, "extra_body": {"top_k": 5}}
+    not_yet(check.offline_sampling, online, {"temperature": 0.7, "max_tokens": 32, "extra_body": {"top_k": 5}},
+            hint="offline there is no HTTP body")
+    not_yet(check.offline_sampling, online, {"temperature": 0.7, "max_tokens": 32}, hint="top_k is missing")
+    not_yet(check.offline_sampling, online, {"temperature": 0.7, "max_tokens": 32, "top_k": 3},
+            hint="top_k is 3 offline but 5 online")
+    not_yet(check.offline_sampling, online, {"temperature": 0.7, "max_tokens": 32, "top_k": 5, "stream": True},
+            hint="stream: not a sampling parameter")
+    right(capsys, check.offline_sampling, online, {"temperature": 0.7, "max_tokens": 32, "top_k": 5})
+
+
+def test_offline_batch(capsys):
+    outputs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * 32)]) for _ in range(32)]
+    not_yet(check.offline_batch, outputs[:31], 2.0, 496.0, hint="31 outputs: send all 32 prompts")
+    short = outputs[:31] + [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * 7)])]
+    not_yet(check.offline_batch, short, 2.0, 500.0, hint="ignore_eos=True make each one exactly 32")
+    not_yet(check.offline_batch, outputs, 2.0, 32 / 2.0, hint="that counts one prompt's tokens")
+    not_yet(check.offline_batch, outputs, 2.0, 32 * 32, hint="divide the output tokens of all outputs")
+    right(capsys, check.offline_batch, outputs, 2.0, 32 * 32 / 2.0)  # no engine in this process: nothing left
+
+
+# --- notebook 08: distributed serving -------------------------------------------------------------------------------
+
+def test_tp8_allreduce_bytes(capsys):
+    expected = 2 * 126 * 2 * 7 / 8 * MESSAGE_405B
+    not_yet(check.tp8_allreduce_bytes, 252 * MESSAGE_405B, hint="each GPU sends 2 x (TP-1)/TP of the message")
+    not_yet(check.tp8_allreduce_bytes, 126 * 2 * 7 / 8 * MESSAGE_405B, hint="each layer all-reduces twice")
+    not_yet(check.tp8_allreduce_bytes, 2 * expected, hint="the hidden state travels in bf16")
+    assert "14,450,688 bytes" in right(capsys, check.tp8_allreduce_bytes, expected)
+
+
+def test_tp_link_times(capsys):
+    """Per direction: NVLink 450e9 B/s (900 GB/s counts both ways); between nodes 8 ports x 50e9 B/s."""
+    b8 = 2 * 126 * 2 * 7 / 8 * MESSAGE_405B
+    b16 = 2 * 126 * 2 * 15 / 16 * MESSAGE_405B
+    tp8, tp16 = b8 / 450e9 * 1e6, b16 / 400e9 * 1e6
+    assert (round(tp8, 1), round(tp16, 1)) == (32.1, 38.7)
+    not_yet(check.tp_link_times, tp8 / 1e6, tp16, hint="that looks like seconds")
+    not_yet(check.tp_link_times, b8 / 900e9 * 1e6, b16 / 50e9 * 1e6,  # the model this course used to teach
+            hint="900 GB/s is NVLink's figure for both directions together")
+    not_yet(check.tp_link_times, tp8, tp16 / 1e6, hint="tp16_us looks like seconds")
+    not_yet(check.tp_link_times, tp8, b16 / 50e9 * 1e6, hint="50e9 B/s is one InfiniBand port, but each of a node's "
+            "8 GPUs has its own")
+    not_yet(check.tp_link_times, tp8, b16 / 450e9 * 1e6, hint="the ring runs at its slowest link")
+    not_yet(check.tp_link_times, tp8, b8 / 400e9 * 1e6, hint="that is TP=8's traffic")
+    not_yet(check.tp_link_times, tp8, "38.7", hint="tp16_us should be a number")
+    out = right(capsys, check.tp_link_times, tp8, tp16)
+    assert "1.21x" in out and "similar with InfiniBand" in out
+    # the check's expected figures are the lesson's
+    rows = cluster.tp_vs_pp("llama3.1-405b", [(8, 1), (16, 1)])
+    assert [r["tp_us"] for r in rows] == [pytest.approx(tp8), pytest.approx(tp16)]
+
+
+def test_pp_boundary(capsys):
+    not_yet(check.pp_boundary, 16384, 0.33, hint="that counts values, not bytes")
+    not_yet(check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 50e9, hint="that is seconds: multiply by 1e6")
+    not_yet(check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 400e9 * 1e6, hint="bytes / 50e9 B/s (one port")
+    out = right(capsys, check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 50e9 * 1e6)
+    assert "0.66 µs" in out and "220x" in out  # 63 layers x 2 all-reduces x 2 x 7/8 per GPU of TP=8 x PP=2
+
+
+def test_load_eta_minutes(capsys):
+    left = 310 / 44 * (191 - 44) / 60
+    not_yet(check.load_eta_minutes, 310 / 44 * 191 / 60, hint="that is the whole load")
+    not_yet(check.load_eta_minutes, left * 60, hint="that is seconds: divide by 60")
+    not_yet(check.load_eta_minutes, 17.3 + 1, hint="the 147 shards left take 147 x 310/44 s")
+    assert math.isclose(left, 17.26, abs_tol=0.01)
+    right(capsys, check.load_eta_minutes, left)
+
+
+# --- notebook 09: real GPUs (the committed results) -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def results():
+    return {r["folder"]: r for r in rehearse.load_results()}
+
+
+def test_rehearsal_kv_tokens(capsys, results):
+    run = results["h200-llama3.1-70b-tp2"]
+    p = run["memory_probe"][0]
+    budget = memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=0.9)
+    whole = memory.kv_capacity(budget, memory.kv_bytes_per_token("llama3.1-70b"), 16, run["max_model_len"]).tokens
+    full = memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=1.0)
+    at_full = memory.kv_capacity(full, memory.kv_bytes_per_token("llama3.1-70b", tp=2), 16,
+                                 run["max_model_len"]).tokens
+    not_yet(check.rehearsal_kv_tokens, budget, run, hint="that is the budget in bytes")
+    not_yet(check.rehearsal_kv_tokens, whole, run, hint="that counts the KV bytes of all 8 KV heads")
+    not_yet(check.rehearsal_kv_tokens, at_full, run, hint="pass utilization=0.9")
+    not_yet(check.rehearsal_kv_tokens, run["kv_tokens_logged"] + 16, run, hint="vLLM logged 385,680 tokens")
+    right(capsys, check.rehearsal_kv_tokens, run["kv_tokens_logged"], run)
+
+
+def test_rehearsal_roofline_and_tp_per_gpu(capsys, results):
+    run = results["h200-llama3.1-70b-tp2"]
+    per_gpu = memory.weight_bytes_per_gpu("llama3.1-70b", tp=2)[0]
+    not_yet(check.rehearsal_roofline, run["bandwidth_tb_s"] / per_gpu, run, hint="multiply it by 1e12")
+    not_yet(check.rehearsal_roofline, run["bandwidth_tb_s"] * 1e12 / (2 * per_gpu), run,
+            hint="that divides by the whole model's bytes")
+    not_yet(check.rehearsal_roofline, -1, run, hint="should be a positive number")
+    right(capsys, check.rehearsal_roofline, run["bandwidth_tb_s"] * 1e12 / per_gpu, run)
+
+    one, two = results["h200-llama3.1-8b-tp1"], results["h200-llama3.1-8b-tp2"]
+    a, b = (next(s for s in r["sweep"] if s["concurrency"] == 64)["output_tokens_per_s"] for r in (one, two))
+    not_yet(check.rehearsal_tp_per_gpu, b / a, one, two, hint="that is the ratio of the totals")
+    not_yet(check.rehearsal_tp_per_gpu, a / (b / 2), one, two, hint="upside down")
+    not_yet(check.rehearsal_tp_per_gpu, 0.5, one, two, hint="take output_tokens_per_s at concurrency 64")
+    right(capsys, check.rehearsal_tp_per_gpu, b / 2 / a, one, two)
+
+
+def test_the_job_queue_check_is_quick():
+    """The stand-in ask sleeps 20-80 ms: a right answer takes well under a second with 4 workers."""
+    start = time.perf_counter()
+    check.job_queue(in_order)
+    assert time.perf_counter() - start < 5

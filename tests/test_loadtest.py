@@ -363,25 +363,6 @@ def test_server_killed_mid_run_loses_nothing(conn, tmp_path):
 
 # --- a full disk (issue 26): what was measured stays measured ------------------------------------------------
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A real 16 KiB file system (tmpfs) that fills up part-way through a run: ENOSPC as the kernel gives it,
-    short writes included.  Mounting needs root, as CI has."""
-    import subprocess
-
-    where = tmp_path / "tiny"
-    where.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,mode=0700", "tmpfs", str(where)],
-                         capture_output=True, text=True)
-    if res.returncode:
-        pytest.skip(f"cannot mount a 16 KiB tmpfs to fill up (needs root): {res.stderr.strip()}")
-    try:
-        yield where
-    finally:  # lazily if a file is still open there (a leak the test then reports), so no mount stays behind
-        if subprocess.run(["umount", str(where)]).returncode:
-            subprocess.run(["umount", "-l", str(where)], check=True)
-
-
 def test_a_full_disk_loses_no_record_of_a_run(tiny_disk):
     """Before: the ENOSPC of one record aborted the run, the interrupt handler wrote again and failed again, and a
     chained traceback replaced the LoadResult.  Now the file keeps whole lines, the run goes on, and it says so."""

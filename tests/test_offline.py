@@ -298,29 +298,20 @@ def test_cli_generates_offline_next_to_the_server(tmp_path, embedded, api_key):
     assert lines[1]["text"] == chat.choices[0].message.content
 
 
-def test_outputs_on_a_full_disk_keep_the_previous_file(tmp_path):
+def test_outputs_on_a_full_disk_keep_the_previous_file(tiny_disk):
     """Issue 26: ``write_outputs`` truncated its file first, so a full disk lost the previous outputs too, and the
     error was a bare traceback.  Now a temporary file replaces the old one only once complete, and the error says
     what was kept."""
-    where = tmp_path / "tiny"  # a real 16 KiB file system (tmpfs), as tests/test_loadtest.py's tiny_disk
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,mode=0700", "tmpfs", str(where)],
-                             capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a 16 KiB tmpfs to fill up (needs root): {mounted.stderr.strip()}")
-    try:
-        done = [offline.Completion(i, 4, 60, "word " * 60, "length", ttft=0.1, prompt="Once") for i in range(40)]
-        path = offline_engine.write_outputs(where / "out.jsonl", offline.BatchResult(done[:2], seconds=1.0))
-        before = path.read_bytes()
-        with pytest.raises(engine.OfflineError, match=r"40 outputs.*No space left on device.*out.jsonl is kept as it "
-                                                      r"was") as err:
-            offline_engine.write_outputs(path, offline.BatchResult(done, seconds=2.0))
-        assert "\n" not in str(err.value) and "2400 output tokens" in str(err.value)  # what the batch measured
-        assert path.read_bytes() == before and [p.name for p in where.iterdir()] == ["out.jsonl"]
-        path.unlink()
-        with pytest.raises(engine.OfflineError, match="no file was created"):
-            offline_engine.write_outputs(path, offline.BatchResult(done, seconds=2.0))
-        assert list(where.iterdir()) == []
-    finally:
-        if subprocess.run(["umount", str(where)]).returncode:
-            subprocess.run(["umount", "-l", str(where)], check=True)
+    where = tiny_disk
+    done = [offline.Completion(i, 4, 60, "word " * 60, "length", ttft=0.1, prompt="Once") for i in range(40)]
+    path = offline_engine.write_outputs(where / "out.jsonl", offline.BatchResult(done[:2], seconds=1.0))
+    before = path.read_bytes()
+    with pytest.raises(engine.OfflineError, match=r"40 outputs.*No space left on device.*out.jsonl is kept as it "
+                                                  r"was") as err:
+        offline_engine.write_outputs(path, offline.BatchResult(done, seconds=2.0))
+    assert "\n" not in str(err.value) and "2400 output tokens" in str(err.value)  # what the batch measured
+    assert path.read_bytes() == before and [p.name for p in where.iterdir()] == ["out.jsonl"]
+    path.unlink()
+    with pytest.raises(engine.OfflineError, match="no file was created"):
+        offline_engine.write_outputs(path, offline.BatchResult(done, seconds=2.0))
+    assert list(where.iterdir()) == []

@@ -39,14 +39,19 @@ pytestmark = pytest.mark.skipif(
     reason=f"the attacker's suite creates a second UNIX user: it needs root and {', '.join(TOOLS)} (CI has them)")
 
 
+def system_user(name: str) -> pwd.struct_passwd:
+    """A UNIX user without a home or a shell, created once: the second (and third) user of the attacks."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                       check=True, capture_output=True)
+        return pwd.getpwnam(name)
+
+
 @pytest.fixture(scope="module")
 def attacker() -> tuple[int, int]:
-    try:
-        entry = pwd.getpwnam(ATTACKER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ATTACKER],
-                       check=True, capture_output=True)
-        entry = pwd.getpwnam(ATTACKER)
+    entry = system_user(ATTACKER)
     assert entry.pw_uid != os.geteuid()
     return entry.pw_uid, entry.pw_gid
 
@@ -486,13 +491,7 @@ LEARNER_PYTHON = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.min
 @pytest.fixture(scope="module")
 def victim(attacker) -> tuple[int, int]:
     """A second learner of the same room (the attacker's group), whose name the attacker tries to take."""
-    try:
-        entry = pwd.getpwnam(VICTIM)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", VICTIM],
-                       check=True, capture_output=True)
-        entry = pwd.getpwnam(VICTIM)
-    return entry.pw_uid, attacker[1]
+    return system_user(VICTIM).pw_uid, attacker[1]
 
 
 @pytest.fixture

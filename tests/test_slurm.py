@@ -503,20 +503,25 @@ def test_a_log_without_any_known_line_says_the_phase_is_unknown():
     assert cluster.load_progress(known).phase == "reading the model config"
 
 
-def test_a_second_sigterm_during_the_clean_up_still_removes_the_key(tmp_path):
-    """scancel, then the time limit (or scancel twice): the clean-up must finish, secrets included.  Before the fix,
-    the second SIGTERM killed the launcher while it stopped vLLM, and the key stayed (seen on the H100)."""
+def one_node_launcher(tmp_path: Path, home: Path, out: Path, job_id: str, **env_extra) -> subprocess.Popen:
+    """The launcher itself, without sbatch: a one-node CPU job ``cpu1`` of the tiny model as SLURM would start it
+    (``SLURM_JOB_ID``, one node), its output in ``out``, its own session so a signal reaches the whole job."""
     settings = tmp_path / "models.toml"
     settings.write_text('["cpu1"]\nmodel = "llmlab-tiny"\nengine = "cpu"\nnodes = 1\ngpus_per_node = 0\n'
                         'tp = 1\npp = 1\n')
-    home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(LLMLAB_PYTHON=sys.executable, LLMLAB_HOME=str(home), LLMLAB_SETTINGS_FILE=str(settings),
-               SLURM_JOB_ID="777", LLMLAB_NODES="node1", LLMLAB_STOP_GRACE="20")
-    out = tmp_path / "job.out"
+               SLURM_JOB_ID=job_id, LLMLAB_NODES="node1", **env_extra)
     with out.open("w") as f:
-        job = subprocess.Popen(["bash", str(SLURM / "llmlab-serve.sh"), "cpu1"], stdout=f, stderr=subprocess.STDOUT,
-                               env=env, start_new_session=True)
+        return subprocess.Popen(["bash", str(SLURM / "llmlab-serve.sh"), "cpu1"], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+
+
+def test_a_second_sigterm_during_the_clean_up_still_removes_the_key(tmp_path):
+    """scancel, then the time limit (or scancel twice): the clean-up must finish, secrets included.  Before the fix,
+    the second SIGTERM killed the launcher while it stopped vLLM, and the key stayed (seen on the H100)."""
+    home, out = tmp_path / "home", tmp_path / "job.out"
+    job = one_node_launcher(tmp_path, home, out, "777", LLMLAB_STOP_GRACE="20")
     try:
         deadline = time.monotonic() + 120
         while "starting vLLM" not in out.read_text() and time.monotonic() < deadline:
@@ -650,18 +655,9 @@ def test_cpu_job_says_loading_then_ready_and_its_clean_up_fits_in_killwait(slurm
 def test_a_job_whose_proxy_dies_after_ready_ends_and_cleans_up(tmp_path):
     """Before: the launcher waited on vLLM alone, so a dead proxy (a crash, the OOM killer) left the job holding its
     nodes, unreachable, until the time limit.  Now the job ends with the reason, clean-up included."""
-    settings = tmp_path / "models.toml"
-    settings.write_text('["cpu1"]\nmodel = "llmlab-tiny"\nengine = "cpu"\nnodes = 1\ngpus_per_node = 0\n'
-                        'tp = 1\npp = 1\n')
-    home = tmp_path / "home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(LLMLAB_PYTHON=sys.executable, LLMLAB_HOME=str(home), LLMLAB_SETTINGS_FILE=str(settings),
-               SLURM_JOB_ID="778", LLMLAB_NODES="node1")
-    out = tmp_path / "job.out"
+    home, out = tmp_path / "home", tmp_path / "job.out"
     conn = home / "servers" / "job-778.json"
-    with out.open("w") as f:
-        job = subprocess.Popen(["bash", str(SLURM / "llmlab-serve.sh"), "cpu1"], stdout=f, stderr=subprocess.STDOUT,
-                               env=env, start_new_session=True)
+    job = one_node_launcher(tmp_path, home, out, "778")
     try:
         def ready():
             assert job.poll() is None, out.read_text()

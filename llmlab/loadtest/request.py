@@ -14,6 +14,12 @@ from dataclasses import dataclass
 
 from llmlab.loadtest.records import Job, Record
 
+# One clock for every timestamp of a run: wall time is read once, here, and every ``start`` is this anchor
+# plus ``perf_counter``.  Reading ``time.time()`` and ``perf_counter()`` one after the other for each
+# request lets a thread switch between the two calls (milliseconds on a starved machine) shift that
+# request's start against its own offsets, and two requests that followed each other seem to overlap.
+_WALL0, _PERF0 = time.time(), time.perf_counter()
+
 # --- one request --------------------------------------------------------------------------------------
 
 class _Deadline(Exception):
@@ -69,16 +75,18 @@ class _Timer:
         self.t_end: float | None = None
 
     def sent(self) -> None:
-        self.rec.start = time.time()
         self.t0 = time.perf_counter()
+        self.rec.start = _WALL0 + (self.t0 - _PERF0)
 
     def answered(self) -> None:
         self.rec.t_response = time.perf_counter() - self.t0
 
     def line(self, line: str) -> None:
         """Take one line of the stream: a token, the usage, an error event, or nothing."""
-        now = self.t_end = time.perf_counter() - self.t0  # taken before the connection can be released
+        now = time.perf_counter() - self.t0
         data = _event(line)
+        if data is not None:  # an event, read before the connection can go back to the pool (a blank
+            self.t_end = now  # line the decoder flushes at the end of the body may come after it)
         if data is None or data == "[DONE]":
             return
         if "error" in data or data.get("object") == "error":

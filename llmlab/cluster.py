@@ -357,11 +357,12 @@ def servers(check: bool = True, embedded: bool = True) -> list[dict]:
         except Exception as e:  # a broken file is listed, not fatal: the table says what is wrong
             out.append({"file": str(path), "error": str(e).split(". ")[0]})
             continue
-        row = {"kind": info.get("kind"), "model": info["model"], "url": info.base_url,
+        row = {"kind": info.get("kind"), "model": info["model"], "url": info.base_url if info.port else None,
                "job_id": info.get("job_id"), "started": info.get("started"), "nodes": info.get("nodes"),
-               "tp": info.get("tp"), "pp": info.get("pp"), "api_key_file": info["api_key_file"], "file": str(path)}
-        if check:
-            row["alive"] = is_alive(info)
+               "tp": info.get("tp"), "pp": info.get("pp"), "api_key_file": info["api_key_file"], "file": str(path),
+               "status": info.status or "ready"}
+        if check:  # a job still in SLURM's queue has no address yet
+            row["alive"] = bool(info.port) and is_alive(info)
         out.append(row)
     return out
 

@@ -3,18 +3,19 @@
 #
 # The per-model job scripts next to this file end with `exec bash llmlab-serve.sh JOB`; JOB names a table of
 # models.toml (nodes, GPUs, TP, PP, dtype, context).  What this script does, in order:
-#   1. renders the job (llmlab.ops.launcher): the vllm serve line, a free port, the Ray layout and its ports;
+#   1. renders the job (llmlab.ops.launcher): the vllm serve line and the Ray layout and its ports;
 #   2. writes a random API key to a 0600 file under $LLMLAB_HOME (default ~/.llmlab) -- never printed;
-#   3. multi-node only: starts Ray with srun (head on the first node, one worker per other node), with token
+#   3. starts llmlab.serve.proxy, which checks the key (read from its file: not in `ps`, not in any log) on every
+#      request and forwards only /v1/*, /health and /metrics, on a free port it binds itself -- bind, then publish:
+#      only a port the proxy holds is ever published, so nobody can squat it and receive the learners' keys;
+#   4. publishes the server early: a connection file with status "loading" (and the load phase), so that
+#      llmlab.connect() says the server is still loading instead of starting the embedded tiny model;
+#   5. multi-node only: starts Ray with srun (head on the first node, one worker per other node), with token
 #      authentication (RAY_AUTH_MODE=token, a per-job 0600 token file), and waits until `ray status` shows
 #      every node and GPU; a node whose Ray exits is retried (a bad argument is not), and the job fails with
-#      that node's log, or with the missing nodes after the time-out;
-#   4. starts vLLM on a Unix socket in a private (0700) directory, and in front of it llmlab.serve.proxy on the
-#      job's port, which checks the key (read from its file: not in `ps`, not in any log) on every request and
-#      forwards only /v1/*, /health and /metrics; prints the model-load progress, waits for /health, then
-#      writes the connection file that llmlab.connect() reads and prints how to use the server;
-#   5. publishes the server early: a connection file with status "loading" (and the load phase) from its first
-#      seconds, so that llmlab.connect() says the server is still loading, then "ready" once /health answers;
+#      that node's log, or with the missing nodes after the time-out; then starts vLLM on a Unix socket in a
+#      private (0700) directory behind the proxy, prints the model-load progress, waits for /health, rewrites
+#      the connection file as "ready" and prints how to use the server;
 #   6. ends the job when vLLM or the proxy exits on its own (a dead proxy must not hold the GPUs);
 #   7. on exit, scancel or the time limit, within SLURM's KillWait: removes the connection file, the key and the
 #      Ray token first, then stops vLLM, the proxy and Ray at once, and removes the socket and Ray's folders.
@@ -55,10 +56,8 @@ fi
 summary='' engine='' served_model='' host='' port='' expected_nodes='' tp='' pp='' ray_timeout='' ready_timeout=''
 serve_line='' ray_address='' ray_expected_gpus=0 ray_head_cmd='' ray_temp_dir='' bind_host='' uds=''
 serve_argv=() nodes=() ray_worker_cmds=()
-port_arg=() run_dir='' ray_dir=''
-if [[ $dry_run == 1 ]]; then
-  port_arg=(--port 8000)  # a real run picks a free port on the head node
-else  # vLLM's socket: a private directory on the head node's local disk (mktemp -d makes it 0700)
+run_dir='' ray_dir=''
+if [[ $dry_run != 1 ]]; then  # vLLM's socket: a private directory on the head node's local disk (mktemp -d makes it 0700)
   run_dir=$(mktemp -d "${TMPDIR:-/tmp}/llmlab-run-$job_id.XXXXXX")
   export LLMLAB_RUN_DIR=$run_dir
   # Ray's folder (multi-node jobs), made before anything starts: an unpredictable name, mode 0700.  Ray makes its
@@ -70,7 +69,7 @@ else  # vLLM's socket: a private directory on the head node's local disk (mktemp
   export LLMLAB_RAY_DIR=$ray_dir
 fi
 rendered=$("$PY" -m llmlab.ops.launcher render "$job" --shell --job-id "$job_id" --nodes "${node_list[*]}" \
-  --python "$PY" "${port_arg[@]}") || { [[ -n $run_dir ]] && rm -rf -- "$run_dir" "$ray_dir"; exit 1; }
+  --python "$PY") || { [[ -n $run_dir ]] && rm -rf -- "$run_dir" "$ray_dir"; exit 1; }
 eval "$rendered"
 if [[ -n $ray_dir && -z $ray_head_cmd ]]; then  # one node: no Ray
   rmdir -- "$ray_dir"
@@ -88,7 +87,8 @@ if [[ $dry_run == 1 ]]; then
   fi
   echo "vLLM:       $serve_line"
   echo "runs as:    ${serve_argv[*]}"
-  echo "proxy:      $PY -m llmlab.serve.proxy --listen $bind_host:$port --upstream unix:$uds --key-file KEY_FILE"
+  echo "proxy:      $PY -m llmlab.serve.proxy --listen $bind_host:$port --upstream unix:$uds --key-file KEY_FILE" \
+    "--watch-pid JOB_SHELL --ready-file RUN_DIR/proxy.ready   (started first; its bound port is then published)"
   env_lines=$(grep '^export ' <<<"$rendered" | sed 's/^export /            /') || true
   echo "env:"
   echo "$env_lines"
@@ -199,6 +199,22 @@ run_helper() {
   return "$rc"
 }
 
+# The key-checking proxy first, on a port it binds itself (port 0), before anything is published: a port chosen
+# ahead and published could be taken by another user first, who would then receive the learners' keys.  Until
+# vLLM listens on $uds the proxy answers 503 "still loading".  It follows the job's shell ($$): a job that ends in
+# any way leaves no proxy behind.
+keys_arg=()
+# A workshop server (llmlab launch --share GROUP): the learners register their key digests in the share's keys/.
+[[ -n ${LLMLAB_SHARE_DIR:-} ]] && LLMLAB_KEYS=${LLMLAB_KEYS:-$LLMLAB_SHARE_DIR/keys}
+[[ -n ${LLMLAB_KEYS:-} ]] && keys_arg=(--keys "$LLMLAB_KEYS")
+"$PY" -m llmlab.serve.proxy --listen "$bind_host:$port" --upstream "unix:$uds" --key-file "$key_file" \
+  --watch-pid $$ --ready-file "$run_dir/proxy.ready" "${keys_arg[@]}" >"$log_dir/proxy.log" 2>&1 </dev/null &
+proxy_pid=$!
+run_helper wait-bound --ready-file "$run_dir/proxy.ready" --pid "$proxy_pid" --log "$log_dir/proxy.log" \
+  >"$run_dir/proxy.port" || die "the key-checking proxy did not start (the line above says why); nothing was published"
+port=$(<"$run_dir/proxy.port")
+say "key-checking proxy listening on $bind_host:$port (log: $log_dir/proxy.log)"
+
 # The connection file, from now on: "loading" with the phase (llmlab.connect() then says the server is still
 # loading instead of starting the embedded tiny model), rewritten as the load goes on and "ready" at READY.
 pub_args=(--host "$host" --port "$port" --model "$served_model" --key-file "$key_file" --connection-file "$conn_file"
@@ -283,13 +299,6 @@ echo "$serve_line"
 # $uds only; the proxy is the job's one listener that other users can reach (its key comes from the key file).
 setsid "${serve_argv[@]}" >"$vllm_log" 2>&1 </dev/null &
 vllm_pid=$!
-keys_arg=()
-# A workshop server (llmlab launch --share GROUP): the learners register their key digests in the share's keys/.
-[[ -n ${LLMLAB_SHARE_DIR:-} ]] && LLMLAB_KEYS=${LLMLAB_KEYS:-$LLMLAB_SHARE_DIR/keys}
-[[ -n ${LLMLAB_KEYS:-} ]] && keys_arg=(--keys "$LLMLAB_KEYS")
-"$PY" -m llmlab.serve.proxy --listen "$bind_host:$port" --upstream "unix:$uds" --key-file "$key_file" \
-  --watch-pid "$vllm_pid" "${keys_arg[@]}" >"$log_dir/proxy.log" 2>&1 </dev/null &
-proxy_pid=$!
 # The wait ends before the job's time limit does (squeue's %L: the time left), so a load that cannot finish in
 # time fails with that reason instead of being killed mid-load.
 time_left=$(squeue -h -j "$job_id" -o %L 2>/dev/null || true)

@@ -209,6 +209,40 @@ def test_a_wrong_model_path_fails_with_that_reason(slurm_env, monkeypatch):  # n
     wait_for(lambda: not job_processes(record["job_id"]), 60, "the job's processes to end")
 
 
+@needs_slurm
+def test_a_queued_job_is_announced_as_loading_and_forgotten_when_cancelled(slurm_env, monkeypatch):  # noqa: F811
+    """Before: while a job waited in SLURM's queue, no connection file existed and connect() started the embedded
+    tiny model in its place.  Now `llmlab launch` publishes "loading" at once; a job cancelled before it started
+    (by `llmlab stop`, or by a bare scancel that `llmlab status` then notices) leaves no file behind."""
+    from llmlab.serve import embedded
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("connect() started the embedded tiny model while the job waited in the queue")
+
+    use_testbed(monkeypatch, slurm_env)
+    monkeypatch.delenv("LLMLAB_CONNECTION_FILE", raising=False)
+    monkeypatch.setattr(embedded, "ensure_embedded", no_fallback)
+    held = [jobs.launch(jobs.prepare(CPU_JOB, nodes=1, extra_sbatch=["--hold"]))["job_id"] for _ in range(2)]
+    try:
+        conn = [cluster.connection_file_of(job_id) for job_id in held]
+        info = json.loads(conn[1].read_text())
+        assert info["status"] == "loading" and info["phase"] == jobs.QUEUED and info["job_id"] == held[1]
+        assert stat.S_IMODE(conn[1].stat().st_mode) == 0o600
+        assert jobs.status(held[1]).state == "PENDING"
+        with pytest.raises(llmlab.ServerUnavailable) as err:
+            llmlab.connect(quiet=True)  # the newest file: the second job's
+        assert f"SLURM job {held[1]} is still loading the model ({jobs.QUEUED}" in str(err.value)
+        row = next(r for r in cluster.servers(embedded=False) if r["job_id"] == held[1])
+        assert row["status"] == "loading" and row["url"] is None and row["alive"] is False
+
+        assert jobs.stop(held[1]).state == "STOPPED" and not conn[1].exists()
+        subprocess.run(["scancel", held[0]], check=True)  # behind llmlab's back
+        wait_for(lambda: jobs.status(held[0]).state == "STOPPED", 60, f"job {held[0]} to be cancelled")
+        assert not conn[0].exists()
+    finally:
+        subprocess.run(["scancel", *held], check=False)
+
+
 @pytest.mark.parametrize("output, vllm_log, reason", [
     ("[llmlab 10:00:00] FAILED: vLLM exited while starting. Last lines of x/vllm.log:\n",
      "ERROR [core.py] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n", "out of memory"),

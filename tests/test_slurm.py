@@ -653,18 +653,27 @@ def test_cpu_job_says_loading_then_ready_and_its_clean_up_fits_in_killwait(slurm
 
 
 def test_a_job_whose_proxy_dies_after_ready_ends_and_cleans_up(tmp_path):
-    """Before: the launcher waited on vLLM alone, so a dead proxy (a crash, the OOM killer) left the job holding its
-    nodes, unreachable, until the time limit.  Now the job ends with the reason, clean-up included."""
+    """Bind, then publish: the first connection file ("loading") names a port that the job's own proxy already
+    holds -- before, the launcher published a port it had picked, and another user could bind it first.
+    A dead proxy: before, the launcher waited on vLLM alone, so a dead proxy (a crash, the OOM killer) left the job
+    holding its nodes, unreachable, until the time limit.  Now the job ends with the reason, clean-up included."""
     home, out = tmp_path / "home", tmp_path / "job.out"
     conn = home / "servers" / "job-778.json"
     job = one_node_launcher(tmp_path, home, out, "778")
     try:
+        wait_for(lambda: job.poll() is None and status_of(conn) is not None, 120, "the first connection file", poll=0.02)
+        first = json.loads(conn.read_text())
+        proxies = [line.split(":")[0] for line in _processes_of(job.pid) if "llmlab.serve.proxy" in line]
+        assert first["status"] == "loading" and len(proxies) == 1, (first, _processes_of(job.pid))
+        assert launcher.port_holder(first["port"], int(proxies[0])) == "ours"
+
         def ready():
             assert job.poll() is None, out.read_text()
             return "READY:" in out.read_text()
 
         wait_for(ready, 600, "the server to be ready", poll=1)
         info = json.loads(conn.read_text())
+        assert info["status"] == "ready" and info["port"] == first["port"]
         key = Path(info["api_key_file"])
         proxies = [line.split(":")[0] for line in _processes_of(job.pid) if "llmlab.serve.proxy" in line]
         assert len(proxies) == 1, _processes_of(job.pid)

@@ -19,6 +19,7 @@ No function here reads or prints a key: only the path of its file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -40,6 +41,7 @@ DEFAULT_TIME = "04:00:00"
 # SLURM states of a job that still holds its nodes, and those that mean it ended badly.
 ACTIVE = {"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "RESIZING", "SIGNALING"}
 SLURM_FAILED = {"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+ENDED = SLURM_FAILED | {"CANCELLED", "COMPLETED", "TIMEOUT", "REVOKED"}  # what SLURM says of a job that is over
 
 
 class JobError(RuntimeError):
@@ -327,8 +329,38 @@ def launch(plan: Launch) -> dict:
               "share": {"group": plan.share[0], "dir": str(plan.share[1])} if plan.share else None,
               "rehearse": plan.rehearse}
     (jobs_dir() / f"{job_id}.json").write_text(json.dumps(record, indent=1))
+    if not plan.rehearse:
+        publish_queued(job_id, plan.job.name, plan.share)
     plan.submitted = record
     return record
+
+
+QUEUED = "waiting in SLURM's queue"
+
+
+def publish_queued(job_id: str, name: str, shared: tuple[str, Path] | None = None) -> None:
+    """A "loading" connection file (and a room's ``server.json``) from the moment SLURM accepts the job.
+
+    Why: a notebook that connects while the job waits for nodes must hear that the server is on its way, not get
+    the embedded tiny model in its place.  The launcher rewrites the file with its address once its proxy
+    listens; ``stop`` and ``status`` remove it when the job ends before the launcher ran."""
+    info = ServerInfo(kind="slurm", host="", port=0, model=name, job_id=job_id, status="loading",
+                      api_key_file=str(llmlab_home() / "keys" / f"job-{job_id}.key"), extra={"phase": QUEUED})
+    info.write(cluster.connection_file_of(job_id))
+    if shared:
+        from llmlab.serve import share
+
+        share.publish(shared[1], info.updated(group=shared[0]))
+
+
+def forget(job_id: str) -> None:
+    """Remove what a job published, for a job whose launcher cannot do it any more: cancelled while queued, or
+    killed before its clean-up ran.  ``connect()`` would otherwise keep saying that its server is loading."""
+    cluster.connection_file_of(job_id).unlink(missing_ok=True)
+    room = Path(((record_of(job_id) or {}).get("share") or {}).get("dir") or "/nonexistent") / "server.json"
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(room.read_text()).get("job_id") == job_id:  # not a later job's publication
+            room.unlink()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -501,6 +533,8 @@ def status(job_id: str) -> JobStatus:
         reason = info.get("Reason", "None")
         return replace(st, state="PENDING", detail="waiting for nodes" + ("" if reason == "None" else
                                                                           f" (SLURM's reason: {reason})"))
+    if slurm_state in ENDED:
+        forget(job_id)
     conn = cluster.connection_file_of(job_id)
     failed = failure(output, vllm_log)
     if slurm_state in ACTIVE and conn.exists():
@@ -693,6 +727,8 @@ def stop(job_id: str, timeout: float = 120.0) -> JobStatus:
     res = _slurm("scancel", job_id)
     if res.returncode:
         raise JobError(f"scancel {job_id} failed: {res.stderr.strip()}")
+    if st.slurm_state == "PENDING":  # its launcher never ran: nobody else removes the "queued" files
+        forget(job_id)
     conn, deadline = cluster.connection_file_of(job_id), time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = scontrol_job(job_id)

@@ -38,7 +38,6 @@ from llmlab.cluster import (
     vllm_flags,
 )
 from llmlab.serve.info import Address, ServerError, ServerInfo, read_key
-from llmlab.serve.proc import free_port
 
 
 def model_path(job: JobSettings, env: dict) -> str:
@@ -205,7 +204,7 @@ class RenderedJob(Address):
     nodes: list[str]
     bind_host: str           # where the key-checking proxy listens (llmlab.serve.proxy)
     host: str                # what clients dial (the connection file's host)
-    port: int                # the proxy's port; vLLM itself listens on the Unix socket ``uds`` only
+    port: int                # the proxy's port, 0 until it has bound one; vLLM listens on the Unix socket ``uds`` only
     uds: str
     model_path: str
     flags: list[str]         # after the model: layout flags, then name/host/port, then extra args
@@ -235,8 +234,13 @@ class RenderedJob(Address):
                          f"{', '.join(self.ray.workers)}; ports {self.ray.port_base}-{self.ray.max_port()}")
         else:
             lines.append("Ray: not needed (one node: vLLM starts its own worker processes)")
-        lines.append(f"vLLM listens on {self.uds} (private); its key-checking proxy on {self.bind_host}:{self.port}; "
-                     f"clients use {self.base_url}")
+        if self.port:
+            lines.append(f"vLLM listens on {self.uds} (private); its key-checking proxy on {self.bind_host}:{self.port}; "
+                         f"clients use {self.base_url}")
+        else:  # bind, then publish: a port chosen ahead could be taken by another user before the proxy binds it
+            lines.append(f"vLLM listens on {self.uds} (private); its key-checking proxy on {self.bind_host}, on a free "
+                         f"port it binds itself; clients use http://{self.host}:<that port>/v1 (the connection file "
+                         "and the READY line name it)")
         return "\n".join(lines)
 
     def shell(self) -> str:
@@ -263,7 +267,8 @@ class RenderedJob(Address):
 
 def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None = None, port: int = 0,
            env: dict | None = None, python: str = "python3") -> RenderedJob:
-    """Settings + the job's nodes -> the exact commands.  ``port=0`` picks a free one on this (the head) node.
+    """Settings + the job's nodes -> the exact commands.  ``port=0`` leaves the port to the proxy, which binds a
+    free one when the job starts and only then is it published (``wait-bound``).
 
     Environment knobs (all optional): ``LLMLAB_MODEL_PATH``, ``LLMLAB_MODEL_DIR``, ``LLMLAB_CACHE_DIR`` (HF
     and vLLM caches), ``LLMLAB_MAX_MODEL_LEN``, ``LLMLAB_EXTRA_VLLM_ARGS``, ``LLMLAB_BIND_HOST``,
@@ -289,7 +294,6 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     loopback = env.get("LLMLAB_LOOPBACK", "1" if job.engine == "cpu" else "0") == "1"
     bind_host = env.get("LLMLAB_BIND_HOST") or ("127.0.0.1" if loopback else "0.0.0.0")
     host = env.get("LLMLAB_ADVERTISE_HOST") or ("127.0.0.1" if loopback else socket.gethostname())
-    port = port or free_port(bind_host)
     path = model_path(job, env)
     # vLLM on a Unix socket in a 0700 directory: only the job's user reaches it; the proxy on bind_host:port checks
     # the key of every request and forwards only /v1/*, /health and /metrics (llmlab.serve.proxy says why).
@@ -659,6 +663,20 @@ def publish(a, status: str, phase: str | None = None, **extra) -> ServerInfo:
     return info
 
 
+def _cmd_wait_bound(a) -> int:
+    """Print the port the job's proxy bound, once its ready file says so: the launcher publishes nothing before."""
+    from llmlab.serve.proc import pid_alive
+    from llmlab.serve.proxy import wait_bound
+
+    try:
+        bound = wait_bound(Path(a.ready_file), lambda: pid_alive(a.pid), Path(a.log), a.timeout)
+    except ServerError as e:
+        say(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    print(bound["port"])
+    return 0
+
+
 def _cmd_loading(a) -> int:
     publish(a, "loading", a.phase)
     return 0
@@ -713,6 +731,12 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--started-only", action="store_true", help="only wait until the steps' Ray has started")
     w.add_argument("--ray-temp-dir", default="", help="Ray's session folder, for the raylet's fatal error")
     w.set_defaults(func=_cmd_wait_ray)
+    b = sub.add_parser("wait-bound", help="print the port the proxy bound, once it listens")
+    b.add_argument("--ready-file", required=True)
+    b.add_argument("--pid", type=int, required=True, help="the proxy")
+    b.add_argument("--log", required=True, help="the proxy's log, for its sentence if it cannot start")
+    b.add_argument("--timeout", type=float, default=60)
+    b.set_defaults(func=_cmd_wait_bound)
     h = sub.add_parser("wait-ready")
     ld = sub.add_parser("loading", help="write the connection file with status 'loading'")
     for q in (h, ld):  # what the connection file says

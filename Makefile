@@ -43,8 +43,9 @@ test: install lint
 	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env -m "not versions and not cluster"
 
 # The notebooks and solutions again, against a server that is not the tiny model: the launcher's CPU job serves
-# llmlab-wide (another context, vocabulary, head layout and KV block size) under the SLURM test bed, and every
-# kernel finds it through the job's connection file, as on a cluster (tests/cluster_mode.py).  .ci/run runs it.
+# llmlab-wide (the tiny model reshaped: another context, vocabulary ids, KV heads and KV block size) under the
+# SLURM test bed, and every kernel finds it through the job's connection file, as on a cluster
+# (tests/cluster_mode.py).  .ci/run runs it.
 test-cluster: install
 	LLMLAB_TEST_SERVER=cluster $(BIN)/pytest tests/test_cluster_mode.py $(NOTEBOOKS) --nbval-lax --nbval-current-env \
 	  -m "not versions"

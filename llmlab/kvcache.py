@@ -46,6 +46,7 @@ __all__ = [
     "Sample", "Metrics", "parse_prometheus", "metrics_url", "fetch_metrics", "kv_snapshot", "snapshot_delta",
     "wait_for_request", "blocks_in_use", "usage_while_running",
     "load_model", "Generation", "greedy", "cache_tensors", "cache_bytes", "tokens_processed", "timed_completion",
+    "server_token_ids",
     "GPU_BLOCK_SIZE", "CPU_BLOCK_SIZE",
 ]
 
@@ -432,3 +433,16 @@ def timed_completion(client, model: str, prompt, max_tokens: int = 1) -> dict:
     return {"ttft": first if first is not None else total, "seconds": total, "text": "".join(text),
             "prompt_tokens": usage.prompt_tokens if usage else None,
             "completion_tokens": usage.completion_tokens if usage else None}
+
+
+def server_token_ids(client, model: str, prompt: str) -> list[int]:
+    """The token ids the *server's* tokenizer gives ``prompt`` (its start token included), as the server counts
+    them: a cluster's model splits text differently from the tiny one.
+
+    Read back from an echoed completion (``echo``, ``logprobs=0``, vLLM's ``return_tokens_as_token_ids``),
+    because llmlab's proxy does not forward vLLM's ``/tokenize``.  It is a request like any other, so it puts
+    ``prompt``'s blocks into the prefix cache: ask after an experiment on that cache, never before."""
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=0,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    tokens = r.choices[0].logprobs.tokens[: r.usage.prompt_tokens]
+    return [int(t.removeprefix("token_id:")) for t in tokens]

@@ -2,25 +2,32 @@
 
 Why: "the same notebooks run unchanged everywhere" can only fail where the server differs.  In CI every notebook
 otherwise talks to the embedded tiny model, so a lesson cell that asserts a fact of the tiny model (its 512-token
-context, its 128-token CPU blocks, its tokenizer) passes there and raises in front of a workshop room.  Here a
-second small Llama, ``llmlab-wide``, differs from the tiny model in every shape a lesson might assume:
+context, its 128-token CPU blocks, its tokenizer's ids, its KV bytes per token) passes there and raises in front
+of a workshop room.  Here a second small Llama, ``llmlab-wide``, differs from the tiny model in every shape a
+lesson might assume:
 
-=====================  ===============  ===============
+=====================  ===============  ===============================================
                        llmlab-tiny      llmlab-wide
-=====================  ===============  ===============
+=====================  ===============  ===============================================
 context                512              2,048
-vocabulary             4,096            1,024 (its own BPE)
-heads / KV heads       8 / 2            6 / 3
-layers, hidden         4, 256           3, 192
+vocabulary             4,096            4,160 (the same pieces under other ids, + 64 unused)
+KV heads               2                4 (each of the tiny model's twice)
+layers                 4                5 (the fifth adds nothing: its outputs are zero)
+hidden, MLP            256, 640         320, 768 (padded with zeros)
 KV block (vLLM-CPU)    128 tokens       32 tokens
 embeddings             tied             untied
-weights                trained          random
-=====================  ===============  ===============
+=====================  ===============  ===============================================
+
+Its weights are the tiny model's, reshaped so that it computes the same function: a room's real server is a
+*trained* model, so a lesson may rightly show what a trained model does (it ends its answers, a verse is less
+surprising than its shuffled words); only the shapes are the tiny model's own facts.  (Random weights would
+fail those cells for a reason no cluster has; a dummy-weight rehearsal is not what a room talks to.)
 
 It is served by the launcher's own CPU job (``slurm/llmlab-wide-cpu.sh``: sbatch, Ray over two nodes, vLLM-CPU,
 the key-checking proxy) under the SLURM test bed, and the notebooks find it through the connection file the
 job writes, exactly as on a cluster.  Its config and tokenizer are committed in ``tests/fixtures/llmlab-wide``;
-the random weights are written at run time (a few MB, seeded).  ``make test-cluster`` runs it.
+the weights are written at run time from the shipped tiny model (15 MB, deterministic).  ``make test-cluster``
+runs it.
 
     python tests/cluster_mode.py fixture   # rebuild the committed config and tokenizer (rarely)
     python tests/cluster_mode.py up        # build the weights, submit the job, print the connection file
@@ -37,62 +44,116 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "llmlab" / "models" / "llmlab-tiny"
 FIXTURE = ROOT / "tests" / "fixtures" / "llmlab-wide"
 JOB = "llmlab-wide-cpu"
-ARCH = dict(vocab_size=1024, hidden_size=192, intermediate_size=512, num_hidden_layers=3, num_attention_heads=6,
-            num_key_value_heads=3, head_dim=32, max_position_embeddings=2048, rope_theta=500000.0,
-            tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2, torch_dtype="float32")
+UNUSED = 64                   # extra vocabulary rows, never produced by the tokenizer
+HIDDEN, MLP = 320, 768        # padded from the tiny model's 256, 640
+KV_REPEAT, EXTRA_LAYERS = 2, 1
+SPECIALS = 3                  # <s>, </s>, <pad> keep their ids
+
+
+def _permutation(n: int) -> list[int]:
+    """old id -> new id: the specials stay, every other piece moves (seeded, so the fixture is reproducible)."""
+    import numpy as np
+
+    return list(range(SPECIALS)) + [SPECIALS + int(i) for i in np.random.RandomState(0).permutation(n - SPECIALS)]
 
 
 def build_fixture(out: Path = FIXTURE) -> None:
-    """The config and a 1,024-token byte-level BPE trained on the course's own notebook text (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    """The config and tokenizer: the tiny model's, reshaped (see the table above); deterministic."""
+    import shutil
 
-    sys.path.insert(0, str(ROOT))
-    from llmlab.ops.tinymodel import CHAT_TEMPLATE, SPECIALS
-
-    texts = []
-    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        texts += ["".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "markdown"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=ARCH["vocab_size"], special_tokens=SPECIALS,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   model_max_length=ARCH["max_position_embeddings"])
-    fast.chat_template = CHAT_TEMPLATE
+    tiny = json.loads((TINY / "config.json").read_text())
+    n = tiny["vocab_size"]
+    perm = _permutation(n)
+    tok = json.loads((TINY / "tokenizer.json").read_text())
+    tok["model"]["vocab"] = {piece: perm[i] for piece, i in tok["model"]["vocab"].items()}
+    tok["added_tokens"] += [{"id": n + k, "content": f"<unused{k}>", "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": False, "special": True} for k in range(UNUSED)]
+    cfg = dict(tiny, vocab_size=n + UNUSED, hidden_size=HIDDEN, intermediate_size=MLP,
+               num_key_value_heads=tiny["num_key_value_heads"] * KV_REPEAT,
+               num_hidden_layers=tiny["num_hidden_layers"] + EXTRA_LAYERS, max_position_embeddings=2048,
+               tie_word_embeddings=False,
+               # zero-padded activations lower the mean square by tiny/wide; the norms' weights and eps make up
+               # for it exactly (see build_weights)
+               rms_norm_eps=tiny["rms_norm_eps"] * tiny["hidden_size"] / HIDDEN)
+    tc = json.loads((TINY / "tokenizer_config.json").read_text())
+    tc["model_max_length"] = cfg["max_position_embeddings"]
     out.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(out)
-    LlamaConfig(**ARCH, architectures=["LlamaForCausalLM"]).save_pretrained(out)
-    cfg = json.loads((out / "config.json").read_text())  # transformers 4.x readers want these spellings too
-    cfg.setdefault("rope_theta", ARCH["rope_theta"])
-    cfg["torch_dtype"] = ARCH["torch_dtype"]
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    tc = json.loads((out / "tokenizer_config.json").read_text())
-    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False) + "\n")
     (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
+    for name in ("chat_template.jinja", "generation_config.json"):
+        shutil.copy(TINY / name, out / name)
+
+
+def wide_weights(tiny: dict, head_dim: int) -> dict:
+    """The tiny model's tensors, reshaped so that the wider model computes the same function:
+
+    - pieces move to their new ids (rows of the embeddings and the now separate output matrix); the unused ids
+      get the rows of <pad>, which the model learned never to produce;
+    - hidden and MLP sizes padded with zeros (a zero input column, a zero output row: nothing changes), and each
+      RMSNorm weight scaled by sqrt(256/320), which undoes the zeros' share of the mean square;
+    - each K and V head repeated (grouped-query attention: a query head reads the same keys as before);
+    - one more layer whose attention and MLP write zeros into the residual stream."""
+    import torch
+
+    emb = tiny["model.embed_tokens.weight"]
+    n, h = emb.shape
+    perm = torch.tensor(_permutation(n))
+    scale = (h / HIDDEN) ** 0.5
+
+    def pad(t: torch.Tensor, rows: int, cols: int | None = None) -> torch.Tensor:
+        out = torch.zeros(rows, cols) if cols is not None else torch.zeros(rows)
+        out[tuple(slice(0, d) for d in t.shape)] = t
+        return out
+
+    vocab = torch.zeros(n + UNUSED, h)
+    vocab[perm] = emb
+    vocab[n:] = emb[2]
+    out = {"model.embed_tokens.weight": pad(vocab, n + UNUSED, HIDDEN),
+           "lm_head.weight": pad(vocab, n + UNUSED, HIDDEN),
+           "model.norm.weight": pad(tiny["model.norm.weight"] * scale, HIDDEN)}
+    layers = 1 + max(int(k.split(".")[2]) for k in tiny if k.startswith("model.layers."))
+    for i in range(layers + EXTRA_LAYERS):
+        src, dst = f"model.layers.{min(i, layers - 1)}.", f"model.layers.{i}."
+        t = {k[len(src):]: v for k, v in tiny.items() if k.startswith(src)}
+        kv = {}
+        for name in ("k_proj", "v_proj"):
+            w = t[f"self_attn.{name}.weight"]
+            kv[name] = w.view(-1, head_dim, h).repeat_interleave(KV_REPEAT, dim=0).reshape(-1, h)
+        zero = i >= layers
+        out.update({
+            dst + "input_layernorm.weight": pad(t["input_layernorm.weight"] * scale, HIDDEN),
+            dst + "post_attention_layernorm.weight": pad(t["post_attention_layernorm.weight"] * scale, HIDDEN),
+            dst + "self_attn.q_proj.weight": pad(t["self_attn.q_proj.weight"], t["self_attn.q_proj.weight"].shape[0],
+                                                 HIDDEN),
+            dst + "self_attn.k_proj.weight": pad(kv["k_proj"], kv["k_proj"].shape[0], HIDDEN),
+            dst + "self_attn.v_proj.weight": pad(kv["v_proj"], kv["v_proj"].shape[0], HIDDEN),
+            dst + "self_attn.o_proj.weight": pad(t["self_attn.o_proj.weight"] * (not zero), HIDDEN,
+                                                 t["self_attn.o_proj.weight"].shape[1]),
+            dst + "mlp.gate_proj.weight": pad(t["mlp.gate_proj.weight"], MLP, HIDDEN),
+            dst + "mlp.up_proj.weight": pad(t["mlp.up_proj.weight"], MLP, HIDDEN),
+            dst + "mlp.down_proj.weight": pad(t["mlp.down_proj.weight"] * (not zero), HIDDEN, MLP),
+        })
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def build_weights(out: Path) -> Path:
-    """The fixture plus seeded random weights in ``out`` (skipped when already there)."""
+    """The fixture plus the reshaped tiny weights in ``out`` (skipped when already there)."""
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     if (out / "model.safetensors").is_file():
         return out
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig.from_pretrained(FIXTURE))
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(FIXTURE, tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
-    shutil.copy(FIXTURE / "config.json", tmp / "config.json")  # keep the committed config, not a re-serialised one
+    head_dim = json.loads((TINY / "config.json").read_text())["head_dim"]
+    weights = wide_weights(load_file(TINY / "model.safetensors"), head_dim)
+    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
     tmp.rename(out)
     return out
 

@@ -46,11 +46,39 @@ def test_every_shape_a_lesson_might_assume_differs_from_the_tiny_model(server):
     info = kvcache.fetch_metrics(server.base_url, server.key()).labels(kvcache.CACHE_CONFIG)
     assert int(info["block_size"]) == 32 != memory.CPU_BLOCK_SIZE
     wide = memory.model_spec(Path(__file__).parent / "fixtures" / "llmlab-wide")
-    for field in ("vocab_size", "num_heads", "num_kv_heads", "num_layers", "hidden_size", "tie_word_embeddings"):
+    for field in ("vocab_size", "num_kv_heads", "num_layers", "hidden_size", "intermediate_size",
+                  "tie_word_embeddings"):
         assert getattr(wide, field) != getattr(TINY, field), field
-    tiny_tokens = len(offline.load_tokenizer()("In the beginning God created")["input_ids"])
-    served = client.completions.create(model=model, prompt="In the beginning God created", max_tokens=1)
-    assert served.usage.prompt_tokens != tiny_tokens  # another tokenizer
+    assert memory.kv_bytes_per_token(wide) != memory.kv_bytes_per_token(TINY)
+    text = "In the beginning God created"
+    tiny_ids = offline.load_tokenizer()(text)["input_ids"]
+    served_ids = kvcache.server_token_ids(client, model, text)
+    assert len(served_ids) == len(tiny_ids) and served_ids != tiny_ids  # the same pieces under other ids
+
+
+def test_the_wide_model_is_the_tiny_one_reshaped():
+    """Same function, other shapes: the lessons that show what a trained model does still hold (see
+    tests/cluster_mode.py), and nothing else of the tiny model does."""
+    import torch
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import cluster_mode
+
+    tiny = load_file(cluster_mode.TINY / "model.safetensors")
+    wide = cluster_mode.wide_weights(tiny, TINY.head_dim)
+    assert wide["model.embed_tokens.weight"].shape == (4160, 320) and len({k for k in wide if "layers.4." in k}) == 9
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    models = [LlamaForCausalLM.from_pretrained(cluster_mode.TINY, dtype=torch.float32).eval(),
+              LlamaForCausalLM(LlamaConfig.from_pretrained(cluster_mode.FIXTURE)).eval()]
+    models[1].load_state_dict(wide)
+    ids = torch.tensor([[0, 5, 17, 300, 2000, 4000]])
+    perm = torch.tensor(cluster_mode._permutation(4096))
+    with torch.no_grad():
+        a, b = models[0](ids).logits[0], models[1](perm[ids]).logits[0]
+    assert torch.allclose(a, b[:, perm], atol=1e-4)
+    assert b.softmax(-1)[:, 4096:].sum(-1).max() < 1e-3  # the unused ids are (almost) never drawn
 
 
 def test_a_lesson_cell_that_asserts_the_tiny_models_context_fails_here(tmp_path):

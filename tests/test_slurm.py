@@ -661,7 +661,8 @@ def test_a_job_whose_proxy_dies_after_ready_ends_and_cleans_up(tmp_path):
     conn = home / "servers" / "job-778.json"
     job = one_node_launcher(tmp_path, home, out, "778")
     try:
-        wait_for(lambda: job.poll() is None and status_of(conn) is not None, 120, "the first connection file", poll=0.02)
+        wait_for(lambda: job.poll() is None and status_of(conn) is not None, 120, "the first connection file",
+                 poll=0.02)
         first = json.loads(conn.read_text())
         proxies = [line.split(":")[0] for line in _processes_of(job.pid) if "llmlab.serve.proxy" in line]
         assert first["status"] == "loading" and len(proxies) == 1, (first, _processes_of(job.pid))

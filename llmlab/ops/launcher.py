@@ -235,8 +235,8 @@ class RenderedJob(Address):
         else:
             lines.append("Ray: not needed (one node: vLLM starts its own worker processes)")
         if self.port:
-            lines.append(f"vLLM listens on {self.uds} (private); its key-checking proxy on {self.bind_host}:{self.port}; "
-                         f"clients use {self.base_url}")
+            lines.append(f"vLLM listens on {self.uds} (private); its key-checking proxy on "
+                         f"{self.bind_host}:{self.port}; clients use {self.base_url}")
         else:  # bind, then publish: a port chosen ahead could be taken by another user before the proxy binds it
             lines.append(f"vLLM listens on {self.uds} (private); its key-checking proxy on {self.bind_host}, on a free "
                          f"port it binds itself; clients use http://{self.host}:<that port>/v1 (the connection file "

@@ -12,7 +12,13 @@ child of this script with ``SLURM_JOB_ID`` and the node name set as sbatch would
 ``scontrol show job`` that ``llmlab.ops.jobs.status`` reads is supplied by this script (RUNNING while the launcher's
 process lives, COMPLETED after).  Everything else is llmlab's own code reading the real GPU engine's log.
 
+A job of several nodes (``--nodes 2 --gpus-per-node 1 --tp 1 --pp 2``) plays its nodes on this one host: the
+launcher's ``srun -w NODE`` is ``benchmarks/onehost/srun``, which runs the step here with only that node's GPUs
+visible (``CUDA_VISIBLE_DEVICES``), so Ray's head and worker are two Ray nodes of one GPU each on 127.0.0.1, and
+vLLM's pipeline stages talk over NCCL between them as between two nodes (over NVLink, not InfiniBand).
+
     python benchmarks/launcher_on_gpu.py llama3.1-8b --out /tmp/out [--concurrency 1 8 64]
+    python benchmarks/launcher_on_gpu.py llama3.1-8b --nodes 2 --gpus-per-node 1 --tp 1 --pp 2 --out /tmp/pp2
 
 Writes ``launch.json`` (every state seen with its time, the answers, the figures) and the job's logs, plus a
 snapshot of the launcher output and vLLM log at each change of state (``states/``): the parser fixtures.
@@ -55,17 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 64])
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for READY")
     ap.add_argument("--extra-vllm-args", default="", help="more vLLM flags (LLMLAB_EXTRA_VLLM_ARGS), e.g. to fail")
+    for name in ("nodes", "gpus-per-node", "tp", "pp"):
+        ap.add_argument(f"--{name}", type=int, help="override the job's layout (as llmlab launch does)")
     a = ap.parse_args(argv)
 
-    job = cluster.job_settings(a.job)
+    job = jobs.settings(a.job, nodes=a.nodes, gpus_per_node=a.gpus_per_node, tp=a.tp, pp=a.pp)
     out = a.out
     (out / "states").mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="llmlab-home-"))
+    settings = home / "models.toml"  # the layout the launcher reads, as llmlab launch writes it
+    settings.write_text(jobs.settings_toml(job))
     model_dir = home / "model"
     tok = rehearsal.make_dummy_model(job.model, model_dir)
     node = socket.gethostname()
+    nodes = [node] if job.nodes == 1 else [f"{node}-{i}" for i in range(job.nodes)]
     env = {**os.environ, "LLMLAB_HOME": str(home), "SLURM_JOB_ID": a.job_id, "SLURM_JOB_NAME": f"llmlab-{a.job}",
-           "LLMLAB_NODES": node, "LLMLAB_MODEL_PATH": str(model_dir),
+           "LLMLAB_NODES": " ".join(nodes), "LLMLAB_MODEL_PATH": str(model_dir), "LLMLAB_SETTINGS_FILE": str(settings),
            "LLMLAB_EXTRA_VLLM_ARGS": f"--load-format dummy {a.extra_vllm_args}",
            "LLMLAB_PYTHON": sys.executable,
            # rehearse's probe plugin prints each GPU worker's memory figures in bytes: KV tokens exact, not rounded
@@ -74,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
            "HF_HUB_OFFLINE": "1", "LLMLAB_STOP_GRACE": "20"}
     _, extra_env, _ = rehearsal.serve_argv(job, model_dir, 0)
     env.update({k: v for k, v in extra_env.items() if k not in ("VLLM_API_KEY",)})
+    if job.nodes > 1:  # the nodes are this host: srun runs each step here with that node's GPUs; Ray on 127.0.0.1
+        env.update(PATH=f"{REPO / 'benchmarks' / 'onehost'}{os.pathsep}{env['PATH']}", LLMLAB_LOOPBACK="1",
+                   LLMLAB_GPUS_PER_NODE=str(job.gpus_per_node))
     os.environ.update({"LLMLAB_HOME": str(home)})
     os.environ.pop("LLMLAB_BASE_URL", None)
 
@@ -89,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 
     jobs.scontrol_job = scontrol
     seen, last = [], None
-    result: dict = {"job": a.job, "job_id": a.job_id, "node": node, "states": seen}
+    result: dict = {"job": a.job, "job_id": a.job_id, "nodes": nodes, "states": seen,
+                    "layout": {"nodes": job.nodes, "gpus_per_node": job.gpus_per_node, "tp": job.tp, "pp": job.pp}}
     while True:
         st = jobs.status(a.job_id)
         line = f"{st.state}: {st.detail}"
@@ -127,10 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                          "status_after": str(jobs.status(a.job_id))}
     clean = not any(left.values()) and not any(files.values())
     print(f"clean-up in {result['cleanup_s']} s: {'clean' if clean else 'NOT CLEAN'} {left} {files}", flush=True)
-    for name in ("vllm.log", "proxy.log", "rendered.sh"):
-        src = home / "logs" / f"job-{a.job_id}" / name
-        if src.exists():
-            shutil.copy(src, out / name)
+    for src in sorted((home / "logs" / f"job-{a.job_id}").glob("*")):  # vllm.log, proxy.log, rendered.sh, ray-*.log
+        if src.is_file():
+            shutil.copy(src, out / src.name)
     (out / "launch.json").write_text(json.dumps(result, indent=1, default=str))
     shutil.rmtree(home, ignore_errors=True)
     return 0 if ok and clean else 1

@@ -11,6 +11,11 @@
 #   PIECES=3 benchmarks/rehearse_on_device.sh proxy --model llama3.1-8b ...   # benchmarks/proxy_overhead.py
 #   PIECES=3 benchmarks/rehearse_on_device.sh launch llama3.1-8b               # benchmarks/launcher_on_gpu.py
 #
+# With Ray (multi-node jobs), the set and Ray's own tar.xz travel as one byte stream cut into BUNDLE pieces of
+# 46.4 MB (bundle.NN: site.tar.xz's SITE_BYTES bytes, then ray.tar.xz), three calls instead of four:
+#
+#   BUNDLE=3 SITE_BYTES=108045892 benchmarks/rehearse_on_device.sh launch llama3.1-8b --nodes 2 --tp 1 --pp 2 ...
+#
 # Environment: PIECES (how many pieces make the set), OUT (results folder), CONCURRENCY (default 1,8,64,256),
 # READY_TIMEOUT (seconds for /health, default 420).  NVLink multicast stays off (the lending workplace asks
 # it: NCCL_NVLS_ENABLE=0 and friends), and so does vLLM's symmetric-memory all-reduce, which would use it.
@@ -19,10 +24,16 @@ stage=/tmp/llmlab-stage
 site=/tmp/llmlab-site
 out=${OUT:-/tmp/llmlab-out}
 mkdir -p "$stage" "$out"
-if compgen -G ".whl/site.tar.xz.*" > /dev/null; then
-    cp .whl/site.tar.xz.* "$stage"/
+if [ -n "${BUNDLE:-}" ]; then
+    pattern='bundle.*' PIECES=$BUNDLE
+else
+    pattern='site.tar.xz.*'
 fi
-have=$(find "$stage" -name 'site.tar.xz.*' | wc -l)
+if compgen -G ".whl/$pattern" > /dev/null; then
+    # shellcheck disable=SC2086  # the pattern is a glob
+    cp .whl/$pattern "$stage"/
+fi
+have=$(find "$stage" -name "$pattern" | wc -l)
 echo "pieces staged: $have of ${PIECES:?set PIECES}"
 if [ "$#" -eq 0 ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -34,7 +45,15 @@ if [ "$have" -lt "$PIECES" ]; then
 fi
 if [ ! -f "$site/.complete" ]; then
     mkdir -p "$site"
-    cat "$stage"/site.tar.xz.* | xz -d | tar -x -C "$site"
+    if [ -n "${BUNDLE:-}" ]; then
+        sha256sum "$stage"/bundle.*
+        cat "$stage"/bundle.* >"$stage/bundle"  # one file: head on a pipe would end cat with SIGPIPE
+        head -c "${SITE_BYTES:?set SITE_BYTES}" "$stage/bundle" | xz -d | tar -x -C "$site"
+        tail -c +$((SITE_BYTES + 1)) "$stage/bundle" | xz -d | tar -x -C "$site"
+        rm -f "$stage/bundle"
+    else
+        cat "$stage"/site.tar.xz.* | xz -d | tar -x -C "$site"
+    fi
     touch "$site/.complete"
 fi
 export PYTHONPATH=$site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1

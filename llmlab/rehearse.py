@@ -99,9 +99,9 @@ def parse_memory_log(text: str) -> MemoryLog:
     """
     out = MemoryLog()
     for line in text.splitlines():
-        if line.startswith(PROBE_TAG) or PROBE_TAG in line:
+        if PROBE_TAG in line:  # the JSON, then whatever Ray appends ("[repeated 2x across cluster]")
             with contextlib.suppress(ValueError):
-                out.probe.append(json.loads(line.split(PROBE_TAG, 1)[1]))
+                out.probe.append(json.JSONDecoder().raw_decode(line.split(PROBE_TAG, 1)[1])[0])
             continue
         hit = False
         for key, pat in _PATTERNS.items():
@@ -116,7 +116,8 @@ def parse_memory_log(text: str) -> MemoryLog:
             out.cuda_graph_estimate_applied, hit = False, True
         if hit:
             out.lines.append(line.rstrip())
-    out.probe.sort(key=lambda p: p.get("rank") or 0)
+    # one per rank, in rank order: vLLM and Ray may print a worker's line more than once
+    out.probe = sorted({p.get("rank") or 0: p for p in out.probe}.values(), key=lambda p: p.get("rank") or 0)
     return out
 
 
@@ -227,7 +228,7 @@ def predict_kv_from_log(layout: Layout, mem: MemoryLog) -> tuple[int, str]:
     if layout.engine == "cpu":
         return _tokens(layout, [layout.kv_cache_gib * GiB]), "configured KV space (VLLM_CPU_KVCACHE_SPACE)"
     ranks = [p for p in mem.probe if "weights" in p]
-    if ranks and len(ranks) == layout.tp * layout.pp:
+    if [p.get("rank") for p in ranks] == list(range(layout.tp * layout.pp)):  # every GPU's figures
         budgets = [memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"],
                                     p["cudagraph_estimate"] if graph_estimate_subtracted(p) else 0,
                                     layout.utilization) for p in ranks]

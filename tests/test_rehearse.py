@@ -61,19 +61,24 @@ def test_the_cpu_builds_one_line_format_is_parsed():
     assert m.weights_gib is None
 
 
-@pytest.mark.parametrize("run, tp, logged", [("h100-llama3.1-8b-tp1", 1, 449_968),
-                                             ("h200-llama3.1-8b-tp2", 2, 1_925_200)])
-def test_real_gpu_logs_give_the_logged_kv_tokens_exactly(run, tp, logged):
-    """The probe's bytes (one line per GPU worker) through llmlab.memory reproduce vLLM's count to the token."""
+@pytest.mark.parametrize("run, tp, pp, logged", [("h100-llama3.1-8b-tp1", 1, 1, 449_968),
+                                                 ("h200-llama3.1-8b-tp2", 2, 1, 1_925_200),
+                                                 ("h200x2-llama3.1-8b-pp2-ray", 1, 2, 1_919_008)])
+def test_real_gpu_logs_give_the_logged_kv_tokens_exactly(run, tp, pp, logged):
+    """The probe's bytes (one line per GPU worker) through llmlab.memory reproduce vLLM's count to the token.
+    PP=2 (the launcher's two-node Ray job): vLLM keeps the smaller stage's pool; Ray forwards the workers' lines
+    with its own tags and "[repeated 2x across cluster]" after rank 0's (read wrongly before: 1,921,760)."""
     text = (FIXTURES / f"{run}.log").read_text()
     m = rehearse.parse_memory_log(text)
     assert m.kv_tokens == logged and m.vllm_version == "0.26.0"
-    assert [p["rank"] for p in m.probe] == list(range(tp))
-    layout = rehearse.Layout("llama3.1-8b", tp=tp, max_model_len=131_072)
+    assert [p["rank"] for p in m.probe] == list(range(tp * pp))
+    layout = rehearse.Layout("llama3.1-8b", tp=tp, pp=pp, max_model_len=131_072)
     assert rehearse.predict_kv_from_log(layout, m) == (logged, "exact bytes (probe)")
     m.probe = []  # without the probe: the rounded figures, a few blocks off
     tokens, basis = rehearse.predict_kv_from_log(layout, m)
-    assert basis == "rounded log figures" and abs(tokens - logged) <= 10 * 16 * tp
+    # With PP the log's one set of rounded figures is the first-logged worker's, and the stages differ (peak
+    # activations of 1.10 and 0.93 GiB here): within half a percent, not a few blocks.
+    assert basis == "rounded log figures" and abs(tokens - logged) <= (10 * 16 * tp if pp == 1 else logged // 200)
 
 
 def test_a_log_without_the_kv_line_is_an_error_that_names_it():

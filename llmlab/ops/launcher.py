@@ -22,6 +22,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -429,6 +430,13 @@ def _dead_step(steps: dict[str, tuple[int, str]]) -> str | None:
     return next((node for node, (pid, _) in steps.items() if not pid_alive(pid)), None)
 
 
+def ray_command() -> str | None:
+    """The ``ray`` CLI of the job's environment (beside this Python), else the one on PATH -- where ``ray start``
+    itself was found (an environment whose scripts are elsewhere, e.g. a ``--target`` install with a wrapper)."""
+    beside = Path(sys.executable).with_name("ray")
+    return str(beside) if beside.exists() else shutil.which("ray")
+
+
 def wait_for_ray(address: str, nodes: int, gpus: int, timeout: float, steps: dict[str, tuple[int, str]],
                  poll: float = 5.0, ray_bin: str | None = None, started_only: bool = False,
                  temp_dir: str | None = None) -> bool:
@@ -441,7 +449,11 @@ def wait_for_ray(address: str, nodes: int, gpus: int, timeout: float, steps: dic
     only after the head has, so that they do not compete with it for CPU nor dial a head that is not
     registered yet).  Returns True on success; prints the reason and returns False otherwise.
     """
-    ray_bin = ray_bin or str(Path(sys.executable).with_name("ray"))
+    ray_bin = ray_bin or ray_command()
+    if ray_bin is None:
+        say("FAILED: no `ray` command beside this Python nor on PATH, so the launcher cannot ask Ray whether every "
+            "node joined: install Ray in the job's environment (pip install 'ray>=2.52').")
+        return False
     start, last = time.monotonic(), None
 
     def failed() -> bool:

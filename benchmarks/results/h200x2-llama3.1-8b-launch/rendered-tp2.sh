@@ -1,0 +1,26 @@
+summary='llama3.1-8b: llama3.1-8b on 1 node(s) x 2 GPU(s), TP=2 x PP=1, engine gpu, context 131,072 tokens
+Ray: not needed (one node: vLLM starts its own worker processes)
+vLLM listens on /tmp/llmlab-run-900001.zEK5qj/vllm.sock (private); its key-checking proxy on 0.0.0.0, on a free port it binds itself; clients use http://vm:<that port>/v1 (the connection file and the READY line name it)'
+job_name=llama3.1-8b
+engine=gpu
+served_model=llama3.1-8b
+bind_host=0.0.0.0
+host=vm
+port=0
+uds=/tmp/llmlab-run-900001.zEK5qj/vllm.sock
+expected_nodes=1
+tp=2
+pp=1
+ray_timeout=600
+ready_timeout=1800
+serve_argv=(/opt/torch/.venv/bin/python3 -m vllm.entrypoints.openai.api_server --model /tmp/llmlab-home-4vegfepj/model --tensor-parallel-size 2 --max-model-len 131072 --gpu-memory-utilization 0.9 --served-model-name llama3.1-8b --uds /tmp/llmlab-run-900001.zEK5qj/vllm.sock --load-format dummy)
+serve_line='vllm serve /tmp/llmlab-home-4vegfepj/model --tensor-parallel-size 2 --max-model-len 131072 --gpu-memory-utilization 0.9 --served-model-name llama3.1-8b --uds /tmp/llmlab-run-900001.zEK5qj/vllm.sock --load-format dummy'
+nodes=(vm)
+export VLLM_NO_USAGE_STATS=1
+export DO_NOT_TRACK=1
+export VLLM_RPC_BASE_PATH=/tmp/llmlab-run-900001.zEK5qj
+ray_address=
+ray_expected_gpus=0
+ray_temp_dir=
+ray_head_cmd=
+ray_worker_cmds=()

@@ -209,7 +209,8 @@ class VLLMProcess(Address):
 # and the launcher read were checked against each (tests/fixtures/vllm/<version>/, tests/test_vllm_versions.py).
 # pyproject's `gpu` extra and environment.yml bound vLLM to VLLM_RANGE; tests/test_packaging.py keeps them in step.
 VLLM_TESTED = {
-    "0.26.0": "CUDA build: the launcher's one-node job and rehearsals on an H100 and 2 x H200 (benchmarks/results)",
+    "0.26.0": ("CUDA build: the launcher's one-node jobs and its two-node Ray job (PP=2), and rehearsals, on an "
+               "H100 and 2 x H200 (benchmarks/results)"),
     "0.27.0": "CPU build: `make test-versions`", "0.27.1": "CPU build: `make test-versions`",
     "0.28.0": "CPU build: `make test-versions`",
     "0.29.0": "CPU build: `make test-versions`", "0.30.0": "CPU build: `make test-versions`",

@@ -63,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-vllm-args", default="", help="more vLLM flags (LLMLAB_EXTRA_VLLM_ARGS), e.g. to fail")
     for name in ("nodes", "gpus-per-node", "tp", "pp"):
         ap.add_argument(f"--{name}", type=int, help="override the job's layout (as llmlab launch does)")
+    ap.add_argument("--backend", choices=("ray", "mp"), help="across nodes: Ray's executor or vLLM's own (--nnodes)")
     a = ap.parse_args(argv)
 
-    job = jobs.settings(a.job, nodes=a.nodes, gpus_per_node=a.gpus_per_node, tp=a.tp, pp=a.pp)
+    job = jobs.settings(a.job, nodes=a.nodes, gpus_per_node=a.gpus_per_node, tp=a.tp, pp=a.pp, backend=a.backend)
     out = a.out
     (out / "states").mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="llmlab-home-"))

@@ -73,6 +73,7 @@ class JobSettings:
     gpu_memory_utilization: float = memory.DEFAULT_UTILIZATION
     kv_cache_gib: int = 1          # CPU engine only: VLLM_CPU_KVCACHE_SPACE
     extra_args: tuple[str, ...] = ()
+    backend: str = "ray"           # across nodes: "ray" (Ray's executor) or "mp" (vLLM's own processes, --nnodes)
     ray_timeout: float = 600.0     # seconds for every Ray node (and GPU) to join
     ready_timeout: float = 5400.0  # seconds for /health (the seeds' 405B took ~40 min to load)
     description: str = ""
@@ -83,8 +84,13 @@ class JobSettings:
 
     @property
     def uses_ray(self) -> bool:
-        """Ray only where vLLM needs it: a layout that spans nodes.  One node uses vLLM's own processes."""
-        return self.nodes > 1
+        """Ray only where a layout spans nodes and the job asks for it.  One node uses vLLM's own processes."""
+        return self.nodes > 1 and self.backend == "ray"
+
+    @property
+    def uses_mp_nodes(self) -> bool:
+        """Across nodes without Ray: ``vllm serve --nnodes N`` on the head, ``--headless`` on every other node."""
+        return self.nodes > 1 and self.backend == "mp"
 
     @property
     def context(self) -> int:
@@ -139,6 +145,12 @@ def check_settings(job: JobSettings, path: Path) -> None:
         raise SettingsError(f"{where}: engine must be 'gpu' or 'cpu', got {job.engine!r}.")
     if job.nodes < 1 or job.tp < 1 or job.pp < 1:
         raise SettingsError(f"{where}: nodes, tp and pp must be >= 1.")
+    if job.backend not in ("ray", "mp"):
+        raise SettingsError(f"{where}: backend must be 'ray' (Ray's executor across nodes) or 'mp' (vLLM's own "
+                            f"processes on each node, --nnodes), got {job.backend!r}.")
+    if job.uses_mp_nodes and (job.tp * job.pp) % job.nodes:
+        raise SettingsError(f"{where}: backend 'mp' gives every node the same share of the TP x PP = "
+                            f"{job.tp * job.pp} workers, which {job.nodes} nodes do not divide; use backend 'ray'.")
     if job.engine == "gpu":
         if job.tp * job.pp != job.gpus:
             raise SettingsError(f"{where}: TP={job.tp} x PP={job.pp} = {job.tp * job.pp} GPUs, but the job has "
@@ -177,8 +189,13 @@ def vllm_flags(job: JobSettings) -> list[str]:
     line, _ = memory.serve_command(job.model, tp=job.tp, pp=job.pp, max_model_len=job.context, dtype=job.dtype,
                                    kv_dtype=job.kv_dtype, gpu_memory_utilization=job.gpu_memory_utilization)
     flags = shlex.split(line)[3:]  # drop "vllm serve MODEL"
-    if job.uses_ray and "--distributed-executor-backend" not in flags:
-        flags += ["--distributed-executor-backend", "ray"]
+    if job.nodes > 1:  # the job's executor across nodes (serve_command names Ray for PP)
+        if "--distributed-executor-backend" in flags:
+            flags[flags.index("--distributed-executor-backend") + 1] = job.backend
+        else:
+            flags += ["--distributed-executor-backend", job.backend]
+        if job.uses_mp_nodes:  # node rank, head address and port are the launcher's, per node
+            flags += ["--nnodes", str(job.nodes)]
     return flags
 
 

@@ -55,7 +55,7 @@ fi
 # Set by the rendered settings below (declared here for readers and for shellcheck).
 summary='' engine='' served_model='' host='' port='' expected_nodes='' tp='' pp='' ray_timeout='' ready_timeout=''
 serve_line='' ray_address='' ray_expected_gpus=0 ray_head_cmd='' ray_temp_dir='' bind_host='' uds=''
-serve_argv=() nodes=() ray_worker_cmds=()
+serve_argv=() nodes=() ray_worker_cmds=() mp_master='' mp_worker_cmds=()
 run_dir='' ray_dir=''
 if [[ $dry_run != 1 ]]; then  # vLLM's socket: a private directory on the head node's local disk (mktemp -d makes it 0700)
   run_dir=$(mktemp -d "${TMPDIR:-/tmp}/llmlab-run-$job_id.XXXXXX")
@@ -85,6 +85,9 @@ if [[ $dry_run == 1 ]]; then
     done
     echo "Ray wait:   $expected_nodes nodes, $ray_expected_gpus GPUs at $ray_address (time-out ${ray_timeout} s)"
   fi
+  for i in "${!mp_worker_cmds[@]}"; do
+    echo "vLLM node:  srun --overlap --nodes=1 --ntasks=1 -w ${nodes[i + 1]} ${mp_worker_cmds[i]}"
+  done
   echo "vLLM:       $serve_line"
   echo "runs as:    ${serve_argv[*]}"
   echo "proxy:      $PY -m llmlab.serve.proxy --listen $bind_host:$port --upstream unix:$uds --key-file KEY_FILE" \
@@ -104,7 +107,7 @@ mkdir -p "$log_dir" "$home/keys" "$home/servers"
 printf '%s' "$rendered" >"$log_dir/rendered.sh"  # what ran, for the record (no secret in it)
 
 vllm_pid='' proxy_pid='' helper_pid='' cleaned=''
-ray_pids=() ray_steps=() attempt=1
+ray_pids=() ray_steps=() attempt=1 mp_pids=() mp_steps=()
 # The clean-up must end within SLURM's KillWait (scancel and the time limit send SIGTERM, then SIGKILL that many
 # seconds later; 30 by default): its grace for the processes leaves room for the rest.
 kill_wait=$(timeout 10 scontrol show config 2>/dev/null | sed -n 's/^KillWait *= *\([0-9]*\).*/\1/p') || true
@@ -153,6 +156,11 @@ cleanup() {
     say "stopping Ray on ${nodes[*]}"
     kill -TERM "${ray_pids[@]}" 2>/dev/null || true  # srun passes it to `ray start --block`, which stops its node's Ray
     procs+=("${ray_pids[@]}")
+  fi
+  if ((${#mp_pids[@]})); then
+    say "stopping vLLM on ${nodes[*]:1}"
+    kill -TERM "${mp_pids[@]}" 2>/dev/null || true  # srun passes it to each node's headless vLLM
+    procs+=("${mp_pids[@]}")
   fi
   if ((${#procs[@]})) && ! wait_gone "${procs[*]}" "$stop_grace"; then
     kill -KILL -- "${procs[@]}" 2>/dev/null || true
@@ -293,6 +301,21 @@ if [[ -n $ray_head_cmd ]]; then
   say "Ray cluster complete: $expected_nodes nodes, $ray_expected_gpus GPUs"
 fi
 
+if ((${#mp_worker_cmds[@]})); then
+  # Backend "mp": vLLM's own multi-node mode.  Each other node runs `vllm serve --headless` (its GPUs' workers,
+  # no API server); they meet the head at $mp_master (torch.distributed).  Started first: the head waits for them.
+  say "no Ray: vLLM's own processes on ${#nodes[@]} nodes, meeting at $mp_master"
+  say "note: these processes take no token on their ports (torch.distributed at $mp_master, vLLM's message queues," \
+    "NCCL): use backend mp only where no other user reaches the nodes' ports; Ray's backend authenticates with a token"
+  for i in "${!mp_worker_cmds[@]}"; do
+    node=${nodes[i + 1]}
+    eval "args=(${mp_worker_cmds[i]})"
+    say "vLLM on $node (headless): ${args[*]}"
+    srun --overlap --nodes=1 --ntasks=1 -w "$node" "${args[@]}" >"$log_dir/vllm-$node.log" 2>&1 </dev/null &
+    mp_pids+=("$!")
+    mp_steps+=(--step "$node:$!:$log_dir/vllm-$node.log")
+  done
+fi
 say "starting vLLM (log: $vllm_log)"
 echo "$serve_line"
 # setsid makes vLLM and its engine processes one group, so the clean-up can stop them all.  vLLM listens on
@@ -305,16 +328,29 @@ time_left=$(squeue -h -j "$job_id" -o %L 2>/dev/null || true)
 # The key goes to /health only while the proxy started here lives and holds the port (not a squatter on it).
 run_helper wait-ready "${pub_args[@]}" --pid "$vllm_pid" --log "$vllm_log" --proxy-pid "$proxy_pid" \
   --proxy-log "$log_dir/proxy.log" --timeout "$ready_timeout" --elapsed "$SECONDS" --time-left "$time_left" \
-  --stop-grace "$stop_grace" || exit 1
+  --stop-grace "$stop_grace" "${mp_steps[@]}" || exit 1
 
 # Serving: the job ends (clean-up included) as soon as vLLM or its proxy exits, whichever goes first; a dead proxy
 # would otherwise leave nobody able to reach the server while the job holds its GPUs until the time limit.
 # (A poll, not `wait -n PID PID`: bash before 5.1, as on RHEL 8, waits there for any job, a Ray step included.)
-while kill -0 "$vllm_pid" 2>/dev/null && kill -0 "$proxy_pid" 2>/dev/null; do
+nodes_alive() {  # every other node's headless vLLM (backend mp)
+  local pid
+  for pid in "${mp_pids[@]}"; do kill -0 "$pid" 2>/dev/null || return 1; done
+}
+while kill -0 "$vllm_pid" 2>/dev/null && kill -0 "$proxy_pid" 2>/dev/null && nodes_alive; do
   sleep 2 &
   wait $! || true
 done
 rc=0
+if kill -0 "$vllm_pid" 2>/dev/null && kill -0 "$proxy_pid" 2>/dev/null; then
+  for i in "${!mp_pids[@]}"; do
+    kill -0 "${mp_pids[i]}" 2>/dev/null && continue
+    node=${nodes[i + 1]}
+    die "vLLM's headless workers on $node exited: the model is incomplete, so the job ends now. Last lines of
+$log_dir/vllm-$node.log:
+$(tail -n 20 "$log_dir/vllm-$node.log")"
+  done
+fi
 if kill -0 "$vllm_pid" 2>/dev/null; then
   wait "$proxy_pid" || rc=$?
   proxy_pid=''

@@ -20,7 +20,16 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from test_slurm import CPU_JOB, GPU_JOBS, dry_run, job_processes, needs_slurm, slurm_env, wait_for  # noqa: F401
+from test_slurm import (  # noqa: F401
+    CPU_JOB,
+    GPU_JOBS,
+    dry_run,
+    job_processes,
+    line_of,
+    needs_slurm,
+    slurm_env,
+    wait_for,
+)
 
 import llmlab
 from llmlab import cluster, kvcache, memory
@@ -32,10 +41,6 @@ from llmlab.serve.proc import free_port
 def llmlab_cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "llmlab", *args], capture_output=True, text=True, timeout=timeout,
                           env=env or os.environ.copy())
-
-
-def line_of(text: str, prefix: str) -> str:
-    return next(line for line in text.splitlines() if line.startswith(prefix))
 
 
 # --------------------------------------------------------------------------------------------------

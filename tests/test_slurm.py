@@ -163,6 +163,39 @@ def test_bad_settings_are_named(tmp_path):
         cluster.load_settings(bad)
 
 
+def test_backend_mp_runs_vllm_on_every_node_without_ray(tmp_path):
+    """`backend = "mp"` (llmlab launch --backend mp): no Ray; the head's vllm serve gets --nnodes and node rank 0,
+    every other node a headless vllm serve of its own rank through srun, all meeting at the head's port."""
+    settings = tmp_path / "models.toml"
+    settings.write_text('["405b-mp"]\nmodel = "llama3.1-405b"\nnodes = 2\ngpus_per_node = 8\ntp = 8\npp = 2\n'
+                        'backend = "mp"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(LLMLAB_DRY_RUN="1", LLMLAB_PYTHON=sys.executable, LLMLAB_SETTINGS_FILE=str(settings),
+               LLMLAB_RAY_HEAD_IP="10.1.2.3", LLMLAB_NODES="gpu-a gpu-b")
+    out = subprocess.run(["bash", str(SLURM / "llmlab-serve.sh"), "405b-mp"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Ray head:" not in out.stdout and "RAY_ADDRESS" not in out.stdout and "no Ray: vLLM's own" in out.stdout
+    head = shlex.split(line_of(out.stdout, "vLLM:").removeprefix("vLLM:"))
+    node = shlex.split(line_of(out.stdout, "vLLM node:").split("-w ", 1)[1])
+    port = head[head.index("--master-port") + 1]
+    for argv, rank in ((head, "0"), (node, "1")):
+        flag = {name: argv[argv.index(name) + 1] for name in ("--distributed-executor-backend", "--nnodes",
+                                                               "--node-rank", "--master-addr", "--master-port")}
+        assert list(flag.values()) == ["mp", "2", rank, "10.1.2.3", port], flag
+    assert node[0] == "gpu-b" and node[-1] == "--headless" and "--uds" not in node and "--uds" in head
+    assert node[3:6] == ["vllm.entrypoints.cli.main", "serve", "meta-llama/Llama-3.1-405B-Instruct"]
+
+    settings.write_text('["x"]\nmodel = "llama3.1-70b"\nnodes = 2\ngpus_per_node = 4\ntp = 4\npp = 2\n'
+                        'backend = "mpi"\n')
+    with pytest.raises(cluster.SettingsError, match=r"\[x\]: backend must be 'ray' .* or 'mp'"):
+        cluster.load_settings(settings)
+
+
+def line_of(text: str, prefix: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(prefix))
+
+
 def test_rendered_shell_survives_quotes_and_spaces():
     """The launcher evals the renderer's output: every value must come back exactly."""
     env = {"LLMLAB_EXTRA_VLLM_ARGS": "--chat-template '/a dir/t.jinja' --x \"$(touch /tmp/pwned)\" ;ls",

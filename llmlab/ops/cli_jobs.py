@@ -22,7 +22,7 @@ def _json(obj) -> None:
 
 def cmd_launch(a) -> int:
     overrides = dict(nodes=a.nodes, gpus_per_node=a.gpus_per_node, gpu=a.gpu_type, tp=a.tp, pp=a.pp,
-                     dtype=a.dtype, max_model_len=a.max_model_len,
+                     dtype=a.dtype, max_model_len=a.max_model_len, backend=a.backend,
                      extra_args=shlex.split(a.extra_vllm_args) if a.extra_vllm_args else None)
     plan = jobs.prepare(a.model, account=a.account, partition=a.partition, time_limit=a.time,
                         extra_sbatch=a.sbatch or [], command=shlex.join(sys.argv[2:]), share=a.share,
@@ -175,6 +175,8 @@ def add_commands(sub) -> None:
                              ("--max-model-len", int, "context length served")):
         p.add_argument(flag, type=kind, help=text)
     p.add_argument("--gpu-type", help="the GPU the plan is checked against: H100-80, A100-40, H200-141, custom:<GiB>")
+    p.add_argument("--backend", choices=("ray", "mp"), help="across nodes: Ray's executor (token-authenticated; the "
+                   "default) or vLLM's own processes (--nnodes, no Ray; their ports take no token)")
     p.add_argument("--dtype", help="weight dtype for vLLM: bfloat16, float16, fp8 ...")
     p.add_argument("--extra-vllm-args", help="more vllm serve flags, quoted as one string")
     p.add_argument("--account", help="SLURM account (else sbatch's default / SBATCH_ACCOUNT)")

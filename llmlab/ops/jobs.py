@@ -54,7 +54,8 @@ class JobError(RuntimeError):
 
 def settings(name: str, *, nodes: int | None = None, gpus_per_node: int | None = None, gpu: str | None = None,
              tp: int | None = None, pp: int | None = None, dtype: str | None = None,
-             max_model_len: int | None = None, extra_args: list[str] | None = None) -> cluster.JobSettings:
+             max_model_len: int | None = None, extra_args: list[str] | None = None,
+             backend: str | None = None) -> cluster.JobSettings:
     """The shipped settings of ``name`` with overrides applied and checked like models.toml's own.
 
     Changing TP or PP without saying where the GPUs are keeps the course's rule: TP inside a node, one
@@ -65,7 +66,7 @@ def settings(name: str, *, nodes: int | None = None, gpus_per_node: int | None =
     except cluster.SettingsError as e:
         raise JobError(str(e)) from None
     changes = {k: v for k, v in dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, tp=tp, pp=pp, dtype=dtype,
-                                     max_model_len=max_model_len).items() if v is not None}
+                                     max_model_len=max_model_len, backend=backend).items() if v is not None}
     if extra_args:
         changes["extra_args"] = tuple(job.extra_args) + tuple(extra_args)
     if (tp or pp) and job.engine == "gpu" and nodes is None and gpus_per_node is None:

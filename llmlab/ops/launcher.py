@@ -212,6 +212,21 @@ class RenderedJob(Address):
     env: dict[str, str]      # exported for Ray and vLLM (no secret: Ray's token and the API key stay in files)
     ray: RayLayout | None
     python: str = "python3"
+    mp_master: str = ""      # backend "mp" across nodes: the head's host:port for torch.distributed
+    mp_workers: list[list[str]] = field(default_factory=list)  # ... and each other node's headless vLLM
+
+    def worker_argv(self, rank: int) -> list[str]:
+        """Node ``rank``'s ``vllm serve MODEL --headless``: the head's flags without its socket, this node's rank.
+
+        Through vLLM's CLI (``vllm.entrypoints.cli.main serve``), not the OpenAI server module the head runs:
+        only the CLI knows ``--headless`` (workers, no API server).  The CUDA build has the metadata it needs."""
+        flags = list(self.flags)
+        if "--uds" in flags:  # a headless node serves no API: only the head listens (behind the proxy)
+            i = flags.index("--uds")
+            del flags[i:i + 2]
+        i = flags.index("--node-rank")
+        flags[i + 1] = str(rank)
+        return [self.python, "-m", "vllm.entrypoints.cli.main", "serve", self.model_path, *flags, "--headless"]
 
     @property
     def serve_line(self) -> str:
@@ -233,6 +248,9 @@ class RenderedJob(Address):
         if self.ray:
             lines.append(f"Ray: head on {self.ray.head} ({self.ray.address}), workers on "
                          f"{', '.join(self.ray.workers)}; ports {self.ray.port_base}-{self.ray.max_port()}")
+        elif self.mp_workers:
+            lines.append(f"no Ray: vLLM's own processes on each node (--nnodes {len(self.nodes)}), the head on "
+                         f"{self.nodes[0]} ({self.mp_master}), headless workers on {', '.join(self.nodes[1:])}")
         else:
             lines.append("Ray: not needed (one node: vLLM starts its own worker processes)")
         if self.port:
@@ -263,6 +281,8 @@ class RenderedJob(Address):
                                                    for i in range(1, len(self.nodes))) + ")"]
         else:
             out += ["ray_address=", "ray_expected_gpus=0", "ray_temp_dir=", "ray_head_cmd=", "ray_worker_cmds=()"]
+        out += [f"mp_master={q(self.mp_master)}",
+                "mp_worker_cmds=(" + " ".join(q(shlex.join(argv)) for argv in self.mp_workers) + ")"]
         return "\n".join(out) + "\n"
 
 
@@ -336,7 +356,15 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
         check_ray_tokens(env.get("LLMLAB_RAY_VERSION") or installed_ray_version(), env.get("RAY_AUTH_MODE"))
         run_env["RAY_AUTH_MODE"] = "token"
         run_env["RAY_AUTH_TOKEN_PATH"] = ray_token_file(job_id, env)  # the launcher writes it, 0600, per job
-    return RenderedJob(job, str(job_id), nodes, bind_host, host, port, uds, path, flags, run_env, ray, python)
+    rendered = RenderedJob(job, str(job_id), nodes, bind_host, host, port, uds, path, flags, run_env, ray, python)
+    if job.uses_mp_nodes:
+        # vLLM's own multi-node mode: the head runs the API server and its GPUs' workers, every other node
+        # `--headless` workers; they meet at the head's torch.distributed port (the first of the job's block).
+        master_host, master_port = head_ip(env, loopback), ray_port_base(job_id, env)
+        rendered.flags += ["--node-rank", "0", "--master-addr", master_host, "--master-port", str(master_port)]
+        rendered.mp_master = f"{master_host}:{master_port}"
+        rendered.mp_workers = [rendered.worker_argv(i) for i in range(1, len(nodes))]
+    return rendered
 
 
 RAY_TOKEN_VERSION = (2, 52)  # the first Ray with RAY_AUTH_MODE=token
@@ -560,14 +588,15 @@ def port_holder(port: int, pid: int) -> str:
 
 def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, poll: float = 2.0,
                      api_key: str | None = None, proxy_pid: int | None = None, proxy_log: Path | None = None,
-                     on_phase=None) -> bool:
+                     on_phase=None, steps: dict[str, tuple[int, str]] | None = None) -> bool:
     """Poll ``/health`` while vLLM loads; print the phase / shard progress whenever it changes, and tell
     ``on_phase(phase)`` (the launcher rewrites its "loading" connection file with it).
 
     ``proxy_pid``: the key-checking proxy, which must stay alive and be the one listening on ``port`` before the
     key goes there; if it exits (its port was taken, a crash) or another process holds the port, the wait fails
-    at once.  Returns True once /health answers 200; prints the reason (exit, time-out) with the log's last lines
-    and returns False otherwise.
+    at once.  ``steps``: node -> (pid, log) of the other nodes' headless vLLM (backend "mp"): one that exits fails
+    the wait at once, instead of the head waiting for it until torch.distributed's time-out.  Returns True once
+    /health answers 200; prints the reason (exit, time-out) with the log's last lines and returns False otherwise.
     """
     from llmlab.serve.proc import health, pid_alive
 
@@ -589,6 +618,10 @@ def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, 
             return True
         if not pid_alive(pid):
             say(f"FAILED: vLLM exited while starting. Last lines of {log}:\n{tail(log, 25)}")
+            return False
+        if steps and (node := _dead_step(steps)):
+            say(f"FAILED: vLLM's headless workers on {node} exited while starting. Last lines of {steps[node][1]}:\n"
+                f"{tail(steps[node][1], 25)}")
             return False
         waited = time.monotonic() - start
         if waited > timeout:
@@ -700,9 +733,10 @@ def _cmd_wait_ready(a) -> int:
     timeout, why = capped_timeout(a.timeout, a.time_left, a.stop_grace)
     if why:
         say(f"note: {why}")
+    steps = {node: (int(pid), log) for node, pid, log in (spec.split(":", 2) for spec in a.step)}
     if not wait_until_ready(a.host, a.port, a.pid, Path(a.log), timeout, a.poll, api_key=key,
                             proxy_pid=a.proxy_pid, proxy_log=Path(a.proxy_log) if a.proxy_log else None,
-                            on_phase=lambda phase: publish(a, "loading", phase)):
+                            on_phase=lambda phase: publish(a, "loading", phase), steps=steps):
         return 1
     info = publish(a, "ready", log=a.log, pid=a.pid, ready_after_s=round(time.monotonic() - t0 + a.elapsed, 1))
     url = info.base_url
@@ -769,6 +803,7 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--elapsed", type=float, default=0, help="seconds the job ran before vLLM started")
     h.add_argument("--time-left", default="", help="the job's remaining time as `squeue -o %%L` prints it")
     h.add_argument("--stop-grace", type=float, default=20, help="seconds the clean-up may take (LLMLAB_STOP_GRACE)")
+    h.add_argument("--step", action="append", default=[], help="NODE:PID:LOG of each node's headless vLLM (mp)")
     h.set_defaults(func=_cmd_wait_ready)
     g = sub.add_parser("progress")
     g.add_argument("log")

@@ -183,8 +183,9 @@ def exercise(a, job, tok: dict, result: dict) -> bool:
                                  headers={"Authorization": f"Bearer {srv.api_key}"})
     with urllib.request.urlopen(req, timeout=10) as r:  # the raw scrape: a fixture for the metric-name tests
         (a.out / "metrics.txt").write_bytes(r.read())
-    vlog = cluster.job_log_dir(a.job_id) / "vllm.log"
-    mem = rehearse.parse_memory_log(vlog.read_text(errors="replace"))
+    # vllm.log, and with backend mp each other node's vllm-NODE.log: every GPU's probe line
+    logs = sorted(cluster.job_log_dir(a.job_id).glob("vllm*.log"))
+    mem = rehearse.parse_memory_log("".join(p.read_text(errors="replace") for p in logs))
     result["memory_log"] = mem.as_dict()
     layout = rehearse.Layout(job.model, job.tp, job.pp, job.context, job.gpu_memory_utilization, job.dtype,
                              job.kv_dtype, job.engine, job.kv_cache_gib)

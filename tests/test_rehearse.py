@@ -63,11 +63,13 @@ def test_the_cpu_builds_one_line_format_is_parsed():
 
 @pytest.mark.parametrize("run, tp, pp, logged", [("h100-llama3.1-8b-tp1", 1, 1, 449_968),
                                                  ("h200-llama3.1-8b-tp2", 2, 1, 1_925_200),
-                                                 ("h200x2-llama3.1-8b-pp2-ray", 1, 2, 1_919_008)])
+                                                 ("h200x2-llama3.1-8b-pp2-ray", 1, 2, 1_919_008),
+                                                 ("h200x2-llama3.1-8b-pp2-mp", 1, 2, 1_919_008)])
 def test_real_gpu_logs_give_the_logged_kv_tokens_exactly(run, tp, pp, logged):
     """The probe's bytes (one line per GPU worker) through llmlab.memory reproduce vLLM's count to the token.
     PP=2 (the launcher's two-node Ray job): vLLM keeps the smaller stage's pool; Ray forwards the workers' lines
-    with its own tags and "[repeated 2x across cluster]" after rank 0's (read wrongly before: 1,921,760)."""
+    with its own tags and "[repeated 2x across cluster]" after rank 0's (read wrongly before: 1,921,760).  Without
+    Ray (backend mp) each node logs its own workers: the fixture is the head's log, then the other node's."""
     text = (FIXTURES / f"{run}.log").read_text()
     m = rehearse.parse_memory_log(text)
     assert m.kv_tokens == logged and m.vllm_version == "0.26.0"

@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("nodes", "gpus-per-node", "tp", "pp"):
         ap.add_argument(f"--{name}", type=int, help="override the job's layout (as llmlab launch does)")
     ap.add_argument("--backend", choices=("ray", "mp"), help="across nodes: Ray's executor or vLLM's own (--nnodes)")
+    ap.add_argument("--notebooks", nargs="*", default=[], help="lessons to run against the READY server "
+                    "(benchmarks/notebooks_on_server.py), e.g. notebooks/03_online_inference.ipynb")
     a = ap.parse_args(argv)
 
     job = jobs.settings(a.job, nodes=a.nodes, gpus_per_node=a.gpus_per_node, tp=a.tp, pp=a.pp, backend=a.backend)
@@ -126,6 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     ok = st.state == "READY"
     if ok:
         ok = exercise(a, job, tok, result)
+    if ok and a.notebooks:  # the lessons, as a learner's kernel would run them against this job's server
+        nb_env = {**os.environ, "PYTHONPATH": env["PYTHONPATH"],
+                  "LLMLAB_CONNECTION_FILE": str(cluster.connection_file_of(a.job_id))}
+        try:
+            subprocess.run([sys.executable, str(REPO / "benchmarks" / "notebooks_on_server.py"),
+                            *[str(REPO / n) for n in a.notebooks], "--out", str(out / "notebooks.json")],
+                           env=nb_env, timeout=360)
+        except subprocess.TimeoutExpired:
+            print("the notebooks did not finish within 360 s", flush=True)
     # What scancel does: SIGTERM to the job's processes; the launcher's trap cleans up.
     t_stop = time.monotonic()
     launcher.send_signal(signal.SIGTERM)

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         os.chdir(path.parent)  # as Jupyter does: a notebook's relative paths are its folder's
         results[path.name] = run_notebook(path)
-    out.write_text(json.dumps(results, indent=1))
+        out.write_text(json.dumps(results, indent=1))  # after each notebook: a run cut short keeps what it found
     failed = {name: [c["cell"] for c in cells if c["status"] != "ok"] for name, cells in results.items()}
     print("failed cells:", {k: v for k, v in failed.items() if v} or "none", flush=True)
     return 0

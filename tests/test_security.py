@@ -888,5 +888,7 @@ def test_slurm_job_ray_folder_is_private_and_unpredictable(attacker, slurm_job):
     from test_slurm import ray_folder
 
     folder = ray_folder(slurm_job["job_id"])
-    assert slurm_job["job_id"] not in str(folder), f"{folder}: a name another user can guess before the job"
+    # mktemp's six random characters, not the job id (a digit of a short id may occur among them by chance)
+    assert re.fullmatch(r"llmlab-ray\.[A-Za-z0-9]{6}", folder.parent.name) and folder.name == "ray", \
+        f"{folder}: a name another user can guess before the job"
     _ray_folder_is_out_of_reach(attacker, folder)

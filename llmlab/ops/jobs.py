@@ -358,7 +358,10 @@ def forget(job_id: str) -> None:
     """Remove what a job published, for a job whose launcher cannot do it any more: cancelled while queued, or
     killed before its clean-up ran.  ``connect()`` would otherwise keep saying that its server is loading."""
     cluster.connection_file_of(job_id).unlink(missing_ok=True)
-    room = Path(((record_of(job_id) or {}).get("share") or {}).get("dir") or "/nonexistent") / "server.json"
+    shared = (record_of(job_id) or {}).get("share")
+    if not shared:
+        return
+    room = Path(shared["dir"]) / "server.json"
     with contextlib.suppress(OSError, ValueError):
         if json.loads(room.read_text()).get("job_id") == job_id:  # not a later job's publication
             room.unlink()

@@ -648,11 +648,13 @@ def _cmd_render(a) -> int:
     return 0
 
 
+def _steps(specs: list[str]) -> dict[str, tuple[int, str]]:
+    """``--step NODE:PID:LOG`` arguments (a node's srun step and its log) -> {node: (pid, log)}."""
+    return {node: (int(pid), log) for node, pid, log in (spec.split(":", 2) for spec in specs)}
+
+
 def _cmd_wait_ray(a) -> int:
-    steps = {}
-    for spec in a.step:
-        node, pid, log = spec.split(":", 2)
-        steps[node] = (int(pid), log)
+    steps = _steps(a.step)
     if wait_for_ray(a.address, a.nodes, a.gpus, a.timeout, steps, a.poll, started_only=a.started_only,
                     temp_dir=a.ray_temp_dir or None):
         return 0
@@ -733,10 +735,9 @@ def _cmd_wait_ready(a) -> int:
     timeout, why = capped_timeout(a.timeout, a.time_left, a.stop_grace)
     if why:
         say(f"note: {why}")
-    steps = {node: (int(pid), log) for node, pid, log in (spec.split(":", 2) for spec in a.step)}
     if not wait_until_ready(a.host, a.port, a.pid, Path(a.log), timeout, a.poll, api_key=key,
                             proxy_pid=a.proxy_pid, proxy_log=Path(a.proxy_log) if a.proxy_log else None,
-                            on_phase=lambda phase: publish(a, "loading", phase), steps=steps):
+                            on_phase=lambda phase: publish(a, "loading", phase), steps=_steps(a.step)):
         return 1
     info = publish(a, "ready", log=a.log, pid=a.pid, ready_after_s=round(time.monotonic() - t0 + a.elapsed, 1))
     url = info.base_url

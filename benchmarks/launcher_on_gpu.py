@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("ray", "mp"), help="across nodes: Ray's executor or vLLM's own (--nnodes)")
     ap.add_argument("--notebooks", nargs="*", default=[], help="lessons to run against the READY server "
                     "(benchmarks/notebooks_on_server.py), e.g. notebooks/03_online_inference.ipynb")
+    ap.add_argument("--notebook-timeout", type=float, default=360.0,
+                    help="seconds for all the notebooks together (a device call has 600 s in all)")
     a = ap.parse_args(argv)
 
     job = jobs.settings(a.job, nodes=a.nodes, gpus_per_node=a.gpus_per_node, tp=a.tp, pp=a.pp, backend=a.backend)
@@ -134,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             subprocess.run([sys.executable, str(REPO / "benchmarks" / "notebooks_on_server.py"),
                             *[str(REPO / n) for n in a.notebooks], "--out", str(out / "notebooks.json")],
-                           env=nb_env, timeout=360)
+                           env=nb_env, timeout=a.notebook_timeout)
         except subprocess.TimeoutExpired:
-            print("the notebooks did not finish within 360 s", flush=True)
+            print(f"the notebooks did not finish within {a.notebook_timeout:.0f} s", flush=True)
     # What scancel does: SIGTERM to the job's processes; the launcher's trap cleans up.
     t_stop = time.monotonic()
     launcher.send_signal(signal.SIGTERM)

@@ -13,7 +13,10 @@ a failure.  It is a stand-in for a kernel, not a test of the notebook's outputs 
 from __future__ import annotations
 
 import argparse
+import ast
+import asyncio
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -35,8 +38,11 @@ def run_notebook(path: Path) -> list[dict]:
         source = "".join(cell["source"])
         start, printed = time.monotonic(), io.StringIO()
         try:
+            code = compile(source, f"{path.name} cell {number}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
             with contextlib.redirect_stdout(printed):
-                exec(compile(source, f"{path.name} cell {number}", "exec"), namespace)  # noqa: S102 -- the lesson
+                result = eval(code, namespace)  # noqa: S307 -- the lesson's own cell, as a kernel runs it
+                if inspect.iscoroutine(result):  # a cell with top-level await, which IPython allows
+                    asyncio.run(result)
             status, error = "ok", ""
         except Exception as e:  # noqa: BLE001 -- every failure is a line of the report
             status, error = "failed", "".join(traceback.format_exception_only(e)).strip()[-600:]

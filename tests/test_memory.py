@@ -6,6 +6,7 @@ Pure tests run in a second.  The two tests marked ``server`` start the real embe
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,8 @@ PUBLISHED_PARAMS = {  # Hugging Face's totals for each shipped config
     "llama2-70b": 68_976_648_192,
     "mistral-7b": 7_241_732_096,
     "mixtral-8x7b": 46_702_792_704,
+    "qwen3-8b": 8_190_735_360,  # "8.2B"
+    "qwen3-30b-a3b": 30_532_122_624,  # "30.5B in total, 3.3B activated"
 }
 
 TINY = {  # the tiny model as the course trains it (transformers 5 writes "dtype", not "torch_dtype")
@@ -508,3 +511,66 @@ def test_live_second_budget_and_odd_context_match_the_arithmetic(tmp_path):
     predicted = m.embedded_kv_capacity(2, "llmlab-tiny", max_model_len=500)
     assert logged["line"] == predicted.log_line("CPU")
     assert logged["tokens"] == 1_024_000
+
+
+# --- every family: transformers referees the parameters, the engine referees the KV cache ------------
+
+FAMILIES = Path(__file__).parent / "fixtures" / "families"  # small random models, one config per architecture
+
+
+@pytest.mark.parametrize("name", [*m.shipped_models(), *sorted(p.name for p in FAMILIES.glob("*.json"))])
+def test_parameter_formulas_equal_transformers_meta_device_count(name):
+    """Every shipped config and every family fixture: llmlab's per-tensor sum is transformers' own count."""
+    model = FAMILIES / name if name.endswith(".json") else name
+    assert m.param_count(model) == m.transformers_param_count(model)
+
+
+def test_qwen3_reads_its_own_head_dim_and_counts_qk_norms():
+    spec = m.model_spec("qwen3-30b-a3b")
+    assert spec.head_dim == 128 != spec.hidden_size // spec.num_heads  # 2048 / 32 = 64: the config's field wins
+    assert m.kv_bytes_per_token("qwen3-30b-a3b") == 48 * 2 * 4 * 128 * 2
+    no_head_dim = {k: v for k, v in json.loads(m.config_path("qwen3-8b").read_text()).items() if k != "head_dim"}
+    assert m.model_spec(no_head_dim).head_dim == 128  # Qwen3Config's default, applied visibly
+    assert any("head_dim=128" in d for d in m.model_spec(no_head_dim).defaults_applied)
+
+
+def test_qwen3_moe_active_parameters_and_dense_layers():
+    assert m.active_params("qwen3-30b-a3b") == 3_353_032_704  # 8 of 128 experts: "3.3B activated"
+    spec = m.model_spec(FAMILIES / "qwen3_moe.json")  # decoder_sparse_step 2 and mlp_only_layers [3]
+    assert sorted(spec.dense_layers) == [0, 2, 3] and spec.is_moe_layer(1)
+    bad = {**json.loads((FAMILIES / "qwen3_moe.json").read_text()), "mlp_only_layers": [9]}
+    with pytest.raises(m.ConfigError, match="mlp_only_layers should be a list of layer numbers below 4"):
+        m.model_spec(bad)
+    with pytest.raises(m.PlanError, match="MLP width 128 does not divide by TP=3"):
+        m.check_tp({**bad, "mlp_only_layers": [], "num_attention_heads": 6, "num_key_value_heads": 3}, 3)
+
+
+def test_an_architecture_transformers_does_not_know_is_one_sentence():
+    with pytest.raises(m.ConfigError, match="does not know model_type 'no-such-model'"):
+        m.transformers_param_count({"model_type": "no-such-model", "hidden_size": 8})
+    with pytest.raises(m.ConfigError, match="has no 'model_type'"):
+        m.transformers_param_count({"hidden_size": 8})
+
+
+def random_model(config: Path, where: Path) -> Path:
+    """A model folder vLLM can serve with ``--load-format dummy``: the family's config and the tiny tokenizer."""
+    from llmlab.serve.embedded import TINY_MODEL
+
+    where.mkdir()
+    (where / "config.json").write_text(config.read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (where / name).write_bytes((TINY_MODEL / name).read_bytes())
+    return where
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("family", sorted(p.stem for p in FAMILIES.glob("*.json")))
+def test_live_kv_cache_of_each_family_is_what_llmlab_predicts(family, tmp_path):
+    """The real vLLM CPU engine serves a random model of each family; its KV log line is llmlab's, to the token."""
+    from llmlab.serve.embedded import EmbeddedServer
+
+    model = random_model(FAMILIES / f"{family}.json", tmp_path / family)
+    with EmbeddedServer(model, family, kv_cache_gib=1, extra_args=["--load-format", "dummy"],
+                        log_path=tmp_path / "vllm.log") as srv:
+        logged = m.parse_kv_log(srv.log_path.read_text(errors="replace"))
+    assert logged["line"] == m.embedded_kv_capacity(1, model).log_line("CPU")

@@ -17,7 +17,9 @@ a shipped name (``llama3.1-8b`` ... ``llmlab-tiny``) or a :class:`ModelSpec`.  T
    :func:`gpus_needed` (how many cards' worth of memory);
 5. :func:`layout_fit` (:mod:`~llmlab.memory.fit`): whether one TP x PP layout holds the requests, and why
    not -- the one answer that the planner, ``llmlab launch``, ``llmlab generate`` and notebook 01 share;
-6. :func:`plan` (:mod:`~llmlab.memory.planner`): the smallest layout that fits, and its ``vllm serve`` line.
+6. :func:`plan` (:mod:`~llmlab.memory.planner`): the smallest layout that fits, and its ``vllm serve`` line;
+7. :func:`transformers_param_count` (:mod:`~llmlab.memory.reference`): the referee, transformers' own model
+   built from the config on the meta device (no weights), which every formula above must agree with.
 
 Units: bytes are exact integers; ``GB`` is 10**9 bytes (datasheets, published tables) and ``GiB`` is
 2**30 bytes (what vLLM and PyTorch print).  The difference is 7 %, larger than many of the margins.
@@ -89,6 +91,7 @@ from llmlab.memory.model import (  # noqa: F401
     shipped_models,
 )
 from llmlab.memory.planner import Plan, memory_report, plan, serve_command  # noqa: F401
+from llmlab.memory.reference import transformers_param_count  # noqa: F401
 from llmlab.memory.weights import (  # noqa: F401
     Tensor,
     _attention,

@@ -28,6 +28,8 @@ HF_IDS = {
     "llama2-70b": "meta-llama/Llama-2-70b-hf",
     "mistral-7b": "mistralai/Mistral-7B-v0.1",
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
 }
 
 # vLLM's default KV block size (tokens per block) per platform: 16 on CUDA (CacheConfig's default),
@@ -138,7 +140,10 @@ ARCHITECTURES = {  # Hugging Face class -> family; the formulas below are exact 
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+QWEN3 = ("qwen3", "qwen3_moe")  # Llama's layout plus an RMSNorm on each head's queries and keys
 
 
 def shipped_models() -> list[str]:
@@ -199,8 +204,11 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    num_experts: int = 0            # 0: a dense MLP; otherwise num_local_experts of a mixture of experts
+    num_experts: int = 0            # 0: a dense MLP; otherwise the experts of each mixture-of-experts layer
     experts_per_token: int = 0
+    expert_width: int = 0           # one expert's MLP width (Mixtral: intermediate_size; Qwen3-MoE: its own)
+    dense_layers: frozenset[int] = frozenset()  # layers of an MoE model that keep a dense MLP
+    qk_norm: bool = False           # Qwen3: an RMSNorm of head_dim weights on queries and on keys
     max_position_embeddings: int | None = None
     torch_dtype: str | None = None
     sliding_window: int | None = None
@@ -216,6 +224,9 @@ class ModelSpec:
             raise ConfigError(f"{self.name}: the config has no torch_dtype (or dtype) field, so the checkpoint's "
                               "bytes are unknown. Pass dtype='bfloat16' (or another) explicitly.")
         return self.torch_dtype
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.num_experts) and layer not in self.dense_layers
 
     def require_context(self) -> int:
         if self.max_position_embeddings is None:
@@ -275,9 +286,12 @@ def _torch_dtype(cfg: dict, name: str) -> str | None:
     return dtype
 
 
-def _head_dim(cfg: dict, hidden: int, heads: int, name: str) -> int:
+def _head_dim(cfg: dict, hidden: int, heads: int, name: str, family: str, applied: list[str]) -> int:
     if cfg.get("head_dim") is not None:  # explicit (e.g. Mistral Nemo: 128 while 5120 / 32 = 160)
         return _int_field(cfg, "head_dim", name)
+    if family in QWEN3:  # Qwen3Config's default is 128 whatever hidden_size / heads is
+        applied.append("head_dim=128 (Qwen3Config's default: absent from the config)")
+        return 128
     if hidden % heads:
         raise ConfigError(f"{name}: hidden_size {hidden} is not divisible by num_attention_heads {heads} and the "
                           "config gives no head_dim: add the model's head_dim.")
@@ -285,14 +299,15 @@ def _head_dim(cfg: dict, hidden: int, heads: int, name: str) -> int:
 
 
 def _sliding_window(cfg: dict, family: str, name: str) -> int | None:
-    if family == "qwen2" and not cfg.get("use_sliding_window", False):
+    qwen = family in ("qwen2", *QWEN3)
+    if qwen and not cfg.get("use_sliding_window", False):
         return None
     window = cfg.get("sliding_window")
     if window is None:
         return None
-    if family == "qwen2":
-        raise ConfigError(f"{name}: Qwen2 with use_sliding_window=true applies the window to some layers only; "
-                          "llmlab.memory does not model that.")
+    if qwen:
+        raise ConfigError(f"{name}: Qwen with use_sliding_window=true applies the window to some layers only; "
+                          "llmlab.memory does not model that: set use_sliding_window to false.")
     return _int_field(cfg, "sliding_window", name)
 
 
@@ -304,6 +319,29 @@ def _quantization(cfg: dict, name: str) -> tuple[str | None, frozenset[str]]:
         raise ConfigError(f"{name}: quantization_config should be an object with a 'quant_method'.")
     skip = q.get("modules_to_not_convert") or []
     return str(q["quant_method"]), frozenset(skip)
+
+
+def _experts(cfg: dict, family: str, layers: int, name: str) -> tuple[int, int, int, frozenset[int]]:
+    """(experts per MoE layer, experts per token, one expert's width, dense layers) of a config.
+
+    Mixtral: every layer is MoE, each expert as wide as ``intermediate_size``.  Qwen3-MoE: experts of
+    ``moe_intermediate_size``; a layer is MoE when (layer + 1) is a multiple of ``decoder_sparse_step``
+    and it is not in ``mlp_only_layers`` (transformers' and vLLM's rule); the others are dense.
+    """
+    if family not in ("mixtral", "qwen3_moe"):
+        return 0, 0, 0, frozenset()
+    key = "num_local_experts" if family == "mixtral" else "num_experts"
+    experts, per_token = _int_field(cfg, key, name), _int_field(cfg, "num_experts_per_tok", name)
+    if per_token > experts:
+        raise ConfigError(f"{name}: num_experts_per_tok {per_token} exceeds {key} {experts}.")
+    if family == "mixtral":
+        return experts, per_token, _int_field(cfg, "intermediate_size", name), frozenset()
+    step = _int_field(cfg, "decoder_sparse_step", name) if "decoder_sparse_step" in cfg else 1
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and 0 <= i < layers for i in only):
+        raise ConfigError(f"{name}: mlp_only_layers should be a list of layer numbers below {layers}, got {only!r}.")
+    dense = frozenset(i for i in range(layers) if i in only or (i + 1) % step)
+    return experts, per_token, _int_field(cfg, "moe_intermediate_size", name), dense
 
 
 def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
@@ -319,25 +357,23 @@ def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     if heads % kv:
         raise ConfigError(f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
                           "grouped-query attention needs whole groups.")
-    attention_bias = _bool_field(cfg, "attention_bias", False, name, applied) if family == "llama" else False
-    experts = per_token = 0
-    if family == "mixtral":
-        experts = _int_field(cfg, "num_local_experts", name)
-        per_token = _int_field(cfg, "num_experts_per_tok", name)
-        if per_token > experts:
-            raise ConfigError(f"{name}: num_experts_per_tok {per_token} exceeds num_local_experts {experts}.")
+    has_flag = family in ("llama", *QWEN3)
+    attention_bias = _bool_field(cfg, "attention_bias", False, name, applied) if has_flag else False
+    layers = _int_field(cfg, "num_hidden_layers", name)
+    experts, per_token, width, dense = _experts(cfg, family, layers, name)
     ctx = cfg.get("max_position_embeddings")
     quant_method, not_quantized = _quantization(cfg, name)
     return ModelSpec(
         name=name, family=family, architecture=arch,
         vocab_size=_int_field(cfg, "vocab_size", name), hidden_size=hidden,
         intermediate_size=_int_field(cfg, "intermediate_size", name),
-        num_layers=_int_field(cfg, "num_hidden_layers", name), num_heads=heads, num_kv_heads=kv,
-        head_dim=_head_dim(cfg, hidden, heads, name),
+        num_layers=layers, num_heads=heads, num_kv_heads=kv,
+        head_dim=_head_dim(cfg, hidden, heads, name, family, applied),
         tie_word_embeddings=_bool_field(cfg, "tie_word_embeddings", False, name, applied),
         qkv_bias=attention_bias or family == "qwen2", o_bias=attention_bias,
         mlp_bias=_bool_field(cfg, "mlp_bias", False, name, applied) if family == "llama" else False,
-        num_experts=experts, experts_per_token=per_token,
+        num_experts=experts, experts_per_token=per_token, expert_width=width, dense_layers=dense,
+        qk_norm=family in QWEN3,
         max_position_embeddings=None if ctx is None else _int_field(cfg, "max_position_embeddings", name),
         torch_dtype=_torch_dtype(cfg, name), sliding_window=_sliding_window(cfg, family, name),
         quant_method=quant_method, not_quantized=not_quantized, hf_id=HF_IDS.get(name), source=source,

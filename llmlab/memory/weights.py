@@ -56,18 +56,27 @@ def _attention(s: ModelSpec, p: str, i: int) -> list[Tensor]:
                 Tensor(f"{p}.v_proj.bias", (kv,), "kv", "attention", i)]
     if s.o_bias:
         out.append(Tensor(f"{p}.o_proj.bias", (s.hidden_size,), "none", "attention", i))
+    if s.qk_norm:  # one RMSNorm weight per head dimension, shared by all heads: replicated under TP
+        out += [Tensor(f"{p}.q_norm.weight", (s.head_dim,), "none", "norm", i),
+                Tensor(f"{p}.k_norm.weight", (s.head_dim,), "none", "norm", i)]
     return out
+
+
+# An expert's three matrices as its checkpoint names them: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down.
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
 
 
 def _mlp(s: ModelSpec, p: str, i: int) -> list[Tensor]:
     h, f = s.hidden_size, s.intermediate_size
-    if s.num_experts:  # Mixtral: a router, then experts w1 (gate), w3 (up), w2 (down), no biases
+    if s.is_moe_layer(i):  # a router, then each expert's gate, up and down matrices, no biases
+        f = s.expert_width
+        gate, up, down = _EXPERT_NAMES.get(s.family, ("gate_proj", "up_proj", "down_proj"))
         out = [Tensor(f"{p}.gate.weight", (s.num_experts, h), "none", "router", i)]
         for e in range(s.num_experts):
             x = f"{p}.experts.{e}"
-            out += [Tensor(f"{x}.w1.weight", (f, h), "col", "experts", i),
-                    Tensor(f"{x}.w3.weight", (f, h), "col", "experts", i),
-                    Tensor(f"{x}.w2.weight", (h, f), "row", "experts", i)]
+            out += [Tensor(f"{x}.{gate}.weight", (f, h), "col", "experts", i),
+                    Tensor(f"{x}.{up}.weight", (f, h), "col", "experts", i),
+                    Tensor(f"{x}.{down}.weight", (h, f), "row", "experts", i)]
         return out
     out = [Tensor(f"{p}.gate_proj.weight", (f, h), "col", "mlp", i),
            Tensor(f"{p}.up_proj.weight", (f, h), "col", "mlp", i),
@@ -82,7 +91,7 @@ def _mlp(s: ModelSpec, p: str, i: int) -> list[Tensor]:
 @functools.cache
 def _tensors(s: ModelSpec) -> tuple[Tensor, ...]:
     out = [Tensor("model.embed_tokens.weight", (s.vocab_size, s.hidden_size), "vocab", "embedding")]
-    mlp = "block_sparse_moe" if s.num_experts else "mlp"
+    mlp = "block_sparse_moe" if s.family == "mixtral" else "mlp"
     for i in range(s.num_layers):
         p = f"model.layers.{i}"
         out.append(Tensor(f"{p}.input_layernorm.weight", (s.hidden_size,), "none", "norm", i))
@@ -119,7 +128,7 @@ def active_params(model) -> int:
     total = param_count(s)
     if not s.num_experts:
         return total
-    experts = param_breakdown(s)["experts"]
+    experts = param_breakdown(s)["experts"]  # every MoE layer has num_experts alike
     return total - experts + experts * s.experts_per_token // s.num_experts
 
 
@@ -169,8 +178,10 @@ def check_tp(model, tp: int) -> None:
     if s.num_kv_heads % tp and tp % s.num_kv_heads:
         raise PlanError(f"{s.name}: {s.num_kv_heads} KV heads can neither be split nor evenly replicated over {tp} "
                         "GPUs; use a TP size that divides them or that they divide.")
-    if s.intermediate_size % tp:
-        raise PlanError(f"{s.name}: MLP width {s.intermediate_size} does not divide by TP={tp}.")
+    widths = {s.intermediate_size} if len(s.dense_layers) or not s.num_experts else set()
+    for width in sorted(widths | ({s.expert_width} if s.num_experts else set())):
+        if width % tp:
+            raise PlanError(f"{s.name}: MLP width {width} does not divide by TP={tp}.")
 
 
 def valid_tp_sizes(model, max_tp: int) -> list[int]:

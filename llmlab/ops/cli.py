@@ -106,9 +106,11 @@ def cmd_memory(args) -> int:
         return 0
     gib = memory.GiB
     plan = report["plan"]
+    active = "" if report["active_params"] == report["params"] else \
+        f" ({report['active_params']:,} active per token: each token runs only some of the experts)"
     lines = [
         f"model            {report['model']} ({report['architecture']})",
-        f"parameters       {report['params']:,}",
+        f"parameters       {report['params']:,}{active}",
         f"weights          {report['weight_bytes'] / 1e9:,.2f} GB = {report['weight_bytes'] / gib:,.2f} GiB "
         f"({report['dtype']})",
         f"KV per token     {report['kv_bytes_per_token']:,} bytes (kv dtype {report['kv_dtype']})",

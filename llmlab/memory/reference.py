@@ -1,0 +1,48 @@
+"""The referee for parameter counts: transformers' own model, built from the config on the meta device.
+
+Part of ``llmlab.memory`` (its ``__init__`` says how the parts fit).  Why: the per-tensor formulas of
+:mod:`~llmlab.memory.weights` are what notebook 01 teaches, and a formula can be wrong in a way no reader
+notices (a forgotten norm, a bias, an expert's width).  transformers' modelling code is what the checkpoints
+are made from; on PyTorch's meta device a model has shapes but no storage, so counting even a 671B model
+takes well under a second, allocates nothing and downloads nothing.  It also counts architectures that
+llmlab has no formula for, which is how a learner can check any config.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from llmlab.memory.model import ConfigError, load_config
+
+
+def transformers_param_count(model) -> int:
+    """Parameters of ``model`` (a shipped name, a config path or a dict) as transformers builds it.
+
+    A tied LM head is counted once, as ``model.parameters()`` does.  The config's
+    ``quantization_config`` is left out: it changes how weights are stored, not how many there are, and
+    building a quantized model would need the quantization kernels installed.
+    """
+    cfg, _ = load_config(model)
+    cfg.pop("quantization_config", None)
+    return _count(json.dumps(cfg, sort_keys=True))
+
+
+@functools.cache
+def _count(cfg_json: str) -> int:
+    import torch
+    import transformers
+
+    cfg = json.loads(cfg_json)
+    model_type = cfg.pop("model_type", None)
+    if not model_type:
+        raise ConfigError("the config has no 'model_type', so transformers cannot tell which model it describes: "
+                          "add the model_type of its config.json (e.g. \"llama\").")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"transformers {transformers.__version__} does not know model_type {model_type!r} ({e}); "
+                          "a newer transformers may.") from None
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in built.parameters())

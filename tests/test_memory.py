@@ -24,6 +24,7 @@ PUBLISHED_PARAMS = {  # Hugging Face's totals for each shipped config
     "mixtral-8x7b": 46_702_792_704,
     "qwen3-8b": 8_190_735_360,  # "8.2B"
     "qwen3-30b-a3b": 30_532_122_624,  # "30.5B in total, 3.3B activated"
+    "deepseek-v3": 671_026_404_352,  # "671B" (the repository's 685B adds the 14B multi-token-prediction layer)
 }
 
 TINY = {  # the tiny model as the course trains it (transformers 5 writes "dtype", not "torch_dtype")
@@ -543,6 +544,26 @@ def test_qwen3_moe_active_parameters_and_dense_layers():
         m.model_spec(bad)
     with pytest.raises(m.PlanError, match="MLP width 128 does not divide by TP=3"):
         m.check_tp({**bad, "mlp_only_layers": [], "num_attention_heads": 6, "num_key_value_heads": 3}, 3)
+
+
+def test_deepseek_v3_latent_attention_and_experts():
+    """671B in all, 37B active; the KV cache holds one 576-value latent per token and layer, on every GPU."""
+    assert m.param_count("deepseek-v3") == 671_026_404_352  # transformers' count: the MTP layer is not the model's
+    assert m.active_params("deepseek-v3") == 37_552_282_624  # 8 of 256 routed experts + the shared one: "37B"
+    assert m.kv_bytes_per_token("deepseek-v3") == 61 * (512 + 64) * 2 == 70_272
+    assert m.kv_bytes_per_token("deepseek-v3", tp=8) == 70_272  # not divided: each GPU keeps the whole latent
+    assert m.kv_bytes_per_token("deepseek-v3", "fp8") == 35_136
+    assert m.kv_bytes_per_token("llama3.1-405b") == 516_096  # 7.3x more per token than DeepSeek-V3's
+
+
+def test_deepseek_v3_fp8_checkpoint_stores_one_scale_per_128_x_128_block():
+    b = m.param_breakdown("deepseek-v3")
+    fp8 = b["attention"] + b["mlp"] + b["experts"]  # every projection matrix; norms, router, embeddings stay bf16
+    bf16 = b["embedding"] + b["lm_head"] + b["router"] + b["norm"]
+    # scale blocks by hand: attention q_a 12x56 + q_b 192x12 + kv_a 5x56 + kv_b 256x4 + o 56x128 = 11,448;
+    # a dense MLP 3 x 144x56 = 24,192; an MoE layer's 256 routed + 1 shared experts 257 x 3 x 16x56 = 690,816
+    blocks = 3 * (11_448 + 24_192) + 58 * (11_448 + 690_816)
+    assert m.weight_bytes("deepseek-v3") == fp8 + 2 * bf16 + 4 * blocks == 673_150_552_416
 
 
 def test_an_architecture_transformers_does_not_know_is_one_sentence():

@@ -56,6 +56,7 @@ from llmlab.memory.model import (  # noqa: F401
     ARCHITECTURES,
     CONFIGS_DIR,
     CPU_BLOCK_SIZE,
+    CPU_MLA_BLOCK_SIZE,
     DEFAULT_OVERHEAD_GIB,
     DEFAULT_UTILIZATION,
     DTYPE_ALIASES,

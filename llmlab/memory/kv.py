@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from llmlab.memory.model import (
     CPU_BLOCK_SIZE,
+    CPU_MLA_BLOCK_SIZE,
     DEFAULT_UTILIZATION,
     GPU_BLOCK_SIZE,
     TINY_NAME,
@@ -28,11 +29,16 @@ def kv_bytes_per_token(model, kv_dtype: str = "auto", dtype: str | None = None, 
     """Bytes of K and V one token leaves in the cache: layers x 2 x kv_heads x head_dim x bytes.
 
     ``tp`` and ``layers`` give one GPU's share: its KV heads (at least one: vLLM replicates KV heads
-    when TP exceeds them) and its pipeline stage's layers.
+    when TP exceeds them) and its pipeline stage's layers.  Multi-head latent attention (DeepSeek) caches
+    no per-head K and V at all: one latent of kv_lora_rank values and one rotary key of qk_rope_head_dim
+    per token and layer, from which every head's K and V are recomputed; each GPU keeps the whole latent,
+    so TP does not divide it.
     """
     s = model_spec(model)
-    heads = s.num_kv_heads if tp == 1 else max(1, s.num_kv_heads // tp)
     n = s.num_layers if layers is None else layers
+    if s.is_mla:
+        return n * (s.kv_lora_rank + s.qk_rope_head_dim) * kv_dtype_bytes(s, kv_dtype, dtype)
+    heads = s.num_kv_heads if tp == 1 else max(1, s.num_kv_heads // tp)
     return n * 2 * heads * s.head_dim * kv_dtype_bytes(s, kv_dtype, dtype)
 
 
@@ -139,11 +145,13 @@ def embedded_kv_capacity(kv_cache_gib: float = 1, model=TINY_NAME, max_model_len
     """What llmlab's embedded CPU server will log for a KV space of ``kv_cache_gib`` GiB.
 
     vLLM's CPU backend reads ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``, so only whole GiB work; it
-    uses blocks of 128 tokens; the embedded server serves the checkpoint's dtype (float32).
+    uses blocks of 128 tokens (16 for latent attention, whose CPU kernel takes no other size); the embedded
+    server serves the checkpoint's dtype (float32).
     """
     if float(kv_cache_gib) != int(kv_cache_gib) or kv_cache_gib < 1:
         raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB (vLLM parses it with int()), "
                          f"got {kv_cache_gib}: use 1, 2, ...")
     s = model_spec(model)
     length = max_model_len or s.require_context()
-    return kv_capacity(int(kv_cache_gib) * GiB, kv_bytes_per_token(s, "auto", dtype), CPU_BLOCK_SIZE, length)
+    block = CPU_MLA_BLOCK_SIZE if s.is_mla else CPU_BLOCK_SIZE
+    return kv_capacity(int(kv_cache_gib) * GiB, kv_bytes_per_token(s, "auto", dtype), block, length)

@@ -30,12 +30,14 @@ HF_IDS = {
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
     "qwen3-8b": "Qwen/Qwen3-8B",
     "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
 }
 
 # vLLM's default KV block size (tokens per block) per platform: 16 on CUDA (CacheConfig's default),
 # 128 on its CPU backend (vllm/platforms/cpu.py sets it when the user gives none).
 GPU_BLOCK_SIZE = 16
 CPU_BLOCK_SIZE = 128
+CPU_MLA_BLOCK_SIZE = 16  # vLLM 0.32's CPU latent-attention kernel compiles for 16-token blocks only (platforms/cpu.py)
 
 # vLLM's default share of a GPU's memory that it may use (weights + activations + KV cache).
 DEFAULT_UTILIZATION = 0.9
@@ -142,8 +144,11 @@ ARCHITECTURES = {  # Hugging Face class -> family; the formulas below are exact 
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # also Kimi K2's
 }
 QWEN3 = ("qwen3", "qwen3_moe")  # Llama's layout plus an RMSNorm on each head's queries and keys
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared + routed experts
 
 
 def shipped_models() -> list[str]:
@@ -209,6 +214,15 @@ class ModelSpec:
     expert_width: int = 0           # one expert's MLP width (Mixtral: intermediate_size; Qwen3-MoE: its own)
     dense_layers: frozenset[int] = frozenset()  # layers of an MoE model that keep a dense MLP
     qk_norm: bool = False           # Qwen3: an RMSNorm of head_dim weights on queries and on keys
+    shared_experts: int = 0         # DeepSeek: experts every token runs, beside the routed ones
+    # Multi-head latent attention (DeepSeek): queries through a rank-q_lora_rank bottleneck (0: none), keys and
+    # values through one latent of kv_lora_rank values plus a shared rotary key of qk_rope_head_dim; head_dim is
+    # then the query/key width per head (nope + rope) and v_head_dim the value's.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    quant_block: tuple[int, int] | None = None  # fp8 with one scale per block of weights (DeepSeek-V3: 128 x 128)
     max_position_embeddings: int | None = None
     torch_dtype: str | None = None
     sliding_window: int | None = None
@@ -224,6 +238,10 @@ class ModelSpec:
             raise ConfigError(f"{self.name}: the config has no torch_dtype (or dtype) field, so the checkpoint's "
                               "bytes are unknown. Pass dtype='bfloat16' (or another) explicitly.")
         return self.torch_dtype
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and layer not in self.dense_layers
@@ -326,22 +344,55 @@ def _experts(cfg: dict, family: str, layers: int, name: str) -> tuple[int, int, 
 
     Mixtral: every layer is MoE, each expert as wide as ``intermediate_size``.  Qwen3-MoE: experts of
     ``moe_intermediate_size``; a layer is MoE when (layer + 1) is a multiple of ``decoder_sparse_step``
-    and it is not in ``mlp_only_layers`` (transformers' and vLLM's rule); the others are dense.
+    and it is not in ``mlp_only_layers`` (transformers' and vLLM's rule); the others are dense.  DeepSeek:
+    ``n_routed_experts`` of ``moe_intermediate_size`` after ``first_k_dense_replace`` dense layers.
     """
-    if family not in ("mixtral", "qwen3_moe"):
+    dense_deepseek = family in DEEPSEEK and cfg.get("n_routed_experts") is None
+    if family not in ("mixtral", "qwen3_moe", *DEEPSEEK) or dense_deepseek:
         return 0, 0, 0, frozenset()
-    key = "num_local_experts" if family == "mixtral" else "num_experts"
+    key = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts"}.get(family, "n_routed_experts")
     experts, per_token = _int_field(cfg, key, name), _int_field(cfg, "num_experts_per_tok", name)
     if per_token > experts:
         raise ConfigError(f"{name}: num_experts_per_tok {per_token} exceeds {key} {experts}.")
     if family == "mixtral":
         return experts, per_token, _int_field(cfg, "intermediate_size", name), frozenset()
+    if family in DEEPSEEK:  # the first first_k_dense_replace layers are dense, then every moe_layer_freq-th is MoE
+        first = cfg.get("first_k_dense_replace", 0)
+        freq = _int_field(cfg, "moe_layer_freq", name) if "moe_layer_freq" in cfg else 1
+        if not isinstance(first, int) or first < 0:
+            raise ConfigError(f"{name}: first_k_dense_replace should be a whole number >= 0, got {first!r}.")
+        dense = frozenset(i for i in range(layers) if i < first or i % freq)
+        return experts, per_token, _int_field(cfg, "moe_intermediate_size", name), dense
     step = _int_field(cfg, "decoder_sparse_step", name) if "decoder_sparse_step" in cfg else 1
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) and 0 <= i < layers for i in only):
         raise ConfigError(f"{name}: mlp_only_layers should be a list of layer numbers below {layers}, got {only!r}.")
     dense = frozenset(i for i in range(layers) if i in only or (i + 1) % step)
     return experts, per_token, _int_field(cfg, "moe_intermediate_size", name), dense
+
+
+def _mla(cfg: dict, family: str, name: str) -> dict:
+    """The latent-attention fields of a DeepSeek config (empty for other families); q_lora_rank may be null
+    (DeepSeek-V2-Lite: queries projected directly)."""
+    if family not in DEEPSEEK:
+        return {}
+    out = {k: _int_field(cfg, k, name) for k in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim")}
+    out["q_lora_rank"] = 0 if cfg.get("q_lora_rank") is None else _int_field(cfg, "q_lora_rank", name)
+    out["head_dim"] = _int_field(cfg, "qk_nope_head_dim", name) + out["qk_rope_head_dim"]
+    shared = cfg.get("n_shared_experts")
+    out["shared_experts"] = 0 if shared is None else _int_field(cfg, "n_shared_experts", name)
+    return out
+
+
+def _quant_block(cfg: dict, name: str) -> tuple[int, int] | None:
+    q = cfg.get("quantization_config") or {}
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    if block is None:
+        return None
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"{name}: quantization_config.weight_block_size should be two positive integers, "
+                          f"got {block!r}.")
+    return tuple(block)
 
 
 def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
@@ -363,12 +414,17 @@ def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     experts, per_token, width, dense = _experts(cfg, family, layers, name)
     ctx = cfg.get("max_position_embeddings")
     quant_method, not_quantized = _quantization(cfg, name)
+    mla = _mla(cfg, family, name)
+    head_dim = mla.pop("head_dim") if mla else _head_dim(cfg, hidden, heads, name, family, applied)
+    if mla and cfg.get("attention_bias"):
+        raise ConfigError(f"{name}: DeepSeek attention with attention_bias=true is not modelled by llmlab.memory "
+                          "(no published checkpoint has it); check the config's attention_bias field.")
     return ModelSpec(
         name=name, family=family, architecture=arch,
         vocab_size=_int_field(cfg, "vocab_size", name), hidden_size=hidden,
         intermediate_size=_int_field(cfg, "intermediate_size", name),
         num_layers=layers, num_heads=heads, num_kv_heads=kv,
-        head_dim=_head_dim(cfg, hidden, heads, name, family, applied),
+        head_dim=head_dim,
         tie_word_embeddings=_bool_field(cfg, "tie_word_embeddings", False, name, applied),
         qkv_bias=attention_bias or family == "qwen2", o_bias=attention_bias,
         mlp_bias=_bool_field(cfg, "mlp_bias", False, name, applied) if family == "llama" else False,
@@ -377,7 +433,7 @@ def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
         max_position_embeddings=None if ctx is None else _int_field(cfg, "max_position_embeddings", name),
         torch_dtype=_torch_dtype(cfg, name), sliding_window=_sliding_window(cfg, family, name),
         quant_method=quant_method, not_quantized=not_quantized, hf_id=HF_IDS.get(name), source=source,
-        defaults_applied=tuple(applied),
+        defaults_applied=tuple(applied), quant_block=_quant_block(cfg, name), **mla,
     )
 
 

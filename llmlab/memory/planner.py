@@ -155,7 +155,8 @@ def memory_report(model, dtype: str | None = None, kv_dtype: str = "auto", token
     report = {
         "model": s.name, "architecture": s.architecture, "source": s.source,
         "params": param_count(s), "active_params": active_params(s),
-        "dtype": dtype and normalize_dtype(dtype) or f"checkpoint ({s.torch_dtype})",
+        "dtype": dtype and normalize_dtype(dtype) or f"checkpoint ({s.torch_dtype}"
+                 f"{f', {s.quant_method} matrices' if s.quant_method else ''})",
         "weight_bytes": weight_bytes(s, dtype),
         "kv_dtype": kv_dtype, "kv_bytes_per_token": kv_bytes_per_token(s, kv_dtype, dtype),
         "tokens": tokens, "concurrency": concurrency,

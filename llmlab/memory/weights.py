@@ -44,7 +44,27 @@ class Tensor:
         return len(self.shape) == 2 and self.group not in ("embedding", "lm_head", "router")
 
 
+def _latent_attention(s: ModelSpec, p: str, i: int) -> list[Tensor]:
+    """DeepSeek's multi-head latent attention, as vLLM shards it: the down-projections (into the query and
+    KV latents) are replicated on every GPU, the up-projections split by head, o_proj by its inputs."""
+    h, q = s.hidden_size, s.num_heads * s.head_dim
+    if s.q_lora_rank:
+        out = [Tensor(f"{p}.q_a_proj.weight", (s.q_lora_rank, h), "none", "attention", i),
+               Tensor(f"{p}.q_a_layernorm.weight", (s.q_lora_rank,), "none", "norm", i),
+               Tensor(f"{p}.q_b_proj.weight", (q, s.q_lora_rank), "col", "attention", i)]
+    else:
+        out = [Tensor(f"{p}.q_proj.weight", (q, h), "col", "attention", i)]
+    nope = s.head_dim - s.qk_rope_head_dim
+    return out + [
+        Tensor(f"{p}.kv_a_proj_with_mqa.weight", (s.kv_lora_rank + s.qk_rope_head_dim, h), "none", "attention", i),
+        Tensor(f"{p}.kv_a_layernorm.weight", (s.kv_lora_rank,), "none", "norm", i),
+        Tensor(f"{p}.kv_b_proj.weight", (s.num_heads * (nope + s.v_head_dim), s.kv_lora_rank), "col", "attention", i),
+        Tensor(f"{p}.o_proj.weight", (h, s.num_heads * s.v_head_dim), "row", "attention", i)]
+
+
 def _attention(s: ModelSpec, p: str, i: int) -> list[Tensor]:
+    if s.is_mla:
+        return _latent_attention(s, p, i)
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     out = [Tensor(f"{p}.q_proj.weight", (q, s.hidden_size), "col", "attention", i),
            Tensor(f"{p}.k_proj.weight", (kv, s.hidden_size), "kv", "attention", i),
@@ -77,6 +97,11 @@ def _mlp(s: ModelSpec, p: str, i: int) -> list[Tensor]:
             out += [Tensor(f"{x}.{gate}.weight", (f, h), "col", "experts", i),
                     Tensor(f"{x}.{up}.weight", (f, h), "col", "experts", i),
                     Tensor(f"{x}.{down}.weight", (h, f), "row", "experts", i)]
+        if s.shared_experts:  # one dense MLP as wide as the shared experts together; every token runs it
+            w = f * s.shared_experts
+            out += [Tensor(f"{p}.shared_experts.gate_proj.weight", (w, h), "col", "mlp", i),
+                    Tensor(f"{p}.shared_experts.up_proj.weight", (w, h), "col", "mlp", i),
+                    Tensor(f"{p}.shared_experts.down_proj.weight", (h, w), "row", "mlp", i)]
         return out
     out = [Tensor(f"{p}.gate_proj.weight", (f, h), "col", "mlp", i),
            Tensor(f"{p}.up_proj.weight", (f, h), "col", "mlp", i),
@@ -137,11 +162,14 @@ def _checkpoint_bits(s: ModelSpec, t: Tensor, numel: int, rows: int) -> int:
     base = DTYPE_BITS[s.require_dtype()]
     if s.quant_method is None or not t.is_matrix or t.name.endswith(".bias"):
         return numel * base
+    if t.module in s.not_quantized:
+        return numel * base
+    if s.quant_method == "fp8" and s.quant_block:  # DeepSeek-V3: one float32 scale per block of weights
+        bo, bi = s.quant_block
+        return numel * 8 + -(-rows // bo) * -(-(numel // rows) // bi) * 32
     if s.quant_method != "fbgemm_fp8":
         raise ConfigError(f"{s.name}: quantization method {s.quant_method!r} is not modelled by llmlab.memory; "
                           "pass dtype='int4', 'int8' or 'fp8' for an estimate that counts every weight alike.")
-    if t.module in s.not_quantized:
-        return numel * base
     return numel * 8 + rows * 32  # one fp8 byte per weight + one float32 scale per output channel
 
 

@@ -25,6 +25,10 @@ PUBLISHED_PARAMS = {  # Hugging Face's totals for each shipped config
     "qwen3-8b": 8_190_735_360,  # "8.2B"
     "qwen3-30b-a3b": 30_532_122_624,  # "30.5B in total, 3.3B activated"
     "deepseek-v3": 671_026_404_352,  # "671B" (the repository's 685B adds the 14B multi-token-prediction layer)
+    "gpt-oss-20b": 20_914_757_184,  # "20.91B"
+    "gpt-oss-120b": 116_829_156_672,  # "116.83B"
+    "gemma2-9b": 9_241_705_984,
+    "gemma3-1b": 999_885_952,
 }
 
 TINY = {  # the tiny model as the course trains it (transformers 5 writes "dtype", not "torch_dtype")
@@ -328,11 +332,13 @@ def test_layout_fit_says_why_with_the_numbers():
     assert "vLLM may use nothing per GPU" in m.layout_fit(TINY, gpu_name="custom:1").why
 
 
-def test_layout_fit_counts_a_sliding_window_once():
+def test_layout_fit_counts_a_sliding_window_as_vllm_reserves_it():
+    """A 4,096-token window on every layer: vLLM reserves the window - 1 plus two 8,192-token steps in flight,
+    in 16-token blocks, plus one block for the window's ragged start: 1,281 blocks, not 32,768 / 16 = 2,048."""
     f = m.layout_fit("mistral-7b", 1, 1, "custom:24", context=32_768, concurrency=40)
-    held = m.kv_tokens_held("mistral-7b", 32_768)
-    assert held == 4096 and f.max_concurrency == f.kv_blocks / (held // 16)
-    assert not f.fits and "(each keeps 4,096 tokens: its sliding window)" in f.why
+    assert m.kv_tokens_held("mistral-7b", 32_768) == 4096
+    assert f.max_concurrency == f.kv_blocks / (-(-(4095 + 16_384) // 16) + 1) == f.kv_blocks / 1281
+    assert not f.fits and "(32 of its 32 layers keep a 4,096-token window" in f.why
 
 
 @pytest.mark.parametrize("model,kw", [
@@ -564,6 +570,43 @@ def test_deepseek_v3_fp8_checkpoint_stores_one_scale_per_128_x_128_block():
     # a dense MLP 3 x 144x56 = 24,192; an MoE layer's 256 routed + 1 shared experts 257 x 3 x 16x56 = 690,816
     blocks = 3 * (11_448 + 24_192) + 58 * (11_448 + 690_816)
     assert m.weight_bytes("deepseek-v3") == fp8 + 2 * bf16 + 4 * blocks == 673_150_552_416
+
+
+def test_gpt_oss_mxfp4_experts_and_openai_s_published_figures():
+    """OpenAI: 116.83B and 20.91B parameters, 5.13B and 3.61B active (the embedding table not counted: a lookup,
+    no compute), checkpoints of 60.8 GiB and 12.8 GiB (experts in MXFP4: 4 bits + one 8-bit scale per 32)."""
+    for name, active, gib in (("gpt-oss-120b", 5_132_849_472, 60.8), ("gpt-oss-20b", 3_608_307_264, 12.8)):
+        assert m.active_params(name) - m.param_breakdown(name)["embedding"] == active
+        assert round(m.weight_bytes(name) / m.GiB, 1) == gib
+    experts = m.param_breakdown("gpt-oss-20b")["experts"]
+    biases = 24 * 32 * (2 * 2880 + 2880)  # per expert: gate and up biases of the MLP width, down's of the hidden
+    assert m.weight_bytes("gpt-oss-20b", "bfloat16") - m.weight_bytes("gpt-oss-20b") == \
+        (experts - biases) * 2 - (experts - biases) * 17 // 32  # 16 bits against 4.25 per expert weight
+
+
+def test_sliding_window_layers_and_vllm_s_kv_cache_groups():
+    gemma3 = m.model_spec("gemma3-1b")  # sliding_window_pattern 6: every sixth layer attends to everything
+    assert sorted(set(range(26)) - gemma3.sliding_layers) == [5, 11, 17, 23]
+    assert m.kv_groups("gemma3-1b") == (("full", 4),) + (("sliding", 4),) * 6  # 22 sliding: 6 groups, one padded
+    assert m.kv_groups("gpt-oss-20b") == (("full", 12), ("sliding", 12))
+    assert m.kv_groups("llama3.1-8b") == (("full", 32),) and m.kv_groups("mistral-7b") == (("sliding", 32),)
+    uneven = {**json.loads((FAMILIES / "gpt_oss.json").read_text()), "num_hidden_layers": 7,
+              "layer_types": ["sliding_attention", "full_attention"] * 3 + ["full_attention"]}
+    assert m.kv_groups(uneven) == (("full", 4), ("sliding", 4))  # 4 full < 1.5 x 3 sliding: pad the sliding group
+    uneven = {**uneven, "num_hidden_layers": 5, "layer_types": uneven["layer_types"][2:]}
+    assert m.kv_groups(uneven) == (("full", 2), ("full", 2), ("sliding", 2))  # 3 full = 1.5 x 2: groups of 2
+    with pytest.raises(m.ConfigError, match="layer_types should list 'sliding_attention' or 'full_attention'"):
+        m.model_spec({**uneven, "layer_types": ["sliding_attention"] * 4})
+
+
+def test_a_window_saves_blocks_only_beyond_the_window_plus_the_steps_in_flight():
+    # gpt-oss-120b at 131,072 tokens: 18 full layers take 8,192 blocks per request, the 18 sliding ones
+    # ceil((127 + 16,384) / 16) + 1 = 1,033: 9,225 in all, where full attention everywhere would take 16,384
+    assert m.kv_layout("gpt-oss-120b", 131_072).blocks_per_request == 8192 + 1033
+    # Gemma 2 at its 8,192-token context: window + in-flight exceed the context, so the window saves nothing
+    assert m.kv_layout("gemma2-9b", 8192).blocks_per_request == 512 + 513
+    assert m.kv_cache_bytes("gemma2-9b", 8192) == (21 * 8192 + 21 * 4096) * 2 * 8 * 256 * 4  # what the tokens fill
+    assert m.kv_cache_bytes("gpt-oss-20b", 100_000) == (12 * 100_000 + 12 * 128) * 2 * 8 * 64 * 2
 
 
 def test_an_architecture_transformers_does_not_know_is_one_sentence():

@@ -8,8 +8,10 @@ offline engine could disagree about the same layout.  :func:`layout_fit` is vLLM
 2. it holds its shard of its pipeline stage's weights (:func:`weight_bytes_per_gpu`); the rest is its KV budget;
 3. the budget holds whole blocks of ``block_size`` tokens at that stage's KV bytes per token, and vLLM gives
    every GPU the same number of blocks: the smallest over the stages, so the fullest stage decides;
-4. one request of ``context`` tokens takes ceil(held / block_size) blocks (held: all its tokens, or a sliding
-   window's worth), and the layout fits when the blocks hold ``concurrency`` such requests at once.
+4. a block is one page of each layer of a KV cache group (:func:`kv_layout`); one request of ``context`` tokens
+   takes ceil(context / block_size) blocks of each full-attention group and its window's plus the in-flight
+   steps' blocks of each sliding-window group, and the layout fits when the blocks hold ``concurrency`` such
+   requests at once.
 
 Part of ``llmlab.memory`` (its ``__init__`` says how the parts fit); read them in the order model, weights,
 kv, gpus, fit, planner.
@@ -21,7 +23,7 @@ import numbers
 from dataclasses import asdict, dataclass, replace
 
 from llmlab.memory.gpus import gpu, usable_bytes
-from llmlab.memory.kv import kv_blocks, kv_bytes_per_token, kv_tokens_held
+from llmlab.memory.kv import GPU_IN_FLIGHT_TOKENS, kv_bytes_per_token, kv_layout
 from llmlab.memory.model import (
     DEFAULT_OVERHEAD_GIB,
     DEFAULT_UTILIZATION,
@@ -88,15 +90,18 @@ def layout_fit(model, tp: int = 1, pp: int = 1, gpu_name="H100-80", *, dtype: st
     card = gpu(gpu_name)
     usable = usable_bytes(card, utilization, overhead_gib)
     weights = weight_bytes_per_gpu(s, dtype, tp, pp)  # raises PlanError for a TP that does not divide the heads
-    per_token = [kv_bytes_per_token(s, kv_dtype, dtype, tp, n) for n in pp_partition(s.num_layers, pp)]
-    blocks = [kv_blocks(usable - w, t, block_size) for w, t in zip(weights, per_token, strict=True)]
+    parts = pp_partition(s.num_layers, pp)
+    stages = [range(sum(parts[:k]), sum(parts[:k + 1])) for k in range(pp)]
+    per_token = [kv_bytes_per_token(s, kv_dtype, dtype, tp, len(r)) for r in stages]
+    layouts = [kv_layout(s, context, block_size, GPU_IN_FLIGHT_TOKENS, kv_dtype, dtype, tp, r) for r in stages]
+    blocks = [max(0, usable - w) // lay.bytes_per_block for w, lay in zip(weights, layouts, strict=True)]
     worst = min(range(pp), key=lambda k: (blocks[k], usable - weights[k]))
-    held = kv_tokens_held(s, context)  # a sliding-window model keeps its window only
-    most = min(blocks) / -(-held // block_size)
+    per_request = max(lay.blocks_per_request for lay in layouts)
+    most = min(blocks) / per_request
     fit = Fit(s.name, card.name, tp, pp, context, concurrency, utilization, usable, max(weights),
               usable - max(weights), max(per_token), min(blocks), int(most * context), most, worst,
               tuple(weights), tuple(per_token), most >= concurrency)
-    return fit if fit.fits else _explained(fit, s, dtype, overhead_gib, card.memory_gib, held, block_size)
+    return fit if fit.fits else _explained(fit, s, dtype, overhead_gib, card.memory_gib, block_size)
 
 
 def _dtype_label(s, dtype) -> str:
@@ -105,7 +110,7 @@ def _dtype_label(s, dtype) -> str:
     return f"its {s.quant_method} checkpoint" if s.quant_method else s.torch_dtype or "its checkpoint's dtype"
 
 
-def _explained(fit: Fit, s, dtype, overhead_gib: float, memory_gib: float, held: int, block_size: int) -> Fit:
+def _explained(fit: Fit, s, dtype, overhead_gib: float, memory_gib: float, block_size: int) -> Fit:
     """``fit`` with its ``why``: the worst stage's weights against the usable memory, then its KV room."""
     k = fit.worst_stage
     weights, usable = fit.weight_bytes_per_stage[k], fit.usable_bytes_per_gpu
@@ -120,7 +125,8 @@ def _explained(fit: Fit, s, dtype, overhead_gib: float, memory_gib: float, held:
     else:
         asked = (f"one {fit.context:,}-token request" if fit.concurrency == 1 else
                  f"the {fit.concurrency} requests of {fit.context:,} tokens asked for")
-        window = f" (each keeps {held:,} tokens: its sliding window)" if held < fit.context else ""
+        window = (f" ({len(s.sliding_layers)} of its {s.num_layers} layers keep a {s.sliding_window:,}-token window, "
+                  f"plus the {GPU_IN_FLIGHT_TOKENS:,} tokens vLLM may have in flight)") if s.sliding_layers else ""
         why = (f"{where}: the weights take {weights / GiB:.1f} GiB of the {usable / GiB:.1f} GiB {per_gpu} ({rule}), "
                f"leaving KV room for {fit.kv_blocks * block_size:,} tokens ({fit.kv_blocks:,} blocks of {block_size} "
                f"at {fit.kv_bytes_per_token_per_stage[k]:,} bytes per token): {fit.max_concurrency:.2f} full-length "

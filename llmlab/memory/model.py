@@ -31,6 +31,10 @@ HF_IDS = {
     "qwen3-8b": "Qwen/Qwen3-8B",
     "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
     "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "gpt-oss-20b": "openai/gpt-oss-20b",
+    "gpt-oss-120b": "openai/gpt-oss-120b",
+    "gemma2-9b": "google/gemma-2-9b",
+    "gemma3-1b": "google/gemma-3-1b-it",
 }
 
 # vLLM's default KV block size (tokens per block) per platform: 16 on CUDA (CacheConfig's default),
@@ -146,7 +150,11 @@ ARCHITECTURES = {  # Hugging Face class -> family; the formulas below are exact 
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # also Kimi K2's
+    "GptOssForCausalLM": "gpt_oss",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",  # Gemma 3 1B; the larger ones are vision-language models
 }
+GEMMA = ("gemma2", "gemma3_text")  # four norms per layer (before and after attention and MLP), tied embeddings
 QWEN3 = ("qwen3", "qwen3_moe")  # Llama's layout plus an RMSNorm on each head's queries and keys
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared + routed experts
 
@@ -215,6 +223,10 @@ class ModelSpec:
     dense_layers: frozenset[int] = frozenset()  # layers of an MoE model that keep a dense MLP
     qk_norm: bool = False           # Qwen3: an RMSNorm of head_dim weights on queries and on keys
     shared_experts: int = 0         # DeepSeek: experts every token runs, beside the routed ones
+    expert_bias: bool = False       # gpt-oss: biases on the router and on each expert's matrices
+    attention_sinks: bool = False   # gpt-oss: one learned "sink" logit per attention head
+    sandwich_norms: bool = False    # Gemma: a norm after attention and one after the MLP too
+    sliding_layers: frozenset[int] = frozenset()  # layers that attend to the last sliding_window tokens only
     # Multi-head latent attention (DeepSeek): queries through a rank-q_lora_rank bottleneck (0: none), keys and
     # values through one latent of kv_lora_rank values plus a shared rotary key of qk_rope_head_dim; head_dim is
     # then the query/key width per head (nope + rope) and v_head_dim the value's.
@@ -307,26 +319,43 @@ def _torch_dtype(cfg: dict, name: str) -> str | None:
 def _head_dim(cfg: dict, hidden: int, heads: int, name: str, family: str, applied: list[str]) -> int:
     if cfg.get("head_dim") is not None:  # explicit (e.g. Mistral Nemo: 128 while 5120 / 32 = 160)
         return _int_field(cfg, "head_dim", name)
-    if family in QWEN3:  # Qwen3Config's default is 128 whatever hidden_size / heads is
-        applied.append("head_dim=128 (Qwen3Config's default: absent from the config)")
-        return 128
+    if family in QWEN3 or family in GEMMA:  # their configs' defaults, whatever hidden_size / heads is
+        default = 128 if family in QWEN3 else 256
+        applied.append(f"head_dim={default} ({family}'s config default: absent from the config)")
+        return default
     if hidden % heads:
         raise ConfigError(f"{name}: hidden_size {hidden} is not divisible by num_attention_heads {heads} and the "
                           "config gives no head_dim: add the model's head_dim.")
     return hidden // heads
 
 
-def _sliding_window(cfg: dict, family: str, name: str) -> int | None:
+def _sliding_window(cfg: dict, family: str, layers: int, name: str) -> tuple[int | None, frozenset[int]]:
+    """(window, the layers that use it).  Mistral windows every layer; Gemma 2 and gpt-oss every other one
+    (from layer 0); Gemma 3 all but every ``sliding_window_pattern``-th; ``layer_types``, where a config
+    has it, says it layer by layer and wins."""
     qwen = family in ("qwen2", *QWEN3)
     if qwen and not cfg.get("use_sliding_window", False):
-        return None
+        return None, frozenset()
     window = cfg.get("sliding_window")
     if window is None:
-        return None
+        return None, frozenset()
     if qwen:
         raise ConfigError(f"{name}: Qwen with use_sliding_window=true applies the window to some layers only; "
                           "llmlab.memory does not model that: set use_sliding_window to false.")
-    return _int_field(cfg, "sliding_window", name)
+    window = _int_field(cfg, "sliding_window", name)
+    types = cfg.get("layer_types")
+    if types is not None:
+        kinds = {"sliding_attention", "full_attention"}
+        if not isinstance(types, list) or len(types) != layers or not set(types) <= kinds:
+            raise ConfigError(f"{name}: layer_types should list 'sliding_attention' or 'full_attention' for each of "
+                              f"the {layers} layers, got {types!r}.")
+        return window, frozenset(i for i, t in enumerate(types) if t == "sliding_attention")
+    if family in ("gemma2", "gpt_oss"):
+        return window, frozenset(range(0, layers, 2))
+    if family == "gemma3_text":
+        pattern = _int_field(cfg, "sliding_window_pattern", name) if "sliding_window_pattern" in cfg else 6
+        return window, frozenset(i for i in range(layers) if (i + 1) % pattern)
+    return window, frozenset(range(layers))
 
 
 def _quantization(cfg: dict, name: str) -> tuple[str | None, frozenset[str]]:
@@ -348,13 +377,14 @@ def _experts(cfg: dict, family: str, layers: int, name: str) -> tuple[int, int, 
     ``n_routed_experts`` of ``moe_intermediate_size`` after ``first_k_dense_replace`` dense layers.
     """
     dense_deepseek = family in DEEPSEEK and cfg.get("n_routed_experts") is None
-    if family not in ("mixtral", "qwen3_moe", *DEEPSEEK) or dense_deepseek:
+    if family not in ("mixtral", "qwen3_moe", "gpt_oss", *DEEPSEEK) or dense_deepseek:
         return 0, 0, 0, frozenset()
-    key = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts"}.get(family, "n_routed_experts")
+    key = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "qwen3_moe": "num_experts"}.get(
+        family, "n_routed_experts")
     experts, per_token = _int_field(cfg, key, name), _int_field(cfg, "num_experts_per_tok", name)
     if per_token > experts:
         raise ConfigError(f"{name}: num_experts_per_tok {per_token} exceeds {key} {experts}.")
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         return experts, per_token, _int_field(cfg, "intermediate_size", name), frozenset()
     if family in DEEPSEEK:  # the first first_k_dense_replace layers are dense, then every moe_layer_freq-th is MoE
         first = cfg.get("first_k_dense_replace", 0)
@@ -408,13 +438,14 @@ def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     if heads % kv:
         raise ConfigError(f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
                           "grouped-query attention needs whole groups.")
-    has_flag = family in ("llama", *QWEN3)
+    has_flag = family in ("llama", "gpt_oss", *QWEN3, *GEMMA)
     attention_bias = _bool_field(cfg, "attention_bias", False, name, applied) if has_flag else False
     layers = _int_field(cfg, "num_hidden_layers", name)
     experts, per_token, width, dense = _experts(cfg, family, layers, name)
     ctx = cfg.get("max_position_embeddings")
     quant_method, not_quantized = _quantization(cfg, name)
     mla = _mla(cfg, family, name)
+    window, sliding = _sliding_window(cfg, family, layers, name)
     head_dim = mla.pop("head_dim") if mla else _head_dim(cfg, hidden, heads, name, family, applied)
     if mla and cfg.get("attention_bias"):
         raise ConfigError(f"{name}: DeepSeek attention with attention_bias=true is not modelled by llmlab.memory "
@@ -425,13 +456,14 @@ def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
         intermediate_size=_int_field(cfg, "intermediate_size", name),
         num_layers=layers, num_heads=heads, num_kv_heads=kv,
         head_dim=head_dim,
-        tie_word_embeddings=_bool_field(cfg, "tie_word_embeddings", False, name, applied),
+        tie_word_embeddings=_bool_field(cfg, "tie_word_embeddings", family in GEMMA, name, applied),
         qkv_bias=attention_bias or family == "qwen2", o_bias=attention_bias,
         mlp_bias=_bool_field(cfg, "mlp_bias", False, name, applied) if family == "llama" else False,
         num_experts=experts, experts_per_token=per_token, expert_width=width, dense_layers=dense,
-        qk_norm=family in QWEN3,
+        qk_norm=family in QWEN3 or family == "gemma3_text", expert_bias=family == "gpt_oss",
+        attention_sinks=family == "gpt_oss", sandwich_norms=family in GEMMA,
         max_position_embeddings=None if ctx is None else _int_field(cfg, "max_position_embeddings", name),
-        torch_dtype=_torch_dtype(cfg, name), sliding_window=_sliding_window(cfg, family, name),
+        torch_dtype=_torch_dtype(cfg, name), sliding_window=window, sliding_layers=sliding,
         quant_method=quant_method, not_quantized=not_quantized, hf_id=HF_IDS.get(name), source=source,
         defaults_applied=tuple(applied), quant_block=_quant_block(cfg, name), **mla,
     )

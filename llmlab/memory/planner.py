@@ -91,8 +91,9 @@ def plan(model, dtype: str | None = None, kv_dtype: str = "auto", gpu_name="H100
         cmd, notes = serve_command(s, tp=tp, pp=pp, max_model_len=context, dtype=dtype, kv_dtype=kv_dtype,
                                    gpu_memory_utilization=utilization)
         if s.sliding_window and context > s.sliding_window:
-            notes.append(f"sliding window of {s.sliding_window} tokens: concurrency is approximate "
-                         "(vLLM reserves one scheduling chunk more per request)")
+            notes.append(f"sliding window of {s.sliding_window} tokens on {len(s.sliding_layers)} of {s.num_layers} "
+                         "layers: vLLM reserves the window plus two steps of 8,192 tokens for each, as an H100 or "
+                         "H200 schedules them (--max-num-batched-tokens changes that)")
         return Plan(s.name, dtype or "checkpoint", kv_dtype, fit.gpu, gpus_per_node, tp, pp, pp, tp * pp, context,
                     concurrency, utilization, fit.weight_bytes_per_gpu, fit.kv_budget_bytes_per_gpu,
                     fit.kv_bytes_per_token_per_gpu, fit.kv_blocks, fit.kv_tokens, fit.max_concurrency, cmd, notes)

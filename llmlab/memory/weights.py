@@ -76,6 +76,8 @@ def _attention(s: ModelSpec, p: str, i: int) -> list[Tensor]:
                 Tensor(f"{p}.v_proj.bias", (kv,), "kv", "attention", i)]
     if s.o_bias:
         out.append(Tensor(f"{p}.o_proj.bias", (s.hidden_size,), "none", "attention", i))
+    if s.attention_sinks:  # one logit per head, split with the heads
+        out.append(Tensor(f"{p}.sinks", (s.num_heads,), "col", "attention", i))
     if s.qk_norm:  # one RMSNorm weight per head dimension, shared by all heads: replicated under TP
         out += [Tensor(f"{p}.q_norm.weight", (s.head_dim,), "none", "norm", i),
                 Tensor(f"{p}.k_norm.weight", (s.head_dim,), "none", "norm", i)]
@@ -91,12 +93,19 @@ def _mlp(s: ModelSpec, p: str, i: int) -> list[Tensor]:
     if s.is_moe_layer(i):  # a router, then each expert's gate, up and down matrices, no biases
         f = s.expert_width
         gate, up, down = _EXPERT_NAMES.get(s.family, ("gate_proj", "up_proj", "down_proj"))
-        out = [Tensor(f"{p}.gate.weight", (s.num_experts, h), "none", "router", i)]
+        router = f"{p}.router" if s.family == "gpt_oss" else f"{p}.gate"
+        out = [Tensor(f"{router}.weight", (s.num_experts, h), "none", "router", i)]
+        if s.expert_bias:
+            out.append(Tensor(f"{router}.bias", (s.num_experts,), "none", "router", i))
         for e in range(s.num_experts):
             x = f"{p}.experts.{e}"
             out += [Tensor(f"{x}.{gate}.weight", (f, h), "col", "experts", i),
                     Tensor(f"{x}.{up}.weight", (f, h), "col", "experts", i),
                     Tensor(f"{x}.{down}.weight", (h, f), "row", "experts", i)]
+            if s.expert_bias:
+                out += [Tensor(f"{x}.{gate}.bias", (f,), "col", "experts", i),
+                        Tensor(f"{x}.{up}.bias", (f,), "col", "experts", i),
+                        Tensor(f"{x}.{down}.bias", (h,), "none", "experts", i)]
         if s.shared_experts:  # one dense MLP as wide as the shared experts together; every token runs it
             w = f * s.shared_experts
             out += [Tensor(f"{p}.shared_experts.gate_proj.weight", (w, h), "col", "mlp", i),
@@ -122,6 +131,9 @@ def _tensors(s: ModelSpec) -> tuple[Tensor, ...]:
         out.append(Tensor(f"{p}.input_layernorm.weight", (s.hidden_size,), "none", "norm", i))
         out += _attention(s, f"{p}.self_attn", i)
         out.append(Tensor(f"{p}.post_attention_layernorm.weight", (s.hidden_size,), "none", "norm", i))
+        if s.sandwich_norms:
+            out += [Tensor(f"{p}.{n}_feedforward_layernorm.weight", (s.hidden_size,), "none", "norm", i)
+                    for n in ("pre", "post")]
         out += _mlp(s, f"{p}.{mlp}", i)
     out.append(Tensor("model.norm.weight", (s.hidden_size,), "none", "norm"))
     if not s.tie_word_embeddings:
@@ -164,6 +176,8 @@ def _checkpoint_bits(s: ModelSpec, t: Tensor, numel: int, rows: int) -> int:
         return numel * base
     if t.module in s.not_quantized:
         return numel * base
+    if s.quant_method == "mxfp4":  # gpt-oss: only the experts' matrices, 4 bits + one 8-bit scale per 32 values
+        return numel * 4 + -(-numel // 32) * 8 if t.group == "experts" else numel * base
     if s.quant_method == "fp8" and s.quant_block:  # DeepSeek-V3: one float32 scale per block of weights
         bo, bi = s.quant_block
         return numel * 8 + -(-rows // bo) * -(-(numel // rows) // bi) * 32

@@ -86,6 +86,17 @@ def test_layout_405b(capsys):
     assert "699,408 KV tokens" in right(capsys, check.layout_405b, 8, 2)
 
 
+def test_kv_2026(capsys):
+    good = 70_272
+    not_yet(check.kv_2026, 61 * 128 * (192 + 128) * 2, 9225, hint="128 heads of keys and values")
+    not_yet(check.kv_2026, 2 * good, 9225, hint="not twice")
+    not_yet(check.kv_2026, 61 * 512 * 2, 9225, hint="add the rotary key")
+    not_yet(check.kv_2026, good, 16_384, hint="full attention on every layer")
+    not_yet(check.kv_2026, good, 8192 + 8, hint="add the 16,384 tokens in flight")
+    not_yet(check.kv_2026, good, 8192 + 1032, hint="one block more")
+    right(capsys, check.kv_2026, good, 9225)
+
+
 def test_embedded_kv_tokens(capsys):
     not_yet(check.embedded_kv_tokens, 2 * 2**30 // 2048, hint="that is blocks x 128")
     not_yet(check.embedded_kv_tokens, 1_000_000, hint="concurrency = blocks / ceil(500 / 128)")

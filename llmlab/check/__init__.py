@@ -25,6 +25,7 @@ from llmlab.check.memory import (  # noqa: F401
     embedded_kv_tokens,
     h100s_for_405b,
     kv_405b,
+    kv_2026,
     layout_405b,
     weights_405b_fp16,
 )

@@ -94,3 +94,32 @@ def embedded_kv_tokens(tokens) -> None:
     require(n == expected, "bytes per token = 4 layers x 2 x 2 KV heads x 32 x 4 bytes (float32); blocks of 128 "
             "tokens; concurrency = blocks / ceil(500 / 128); tokens = int(concurrency x 500).")
     right(f"{n:,} tokens, 2048.00x: the line the server will log.")
+
+
+def kv_2026(deepseek_per_token, gpt_oss_blocks) -> None:
+    """01: DeepSeek-V3's KV bytes per token (latent attention) and the blocks one 131,072-token request of
+    gpt-oss-120b takes on an H100 (half its layers keep a 128-token window)."""
+    from llmlab import memory
+
+    s = memory.model_spec("deepseek-v3")
+    per = _whole(deepseek_per_token, "DeepSeek-V3's KV bytes per token")
+    mha = s.num_layers * s.num_heads * (s.head_dim + s.v_head_dim) * 2
+    require(per != mha, "that is what 128 heads of keys and values would take; latent attention caches none of "
+            "them: one latent of kv_lora_rank values and one rotary key of qk_rope_head_dim per layer.")
+    require(per != 2 * memory.kv_bytes_per_token(s), "the latent stands for keys and values together: store it "
+            "once per layer, not twice (no factor 2 for K and V).")
+    require(per != s.num_layers * s.kv_lora_rank * 2, "add the rotary key: qk_rope_head_dim values per layer "
+            "sit beside the latent.")
+    require(per == memory.kv_bytes_per_token(s), "61 layers x (kv_lora_rank + qk_rope_head_dim) x 2 bytes (bf16).")
+    blocks = _whole(gpt_oss_blocks, "blocks per request")
+    full = 131_072 // memory.GPU_BLOCK_SIZE
+    require(blocks != 2 * full, "that is full attention on every layer: only the 18 full-attention layers' "
+            "group keeps all 131,072 tokens; the sliding group keeps its window.")
+    require(blocks != full + 128 // memory.GPU_BLOCK_SIZE, "vLLM frees a window's blocks only once the tokens "
+            "after them are processed: add the 16,384 tokens in flight (two steps of 8,192) to the window - 1.")
+    require(blocks != full + 1032, "one block more for the window: it rarely starts at a block's edge.")
+    expected = memory.kv_layout("gpt-oss-120b", 131_072).blocks_per_request
+    require(blocks == expected, "one group of full layers (131,072 / 16 blocks) plus one sliding group: "
+            "ceil((128 - 1 + 16,384) / 16) + 1 blocks.")
+    right(f"{per:,} bytes per token (Llama 3.1 405B: {memory.kv_bytes_per_token('llama3.1-405b'):,}); "
+          f"{blocks:,} blocks per request where full attention would take {2 * full:,}.")

@@ -110,6 +110,7 @@ from llmlab.memory.weights import (  # noqa: F401
     _tensors,
     _weight_bytes_per_gpu,
     active_params,
+    active_weight_bytes,
     check_tp,
     param_breakdown,
     param_count,

@@ -169,6 +169,21 @@ def active_params(model) -> int:
     return total - experts + experts * s.experts_per_token // s.num_experts
 
 
+def active_weight_bytes(model, dtype: str | None = None) -> int:
+    """Bytes of weights one token's forward pass reads: all of them but the experts it is not routed to.
+
+    Why: a decode step at batch 1 reads each weight it uses once, so this over the memory bandwidth bounds
+    its speed; for a mixture of experts it is far below :func:`weight_bytes`, which bounds the memory.
+    (The embedding table counts whole, though a token reads one row of it: a bound, a little high.)
+    """
+    s = model_spec(model)
+    total = weight_bytes(s, dtype)
+    if not s.num_experts:
+        return total
+    experts = -(-sum(_bits(s, t, dtype, t.numel, t.shape[0]) for t in tensors(s) if t.group == "experts") // 8)
+    return total - experts + experts * s.experts_per_token // s.num_experts
+
+
 def _checkpoint_bits(s: ModelSpec, t: Tensor, numel: int, rows: int) -> int:
     """Bits a (shard of a) tensor takes as stored in the checkpoint, fp8 scales included."""
     base = DTYPE_BITS[s.require_dtype()]

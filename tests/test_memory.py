@@ -609,6 +609,25 @@ def test_a_window_saves_blocks_only_beyond_the_window_plus_the_steps_in_flight()
     assert m.kv_cache_bytes("gpt-oss-20b", 100_000) == (12 * 100_000 + 12 * 128) * 2 * 8 * 64 * 2
 
 
+def test_expert_parallelism_deals_whole_experts_out():
+    """--enable-expert-parallel: each GPU holds ceil(experts / TP) whole experts instead of a slice of each."""
+    odd = {**json.loads(m.config_path("qwen3-30b-a3b").read_text()), "moe_intermediate_size": 770}
+    assert m.valid_tp_sizes(odd, 8) == [1, 2] and m.valid_tp_sizes(odd, 8, expert_parallel=True) == [1, 2, 4, 8]
+    spec = m.model_spec("qwen3-30b-a3b")
+    one_expert = 3 * 768 * 2048 * 2  # bf16 bytes
+    sliced, whole = (m.weight_bytes_per_gpu("qwen3-30b-a3b", tp=8, expert_parallel=ep)[0] for ep in (False, True))
+    assert sliced == whole  # 128 experts over 8 GPUs: 16 whole ones or 1/8 of each, the same bytes
+    hundred = {**odd, "moe_intermediate_size": 768, "num_experts": 100}  # 100 experts over 8 GPUs: 13 on the first
+    sliced, whole = (m.weight_bytes_per_gpu(hundred, tp=8, expert_parallel=ep)[0] for ep in (False, True))
+    assert whole - sliced == spec.num_layers * (13 - 12.5) * one_expert
+    p = m.plan("qwen3-30b-a3b", gpu_name="A100-40", expert_parallel=True, context=40_960)
+    assert "--enable-expert-parallel" in p.command and p.tp == 2
+    with pytest.raises(m.PlanError, match="llama3.1-8b has no experts"):
+        m.plan("llama3.1-8b", expert_parallel=True)
+    with pytest.raises(m.PlanError, match="slices of 64, not whole 128-row blocks of its FP8 scales"):
+        m.check_tp("deepseek-v3", 32)
+
+
 def test_an_architecture_transformers_does_not_know_is_one_sentence():
     with pytest.raises(m.ConfigError, match="does not know model_type 'no-such-model'"):
         m.transformers_param_count({"model_type": "no-such-model", "hidden_size": 8})
@@ -638,3 +657,11 @@ def test_live_kv_cache_of_each_family_is_what_llmlab_predicts(family, tmp_path):
                         log_path=tmp_path / "vllm.log") as srv:
         logged = m.parse_kv_log(srv.log_path.read_text(errors="replace"))
     assert logged["line"] == m.embedded_kv_capacity(1, model).log_line("CPU")
+
+
+def test_cli_memory_plans_expert_parallel_and_refuses_it_for_a_dense_model(capsys):
+    assert main(["memory", "qwen3-30b-a3b", "--gpu", "A100-40", "--tokens", "40960", "--expert-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "--enable-expert-parallel" in out and "3,353,032,704 active per token" in out
+    assert main(["memory", "llama3.1-8b", "--expert-parallel"]) == 2
+    assert "has no experts" in capsys.readouterr().err

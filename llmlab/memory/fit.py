@@ -73,14 +73,15 @@ def _whole(name: str, value) -> int:
 def layout_fit(model, tp: int = 1, pp: int = 1, gpu_name="H100-80", *, dtype: str | None = None,
                kv_dtype: str = "auto", context: int | None = None, concurrency: int = 1,
                utilization: float = DEFAULT_UTILIZATION, overhead_gib: float = DEFAULT_OVERHEAD_GIB,
-               block_size: int = GPU_BLOCK_SIZE) -> Fit:
+               block_size: int = GPU_BLOCK_SIZE, expert_parallel: bool = False) -> Fit:
     """Whether ``model`` as TP=``tp`` x PP=``pp`` on ``gpu_name`` GPUs holds ``concurrency`` requests of
     ``context`` tokens (default: the model's full context), with the figures vLLM would log.
 
     ``dtype`` is the weights' (None: the checkpoint's), ``kv_dtype`` the cache's ("auto" follows the compute
-    dtype).  A layout vLLM would refuse outright (TP not dividing the heads, PP above the layers) or a bad
-    argument raises :class:`PlanError`, an unknown GPU :class:`UnknownName` (both ``ValueError``); a layout
-    that is valid but too small returns ``fits=False`` with ``why`` naming the numbers.
+    dtype); ``expert_parallel`` deals a mixture of experts' experts out whole (``--enable-expert-parallel``).
+    A layout vLLM would refuse outright (TP not dividing the heads, PP above the layers) or a bad argument
+    raises :class:`PlanError`, an unknown GPU :class:`UnknownName` (both ``ValueError``); a layout that is
+    valid but too small returns ``fits=False`` with ``why`` naming the numbers.
     """
     s = model_spec(model)
     tp, pp, concurrency, block_size = (_whole(n, v) for n, v in (
@@ -89,7 +90,7 @@ def layout_fit(model, tp: int = 1, pp: int = 1, gpu_name="H100-80", *, dtype: st
     context = _whole("context", s.require_context() if context is None else context)
     card = gpu(gpu_name)
     usable = usable_bytes(card, utilization, overhead_gib)
-    weights = weight_bytes_per_gpu(s, dtype, tp, pp)  # raises PlanError for a TP that does not divide the heads
+    weights = weight_bytes_per_gpu(s, dtype, tp, pp, expert_parallel)  # PlanError: a TP that does not divide
     parts = pp_partition(s.num_layers, pp)
     stages = [range(sum(parts[:k]), sum(parts[:k + 1])) for k in range(pp)]
     per_token = [kv_bytes_per_token(s, kv_dtype, dtype, tp, len(r)) for r in stages]

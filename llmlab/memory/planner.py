@@ -26,7 +26,7 @@ from llmlab.memory.model import (
     normalize_kv_dtype,
     serve_dtype,
 )
-from llmlab.memory.weights import active_params, param_count, valid_tp_sizes, weight_bytes
+from llmlab.memory.weights import active_params, check_tp, param_count, valid_tp_sizes, weight_bytes
 
 # --------------------------------------------------------------------------------------------------
 # The planner
@@ -64,7 +64,7 @@ class Plan:
 def plan(model, dtype: str | None = None, kv_dtype: str = "auto", gpu_name="H100-80", gpus_per_node: int = 8,
          context: int | None = None, concurrency: int = 1, utilization: float = DEFAULT_UTILIZATION,
          overhead_gib: float = DEFAULT_OVERHEAD_GIB, max_nodes: int = 64,
-         block_size: int = GPU_BLOCK_SIZE) -> Plan:
+         block_size: int = GPU_BLOCK_SIZE, expert_parallel: bool = False) -> Plan:
     """The smallest valid layout that holds the weights and ``concurrency`` requests of ``context`` tokens.
 
     Tensor parallelism stays inside a node (it all-reduces twice per layer: it needs NVLink), and
@@ -73,23 +73,28 @@ def plan(model, dtype: str | None = None, kv_dtype: str = "auto", gpu_name="H100
     node, which sometimes needs fewer GPUs in all (405B in bf16: TP=1 x PP=13 = 13 H100s for one 128k
     request); this planner keeps stages on node boundaries, as clusters allocate whole nodes.  Each
     candidate is judged by :func:`layout_fit`, the same check ``llmlab launch`` and ``llmlab generate`` make.
+    ``expert_parallel``: a mixture of experts deals its experts out whole to the TP group's GPUs.
     """
     s = model_spec(model)
     context = context or s.require_context()
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     _usable_or_fail(gpu_name, utilization, overhead_gib)
-    tps = valid_tp_sizes(s, gpus_per_node)
+    if expert_parallel:
+        check_tp(s, 1, expert_parallel)  # a dense model: one sentence, not "no layout fits"
+    tps = valid_tp_sizes(s, gpus_per_node, expert_parallel)
+    if not tps:
+        raise PlanError(f"{s.name}: no tensor-parallel size up to {gpus_per_node} divides its heads and widths.")
     candidates = sorted(((tp, pp) for pp in range(1, min(max_nodes, s.num_layers) + 1) for tp in tps),
                         key=lambda c: (c[1], c[0]))
     for tp, pp in candidates:
         fit = layout_fit(s, tp, pp, gpu_name, dtype=dtype, kv_dtype=kv_dtype, context=context,
                          concurrency=concurrency, utilization=utilization, overhead_gib=overhead_gib,
-                         block_size=block_size)
+                         block_size=block_size, expert_parallel=expert_parallel)
         if not fit.fits:
             continue
         cmd, notes = serve_command(s, tp=tp, pp=pp, max_model_len=context, dtype=dtype, kv_dtype=kv_dtype,
-                                   gpu_memory_utilization=utilization)
+                                   gpu_memory_utilization=utilization, expert_parallel=expert_parallel)
         if s.sliding_window and context > s.sliding_window:
             notes.append(f"sliding window of {s.sliding_window} tokens on {len(s.sliding_layers)} of {s.num_layers} "
                          "layers: vLLM reserves the window plus two steps of 8,192 tokens for each, as an H100 or "
@@ -104,7 +109,7 @@ def plan(model, dtype: str | None = None, kv_dtype: str = "auto", gpu_name="H100
 
 def serve_command(model, tp: int = 1, pp: int = 1, max_model_len: int | None = None, dtype: str | None = None,
                   kv_dtype: str = "auto", gpu_memory_utilization: float = DEFAULT_UTILIZATION,
-                  model_id: str | None = None) -> tuple[str, list[str]]:
+                  model_id: str | None = None, expert_parallel: bool = False) -> tuple[str, list[str]]:
     """The ``vllm serve`` line for a layout, and notes on what it assumes.  Only flags that differ from
     vLLM's defaults are written, except the parallel sizes, context and utilization, which are the plan."""
     s = model_spec(model)
@@ -132,6 +137,8 @@ def serve_command(model, tp: int = 1, pp: int = 1, max_model_len: int | None = N
                             "with kv_dtype='auto'.")
         args += ["--kv-cache-dtype", kv]
     args += ["--tensor-parallel-size", str(tp)]
+    if expert_parallel:
+        args.append("--enable-expert-parallel")
     if pp > 1:
         args += ["--pipeline-parallel-size", str(pp), "--distributed-executor-backend", "ray"]
         notes.append("PP > 1 spans nodes: start a Ray cluster over them first (the SLURM launcher does)")
@@ -147,10 +154,13 @@ def serve_command(model, tp: int = 1, pp: int = 1, max_model_len: int | None = N
 
 def memory_report(model, dtype: str | None = None, kv_dtype: str = "auto", tokens: int | None = None,
                   concurrency: int = 1, gpu_name="H100-80", gpus_per_node: int = 8,
-                  utilization: float = DEFAULT_UTILIZATION, overhead_gib: float = DEFAULT_OVERHEAD_GIB) -> dict:
+                  utilization: float = DEFAULT_UTILIZATION, overhead_gib: float = DEFAULT_OVERHEAD_GIB,
+                  expert_parallel: bool = False) -> dict:
     """Everything about one model on one GPU type, as plain numbers.  ``tokens`` defaults to the model's
     full context (max_position_embeddings).  ``plan`` is None (and ``plan_error`` says why) if nothing fits."""
     s = model_spec(model)
+    if expert_parallel:
+        check_tp(s, 1, expert_parallel)
     tokens = s.require_context() if tokens is None else tokens
     count = gpus_needed(s, dtype, kv_dtype, tokens, concurrency, gpu_name, utilization, overhead_gib)
     report = {
@@ -168,11 +178,12 @@ def memory_report(model, dtype: str | None = None, kv_dtype: str = "auto", token
         "gpus_needed_weights": count.weights_whole, "gpus_needed": count.total_whole,
         "gpus_needed_exact": round(count.total, 3),
         "sliding_window": s.sliding_window, "defaults_applied": list(s.defaults_applied),
+        "expert_parallel": expert_parallel,
         "plan": None, "plan_error": None,
     }
     try:
         report["plan"] = plan(s, dtype, kv_dtype, gpu_name, gpus_per_node, tokens, concurrency, utilization,
-                              overhead_gib).as_dict() if tokens else None
+                              overhead_gib, expert_parallel=expert_parallel).as_dict() if tokens else None
     except PlanError as e:
         report["plan_error"] = str(e)
     return report

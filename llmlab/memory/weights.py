@@ -225,9 +225,15 @@ def weight_bytes(model, dtype: str | None = None) -> int:
 # Parallelism: what each GPU holds
 # --------------------------------------------------------------------------------------------------
 
-def check_tp(model, tp: int) -> None:
-    """Raise if vLLM could not shard this model ``tp`` ways (heads, KV heads, MLP width must divide)."""
+def check_tp(model, tp: int, expert_parallel: bool = False) -> None:
+    """Raise if vLLM could not shard this model ``tp`` ways (heads, KV heads, MLP width must divide).
+
+    ``expert_parallel`` (vLLM's ``--enable-expert-parallel``): the experts are not sliced but dealt out whole
+    to the ``tp`` GPUs, so their width need not divide; a dense model has no experts to deal.
+    """
     s = model_spec(model)
+    if expert_parallel and not s.num_experts:
+        raise PlanError(f"{s.name} has no experts: expert parallelism applies to mixture-of-experts models only.")
     if tp < 1:
         raise PlanError(f"tensor parallel size must be >= 1, got {tp}")
     if s.num_heads % tp:
@@ -236,17 +242,24 @@ def check_tp(model, tp: int) -> None:
         raise PlanError(f"{s.name}: {s.num_kv_heads} KV heads can neither be split nor evenly replicated over {tp} "
                         "GPUs; use a TP size that divides them or that they divide.")
     widths = {s.intermediate_size} if len(s.dense_layers) or not s.num_experts else set()
-    for width in sorted(widths | ({s.expert_width} if s.num_experts else set())):
+    if s.shared_experts:
+        widths.add(s.expert_width * s.shared_experts)
+    sliced = widths | ({s.expert_width} if s.num_experts and not expert_parallel else set())
+    for width in sorted(sliced):
         if width % tp:
             raise PlanError(f"{s.name}: MLP width {width} does not divide by TP={tp}.")
+        if s.quant_block and width // tp % s.quant_block[0]:  # vLLM: "not divisible by weight quantization block_n"
+            hint = " or deal the experts out whole (expert parallelism)" if width == s.expert_width else ""
+            raise PlanError(f"{s.name}: TP={tp} cuts its {width}-wide MLP into slices of {width // tp}, not whole "
+                            f"{s.quant_block[0]}-row blocks of its FP8 scales; use a smaller TP{hint}.")
 
 
-def valid_tp_sizes(model, max_tp: int) -> list[int]:
+def valid_tp_sizes(model, max_tp: int, expert_parallel: bool = False) -> list[int]:
     """TP sizes up to ``max_tp`` that vLLM accepts for this model."""
     out = []
     for tp in range(1, max_tp + 1):
         try:
-            check_tp(model, tp)
+            check_tp(model, tp, expert_parallel)
         except PlanError:
             continue
         out.append(tp)
@@ -287,23 +300,36 @@ def _shard(s: ModelSpec, t: Tensor, tp: int) -> tuple[int, int]:
     return rows * math.prod(t.shape[1:]), rows
 
 
-def weight_bytes_per_gpu(model, dtype: str | None = None, tp: int = 1, pp: int = 1) -> list[int]:
+def weight_bytes_per_gpu(model, dtype: str | None = None, tp: int = 1, pp: int = 1,
+                         expert_parallel: bool = False) -> list[int]:
     """Bytes of weights one GPU of each pipeline stage holds (norms and routers are replicated).
 
-    With tied embeddings and PP > 1 the last stage holds its own copy of the LM head, as vLLM does.
+    With tied embeddings and PP > 1 the last stage holds its own copy of the LM head, as vLLM does.  With
+    ``expert_parallel`` each GPU holds whole experts, the first ones ceil(experts / tp) of each layer (vLLM
+    deals them out in order), instead of a 1/tp slice of every expert; the rest is sharded as before.
     """
     s = model_spec(model)
-    check_tp(s, tp)
-    return list(_weight_bytes_per_gpu(s, None if dtype is None else normalize_dtype(dtype), tp, pp))
+    check_tp(s, tp, expert_parallel)
+    return list(_weight_bytes_per_gpu(s, None if dtype is None else normalize_dtype(dtype), tp, pp, expert_parallel))
+
+
+def _expert_index(t: Tensor) -> int:
+    return int(t.name.split(".experts.")[1].split(".")[0])
 
 
 @functools.cache
-def _weight_bytes_per_gpu(s: ModelSpec, dtype: str | None, tp: int, pp: int) -> tuple[int, ...]:
+def _weight_bytes_per_gpu(s: ModelSpec, dtype: str | None, tp: int, pp: int, ep: bool = False) -> tuple[int, ...]:
     parts = pp_partition(s.num_layers, pp)
     bounds = [(sum(parts[:k]), sum(parts[:k + 1])) for k in range(pp)]
     bits = [0] * pp
+    first_gpu_experts = -(-s.num_experts // tp)
     for t in tensors(s):
-        numel, rows = _shard(s, t, tp)
+        if ep and t.group == "experts":
+            if _expert_index(t) >= first_gpu_experts:
+                continue
+            numel, rows = t.numel, t.shape[0]
+        else:
+            numel, rows = _shard(s, t, tp)
         for k in _stage_of(t, bounds):
             bits[k] += _bits(s, t, dtype, numel, rows)
     if s.tie_word_embeddings and pp > 1:

@@ -97,7 +97,7 @@ def cmd_memory(args) -> int:
         report = memory.memory_report(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, tokens=args.tokens,
                                       concurrency=args.concurrency, gpu_name=args.gpu,
                                       gpus_per_node=args.gpus_per_node, utilization=args.gpu_memory_utilization,
-                                      **overhead)
+                                      expert_parallel=args.expert_parallel, **overhead)
     except (ValueError, KeyError) as e:
         print(f"llmlab memory: {e}", file=sys.stderr)
         return 2
@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="H100-80", help="A100-40, A100-80, H100-80, H200-141, MI300X-192 or custom:<GiB>")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="a mixture of experts deals whole experts to the GPUs (vLLM's --enable-expert-parallel)")
     p.add_argument("--overhead-gib", type=float,
                    help="per-GPU allowance for activations and CUDA graphs (default: llmlab.memory's, 3 GiB)")
     p.add_argument("--json", action="store_true")

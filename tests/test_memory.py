@@ -29,6 +29,8 @@ PUBLISHED_PARAMS = {  # Hugging Face's totals for each shipped config
     "gpt-oss-120b": 116_829_156_672,  # "116.83B"
     "gemma2-9b": 9_241_705_984,
     "gemma3-1b": 999_885_952,
+    "llama4-scout": 107_769_861_120,  # the language model of "109B" (the vision tower is not counted)
+    "llama4-maverick": 400_711_848_960,  # "400B"
 }
 
 TINY = {  # the tiny model as the course trains it (transformers 5 writes "dtype", not "torch_dtype")
@@ -626,6 +628,21 @@ def test_expert_parallelism_deals_whole_experts_out():
         m.plan("llama3.1-8b", expert_parallel=True)
     with pytest.raises(m.PlanError, match="slices of 64, not whole 128-row blocks of its FP8 scales"):
         m.check_tp("deepseek-v3", 32)
+
+
+def test_llama4_interleaves_experts_and_caches_chunked_attention_in_full():
+    """Scout: 16 experts in every layer; Maverick: 128 in every other one; both 17B active (one routed expert
+    and the shared one).  Their chunked local attention is cached like full attention, as vLLM does by default."""
+    assert round(m.active_params("llama4-scout") / 1e9, 1) == round(m.active_params("llama4-maverick") / 1e9, 1) == 17.2
+    maverick = m.model_spec("llama4-maverick")
+    assert sorted(maverick.dense_layers) == list(range(0, 48, 2)) and maverick.intermediate_size == 16384
+    assert m.kv_bytes_per_token("llama4-scout") == 48 * 2 * 8 * 128 * 2
+    assert m.kv_groups("llama4-scout") == (("full", 48),)
+    assert any("vision tower" in d for d in maverick.defaults_applied)
+    assert any("chunked local attention" in d for d in maverick.defaults_applied)
+    no_text = {"architectures": ["Llama4ForConditionalGeneration"], "vision_config": {}}
+    with pytest.raises(m.ConfigError, match="keeps its language model in 'text_config'"):
+        m.model_spec(no_text)
 
 
 def test_an_architecture_transformers_does_not_know_is_one_sentence():

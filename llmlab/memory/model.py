@@ -35,6 +35,8 @@ HF_IDS = {
     "gpt-oss-120b": "openai/gpt-oss-120b",
     "gemma2-9b": "google/gemma-2-9b",
     "gemma3-1b": "google/gemma-3-1b-it",
+    "llama4-scout": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    "llama4-maverick": "meta-llama/Llama-4-Maverick-17B-128E-Instruct",
 }
 
 # vLLM's default KV block size (tokens per block) per platform: 16 on CUDA (CacheConfig's default),
@@ -153,7 +155,10 @@ ARCHITECTURES = {  # Hugging Face class -> family; the formulas below are exact 
     "GptOssForCausalLM": "gpt_oss",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",  # Gemma 3 1B; the larger ones are vision-language models
+    "Llama4ForCausalLM": "llama4_text",  # Llama4ForConditionalGeneration: its text_config (see _language_model)
 }
+# Vision-language models whose language model llmlab reads from the config's text_config.
+VISION_LANGUAGE = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")  # four norms per layer (before and after attention and MLP), tied embeddings
 QWEN3 = ("qwen3", "qwen3_moe")  # Llama's layout plus an RMSNorm on each head's queries and keys
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, shared + routed experts
@@ -377,15 +382,22 @@ def _experts(cfg: dict, family: str, layers: int, name: str) -> tuple[int, int, 
     ``n_routed_experts`` of ``moe_intermediate_size`` after ``first_k_dense_replace`` dense layers.
     """
     dense_deepseek = family in DEEPSEEK and cfg.get("n_routed_experts") is None
-    if family not in ("mixtral", "qwen3_moe", "gpt_oss", *DEEPSEEK) or dense_deepseek:
+    if family not in ("mixtral", "qwen3_moe", "gpt_oss", "llama4_text", *DEEPSEEK) or dense_deepseek:
         return 0, 0, 0, frozenset()
-    key = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "qwen3_moe": "num_experts"}.get(
-        family, "n_routed_experts")
+    key = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "llama4_text": "num_local_experts",
+           "qwen3_moe": "num_experts"}.get(family, "n_routed_experts")
     experts, per_token = _int_field(cfg, key, name), _int_field(cfg, "num_experts_per_tok", name)
     if per_token > experts:
         raise ConfigError(f"{name}: num_experts_per_tok {per_token} exceeds {key} {experts}.")
     if family in ("mixtral", "gpt_oss"):
         return experts, per_token, _int_field(cfg, "intermediate_size", name), frozenset()
+    if family == "llama4_text":  # every interleave_moe_layer_step-th layer is MoE (moe_layers, where given, wins)
+        step = _int_field(cfg, "interleave_moe_layer_step", name) if "interleave_moe_layer_step" in cfg else 1
+        moe = cfg.get("moe_layers")
+        moe = range(step - 1, layers, step) if moe is None else moe
+        if not all(isinstance(i, int) and 0 <= i < layers for i in moe):
+            raise ConfigError(f"{name}: moe_layers should list layer numbers below {layers}, got {moe!r}.")
+        return experts, per_token, _int_field(cfg, "intermediate_size", name), frozenset(set(range(layers)) - set(moe))
     if family in DEEPSEEK:  # the first first_k_dense_replace layers are dense, then every moe_layer_freq-th is MoE
         first = cfg.get("first_k_dense_replace", 0)
         freq = _int_field(cfg, "moe_layer_freq", name) if "moe_layer_freq" in cfg else 1
@@ -409,9 +421,16 @@ def _mla(cfg: dict, family: str, name: str) -> dict:
     out = {k: _int_field(cfg, k, name) for k in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim")}
     out["q_lora_rank"] = 0 if cfg.get("q_lora_rank") is None else _int_field(cfg, "q_lora_rank", name)
     out["head_dim"] = _int_field(cfg, "qk_nope_head_dim", name) + out["qk_rope_head_dim"]
-    shared = cfg.get("n_shared_experts")
-    out["shared_experts"] = 0 if shared is None else _int_field(cfg, "n_shared_experts", name)
     return out
+
+
+def _shared_experts(cfg: dict, family: str, name: str) -> int:
+    """Experts every token runs: DeepSeek's n_shared_experts, Llama 4's one shared expert."""
+    if family == "llama4_text":
+        return 1
+    if family not in DEEPSEEK or cfg.get("n_shared_experts") is None:
+        return 0
+    return _int_field(cfg, "n_shared_experts", name)
 
 
 def _quant_block(cfg: dict, name: str) -> tuple[int, int] | None:
@@ -425,9 +444,24 @@ def _quant_block(cfg: dict, name: str) -> tuple[int, int] | None:
     return tuple(block)
 
 
+def _language_model(cfg: dict, name: str) -> tuple[dict, list[str]]:
+    """A vision-language config's language model: its ``text_config``, with the top level's dtype and
+    quantization where the text config has none.  The vision tower is not counted, and the report says so."""
+    archs = cfg.get("architectures") or []
+    if not (isinstance(archs, list) and archs and archs[0] in VISION_LANGUAGE):
+        return cfg, []
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{name}: a {archs[0]} config keeps its language model in 'text_config', and this one has "
+                          "none: check the file is the model's config.json.")
+    inherited = {k: cfg[k] for k in ("torch_dtype", "dtype", "quantization_config") if k in cfg and k not in text}
+    merged = {**text, **inherited, "architectures": [VISION_LANGUAGE[archs[0]]]}
+    return merged, [f"the language model only: {archs[0]}'s vision tower (vision_config) is not counted"]
+
+
 def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
+    cfg, applied = _language_model(cfg, name)
     family, arch = _family(cfg, name)
-    applied: list[str] = []
     hidden = _int_field(cfg, "hidden_size", name)
     heads = _int_field(cfg, "num_attention_heads", name)
     if family == "llama" and cfg.get("num_key_value_heads") is None:
@@ -438,7 +472,7 @@ def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     if heads % kv:
         raise ConfigError(f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
                           "grouped-query attention needs whole groups.")
-    has_flag = family in ("llama", "gpt_oss", *QWEN3, *GEMMA)
+    has_flag = family in ("llama", "gpt_oss", "llama4_text", *QWEN3, *GEMMA)
     attention_bias = _bool_field(cfg, "attention_bias", False, name, applied) if has_flag else False
     layers = _int_field(cfg, "num_hidden_layers", name)
     experts, per_token, width, dense = _experts(cfg, family, layers, name)
@@ -446,6 +480,9 @@ def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     quant_method, not_quantized = _quantization(cfg, name)
     mla = _mla(cfg, family, name)
     window, sliding = _sliding_window(cfg, family, layers, name)
+    if cfg.get("attention_chunk_size"):
+        applied.append("attention_chunk_size: vLLM caches chunked local attention layers as full attention (it "
+                       "turns its hybrid KV cache manager off for them by default)")
     head_dim = mla.pop("head_dim") if mla else _head_dim(cfg, hidden, heads, name, family, applied)
     if mla and cfg.get("attention_bias"):
         raise ConfigError(f"{name}: DeepSeek attention with attention_bias=true is not modelled by llmlab.memory "
@@ -453,7 +490,9 @@ def _spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     return ModelSpec(
         name=name, family=family, architecture=arch,
         vocab_size=_int_field(cfg, "vocab_size", name), hidden_size=hidden,
-        intermediate_size=_int_field(cfg, "intermediate_size", name),
+        intermediate_size=_int_field(cfg, "intermediate_size_mlp" if family == "llama4_text" else "intermediate_size",
+                                     name),
+        shared_experts=_shared_experts(cfg, family, name),
         num_layers=layers, num_heads=heads, num_kv_heads=kv,
         head_dim=head_dim,
         tie_word_embeddings=_bool_field(cfg, "tie_word_embeddings", family in GEMMA, name, applied),

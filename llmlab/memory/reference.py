@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 
-from llmlab.memory.model import ConfigError, load_config
+from llmlab.memory.model import ConfigError, _language_model, load_config
 
 
 def transformers_param_count(model) -> int:
@@ -24,6 +24,7 @@ def transformers_param_count(model) -> int:
     building a quantized model would need the quantization kernels installed.
     """
     cfg, _ = load_config(model)
+    cfg, _ = _language_model(cfg, "config")  # a vision-language model: its language model, as llmlab counts it
     cfg.pop("quantization_config", None)
     return _count(json.dumps(cfg, sort_keys=True))
 

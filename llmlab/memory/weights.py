@@ -93,7 +93,7 @@ def _mlp(s: ModelSpec, p: str, i: int) -> list[Tensor]:
     if s.is_moe_layer(i):  # a router, then each expert's gate, up and down matrices, no biases
         f = s.expert_width
         gate, up, down = _EXPERT_NAMES.get(s.family, ("gate_proj", "up_proj", "down_proj"))
-        router = f"{p}.router" if s.family == "gpt_oss" else f"{p}.gate"
+        router = f"{p}.router" if s.family in ("gpt_oss", "llama4_text") else f"{p}.gate"
         out = [Tensor(f"{router}.weight", (s.num_experts, h), "none", "router", i)]
         if s.expert_bias:
             out.append(Tensor(f"{router}.bias", (s.num_experts,), "none", "router", i))
@@ -107,10 +107,10 @@ def _mlp(s: ModelSpec, p: str, i: int) -> list[Tensor]:
                         Tensor(f"{x}.{up}.bias", (f,), "col", "experts", i),
                         Tensor(f"{x}.{down}.bias", (h,), "none", "experts", i)]
         if s.shared_experts:  # one dense MLP as wide as the shared experts together; every token runs it
-            w = f * s.shared_experts
-            out += [Tensor(f"{p}.shared_experts.gate_proj.weight", (w, h), "col", "mlp", i),
-                    Tensor(f"{p}.shared_experts.up_proj.weight", (w, h), "col", "mlp", i),
-                    Tensor(f"{p}.shared_experts.down_proj.weight", (h, w), "row", "mlp", i)]
+            w, x = f * s.shared_experts, f"{p}.shared_expert" if s.family == "llama4_text" else f"{p}.shared_experts"
+            out += [Tensor(f"{x}.gate_proj.weight", (w, h), "col", "mlp", i),
+                    Tensor(f"{x}.up_proj.weight", (w, h), "col", "mlp", i),
+                    Tensor(f"{x}.down_proj.weight", (h, w), "row", "mlp", i)]
         return out
     out = [Tensor(f"{p}.gate_proj.weight", (f, h), "col", "mlp", i),
            Tensor(f"{p}.up_proj.weight", (f, h), "col", "mlp", i),
@@ -125,7 +125,7 @@ def _mlp(s: ModelSpec, p: str, i: int) -> list[Tensor]:
 @functools.cache
 def _tensors(s: ModelSpec) -> tuple[Tensor, ...]:
     out = [Tensor("model.embed_tokens.weight", (s.vocab_size, s.hidden_size), "vocab", "embedding")]
-    mlp = "block_sparse_moe" if s.family == "mixtral" else "mlp"
+    mlp = {"mixtral": "block_sparse_moe", "llama4_text": "feed_forward"}.get(s.family, "mlp")
     for i in range(s.num_layers):
         p = f"model.layers.{i}"
         out.append(Tensor(f"{p}.input_layernorm.weight", (s.hidden_size,), "none", "norm", i))

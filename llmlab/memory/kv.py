@@ -214,7 +214,7 @@ def parse_kv_log(text: str) -> dict:
 
 
 def embedded_kv_capacity(kv_cache_gib: float = 1, model=TINY_NAME, max_model_len: int | None = None,
-                         dtype: str | None = None) -> KVCapacity:
+                         dtype: str | None = None, kv_dtype: str = "auto") -> KVCapacity:
     """What llmlab's embedded CPU server will log for a KV space of ``kv_cache_gib`` GiB.
 
     vLLM's CPU backend reads ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``, so only whole GiB work; it
@@ -227,4 +227,4 @@ def embedded_kv_capacity(kv_cache_gib: float = 1, model=TINY_NAME, max_model_len
     s = model_spec(model)
     length = max_model_len or s.require_context()
     block = CPU_MLA_BLOCK_SIZE if s.is_mla else CPU_BLOCK_SIZE
-    return kv_capacity_of(s, int(kv_cache_gib) * GiB, length, block, CPU_BATCHED_TOKENS, dtype=dtype)
+    return kv_capacity_of(s, int(kv_cache_gib) * GiB, length, block, CPU_BATCHED_TOKENS, kv_dtype, dtype)

@@ -690,3 +690,20 @@ def test_cli_memory_plans_expert_parallel_and_refuses_it_for_a_dense_model(capsy
     assert "--enable-expert-parallel" in out and "3,353,032,704 active per token" in out
     assert main(["memory", "llama3.1-8b", "--expert-parallel"]) == 2
     assert "has no experts" in capsys.readouterr().err
+
+
+def test_an_architecture_without_formulas_gets_transformers_count_and_nothing_guessed(tmp_path, capsys):
+    """Phi-3-mini: transformers counts its 3.8B parameters; llmlab, with no formulas for it, computes nothing else."""
+    phi3 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072,
+            "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    with pytest.raises(m.UnsupportedArchitecture, match="'Phi3ForCausalLM' is not supported"):
+        m.model_spec(phi3)
+    report = m.memory_report(phi3)
+    assert report == {"model": "config", "supported": False, "why": report["why"], "params": 3_821_079_552}
+    (tmp_path / "config.json").write_text(json.dumps(phi3))
+    assert main(["memory", str(tmp_path / "config.json")]) == 0
+    out = capsys.readouterr().out
+    assert "3,821,079,552 (transformers' count" in out and "does not guess its KV cache" in out
+    assert main(["memory", str(tmp_path / "config.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["supported"] is False

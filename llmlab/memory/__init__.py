@@ -79,6 +79,7 @@ from llmlab.memory.model import (  # noqa: F401
     ModelSpec,
     PlanError,
     UnknownName,
+    UnsupportedArchitecture,
     _bool_field,
     _family,
     _head_dim,

@@ -68,6 +68,11 @@ class UnknownName(ConfigError, KeyError):
     __str__ = Exception.__str__
 
 
+class UnsupportedArchitecture(ConfigError):
+    """An architecture llmlab has no per-tensor formulas for: transformers can still count its parameters
+    (:func:`~llmlab.memory.transformers_param_count`), but llmlab does not guess its KV cache or layout."""
+
+
 class PlanError(ValueError):
     """No layout fits the request; the message says what to change."""
 
@@ -296,15 +301,17 @@ def _family(cfg: dict, name: str) -> tuple[str, str]:
     if archs:
         arch = archs[0]
         if arch not in ARCHITECTURES:
-            raise ConfigError(f"{name}: architecture {arch!r} is not supported by llmlab.memory (supported: "
-                              f"{', '.join(ARCHITECTURES)}). Its parameter layout differs, so llmlab does not guess.")
+            raise UnsupportedArchitecture(
+                f"{name}: architecture {arch!r} is not supported by llmlab.memory (supported: "
+                f"{', '.join(ARCHITECTURES)}). Its layout differs, so llmlab does not guess its KV cache.")
         return ARCHITECTURES[arch], arch
     model_type = cfg.get("model_type")
     by_type = {family: arch for arch, family in ARCHITECTURES.items()}
     if model_type in by_type:
         return model_type, by_type[model_type]
-    raise ConfigError(f"{name}: the config names neither a supported 'architectures' entry nor a supported "
-                      f"'model_type' (got {model_type!r}); supported: {', '.join(ARCHITECTURES)}.")
+    raise UnsupportedArchitecture(
+        f"{name}: the config names neither a supported 'architectures' entry nor a supported 'model_type' "
+        f"(got {model_type!r}); supported: {', '.join(ARCHITECTURES)}.")
 
 
 def _torch_dtype(cfg: dict, name: str) -> str | None:

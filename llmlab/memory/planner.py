@@ -21,11 +21,13 @@ from llmlab.memory.model import (
     FLOAT_DTYPES,
     GPU_BLOCK_SIZE,
     PlanError,
+    UnsupportedArchitecture,
     model_spec,
     normalize_dtype,
     normalize_kv_dtype,
     serve_dtype,
 )
+from llmlab.memory.reference import transformers_param_count
 from llmlab.memory.weights import active_params, check_tp, param_count, valid_tp_sizes, weight_bytes
 
 # --------------------------------------------------------------------------------------------------
@@ -157,8 +159,14 @@ def memory_report(model, dtype: str | None = None, kv_dtype: str = "auto", token
                   utilization: float = DEFAULT_UTILIZATION, overhead_gib: float = DEFAULT_OVERHEAD_GIB,
                   expert_parallel: bool = False) -> dict:
     """Everything about one model on one GPU type, as plain numbers.  ``tokens`` defaults to the model's
-    full context (max_position_embeddings).  ``plan`` is None (and ``plan_error`` says why) if nothing fits."""
-    s = model_spec(model)
+    full context (max_position_embeddings).  ``plan`` is None (and ``plan_error`` says why) if nothing fits.
+    An architecture llmlab has no formulas for gets ``supported`` False, transformers' parameter count and
+    ``why``: nothing else, since its KV cache would be a guess."""
+    try:
+        s = model_spec(model)
+    except UnsupportedArchitecture as e:  # transformers can count it; the rest would be a guess
+        name = str(model) if isinstance(model, str | Path) else "config"
+        return {"model": name, "supported": False, "why": str(e), "params": transformers_param_count(model)}
     if expert_parallel:
         check_tp(s, 1, expert_parallel)
     tokens = s.require_context() if tokens is None else tokens
@@ -178,7 +186,7 @@ def memory_report(model, dtype: str | None = None, kv_dtype: str = "auto", token
         "gpus_needed_weights": count.weights_whole, "gpus_needed": count.total_whole,
         "gpus_needed_exact": round(count.total, 3),
         "sliding_window": s.sliding_window, "defaults_applied": list(s.defaults_applied),
-        "expert_parallel": expert_parallel,
+        "expert_parallel": expert_parallel, "supported": True,
         "plan": None, "plan_error": None,
     }
     try:

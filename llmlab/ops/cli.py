@@ -104,6 +104,10 @@ def cmd_memory(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
+    if not report["supported"]:
+        print(f"parameters       {report['params']:,} (transformers' count, from the config on the meta device)\n"
+              f"the rest         not computed: {report['why']}")
+        return 0
     gib = memory.GiB
     plan = report["plan"]
     active = "" if report["active_params"] == report["params"] else \

@@ -88,37 +88,36 @@ def _attention(s: ModelSpec, p: str, i: int) -> list[Tensor]:
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
 
 
+def _gated(x: str, names: tuple[str, str, str], f: int, h: int, group: str, i: int, bias: bool) -> list[Tensor]:
+    """One gated MLP ``x`` of width ``f``: gate and up (hidden -> f, split by their outputs), down (f -> hidden,
+    split by its inputs), and with ``bias`` their biases (down's replicated: added once, after the all-reduce)."""
+    gate, up, down = (f"{x}.{n}" for n in names)
+    out = [Tensor(f"{gate}.weight", (f, h), "col", group, i), Tensor(f"{up}.weight", (f, h), "col", group, i),
+           Tensor(f"{down}.weight", (h, f), "row", group, i)]
+    if bias:
+        out += [Tensor(f"{gate}.bias", (f,), "col", group, i), Tensor(f"{up}.bias", (f,), "col", group, i),
+                Tensor(f"{down}.bias", (h,), "none", group, i)]
+    return out
+
+
+GATED = ("gate_proj", "up_proj", "down_proj")
+
+
 def _mlp(s: ModelSpec, p: str, i: int) -> list[Tensor]:
-    h, f = s.hidden_size, s.intermediate_size
-    if s.is_moe_layer(i):  # a router, then each expert's gate, up and down matrices, no biases
-        f = s.expert_width
-        gate, up, down = _EXPERT_NAMES.get(s.family, ("gate_proj", "up_proj", "down_proj"))
-        router = f"{p}.router" if s.family in ("gpt_oss", "llama4_text") else f"{p}.gate"
-        out = [Tensor(f"{router}.weight", (s.num_experts, h), "none", "router", i)]
-        if s.expert_bias:
-            out.append(Tensor(f"{router}.bias", (s.num_experts,), "none", "router", i))
-        for e in range(s.num_experts):
-            x = f"{p}.experts.{e}"
-            out += [Tensor(f"{x}.{gate}.weight", (f, h), "col", "experts", i),
-                    Tensor(f"{x}.{up}.weight", (f, h), "col", "experts", i),
-                    Tensor(f"{x}.{down}.weight", (h, f), "row", "experts", i)]
-            if s.expert_bias:
-                out += [Tensor(f"{x}.{gate}.bias", (f,), "col", "experts", i),
-                        Tensor(f"{x}.{up}.bias", (f,), "col", "experts", i),
-                        Tensor(f"{x}.{down}.bias", (h,), "none", "experts", i)]
-        if s.shared_experts:  # one dense MLP as wide as the shared experts together; every token runs it
-            w, x = f * s.shared_experts, f"{p}.shared_expert" if s.family == "llama4_text" else f"{p}.shared_experts"
-            out += [Tensor(f"{x}.gate_proj.weight", (w, h), "col", "mlp", i),
-                    Tensor(f"{x}.up_proj.weight", (w, h), "col", "mlp", i),
-                    Tensor(f"{x}.down_proj.weight", (h, w), "row", "mlp", i)]
-        return out
-    out = [Tensor(f"{p}.gate_proj.weight", (f, h), "col", "mlp", i),
-           Tensor(f"{p}.up_proj.weight", (f, h), "col", "mlp", i),
-           Tensor(f"{p}.down_proj.weight", (h, f), "row", "mlp", i)]
-    if s.mlp_bias:
-        out += [Tensor(f"{p}.gate_proj.bias", (f,), "col", "mlp", i),
-                Tensor(f"{p}.up_proj.bias", (f,), "col", "mlp", i),
-                Tensor(f"{p}.down_proj.bias", (h,), "none", "mlp", i)]
+    h = s.hidden_size
+    if not s.is_moe_layer(i):
+        return _gated(p, GATED, s.intermediate_size, h, "mlp", i, s.mlp_bias)
+    # a router, then each expert's gate, up and down matrices; some models add experts every token runs
+    router = f"{p}.router" if s.family in ("gpt_oss", "llama4_text") else f"{p}.gate"
+    out = [Tensor(f"{router}.weight", (s.num_experts, h), "none", "router", i)]
+    if s.expert_bias:
+        out.append(Tensor(f"{router}.bias", (s.num_experts,), "none", "router", i))
+    names = _EXPERT_NAMES.get(s.family, GATED)
+    for e in range(s.num_experts):
+        out += _gated(f"{p}.experts.{e}", names, s.expert_width, h, "experts", i, s.expert_bias)
+    if s.shared_experts:  # one dense MLP as wide as the shared experts together
+        shared = f"{p}.shared_expert" if s.family == "llama4_text" else f"{p}.shared_experts"
+        out += _gated(shared, GATED, s.expert_width * s.shared_experts, h, "mlp", i, False)
     return out
 
 

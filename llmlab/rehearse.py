@@ -261,15 +261,18 @@ def predict_kv_from_log(layout: Layout, mem: MemoryLog) -> tuple[int, str]:
 def bytes_per_decode_step(layout: Layout) -> int:
     """Bytes one GPU reads per batch-1 decode step, summed over the pipeline stages (they run one after the
     other; the GPUs of one stage read their shards at once): every weight once, except the input
-    embedding, of which one row is read.  KV reads are left out (a few MB at short contexts)."""
+    embedding, of which one row is read, and the experts a token is not routed to (a mixture of experts reads
+    experts_per_token of each layer's; TP slices every expert alike).  KV reads are left out (a few MB at short
+    contexts)."""
     s = memory.model_spec(layout.model)
     stages = layout.weights_per_stage()
+    unrouted = (memory.weight_bytes(s, layout.dtype) - memory.active_weight_bytes(s, layout.dtype)) // layout.tp
     embed = memory.tensors(s)[0]
     rows = -(-(-(-embed.shape[0] // 64) * 64) // layout.tp)  # vLLM pads the vocabulary to 64, then shards it
     bits = memory.DTYPE_BITS[memory.serve_dtype(s, layout.dtype)]
     embed_shard = rows * embed.shape[1] * bits // 8
     row = embed.shape[1] * bits // 8
-    return sum(stages) - embed_shard + row
+    return sum(stages) - embed_shard + row - unrouted
 
 
 def roofline_tok_s(layout: Layout, bandwidth_bytes_s: float) -> float:

@@ -182,10 +182,9 @@ class Layout:
     def kv_layouts(self) -> list[memory.KVLayout]:
         """vLLM's KV layout on one GPU of each pipeline stage: its groups, bytes per block, blocks per request."""
         s = memory.model_spec(self.model)
-        parts = memory.pp_partition(s.num_layers, self.pp)
         in_flight = memory.CPU_BATCHED_TOKENS if self.engine == "cpu" else memory.GPU_IN_FLIGHT_TOKENS
         return [memory.kv_layout(s, self.context, self.block_size, in_flight, self.kv_dtype, self.dtype, self.tp,
-                                 range(sum(parts[:k]), sum(parts[:k + 1]))) for k in range(self.pp)]
+                                 layers) for layers in memory.stage_layers(s.num_layers, self.pp)]
 
     def kv_per_token_per_stage(self) -> list[int]:
         """KV bytes one token takes on one GPU of each pipeline stage (its KV heads, its layers)."""

@@ -116,6 +116,7 @@ from llmlab.memory.weights import (  # noqa: F401
     param_breakdown,
     param_count,
     pp_partition,
+    stage_layers,
     tensors,
     valid_tp_sizes,
     weight_bytes,

@@ -33,7 +33,7 @@ from llmlab.memory.model import (
     model_spec,
     normalize_dtype,
 )
-from llmlab.memory.weights import pp_partition, weight_bytes_per_gpu
+from llmlab.memory.weights import stage_layers, weight_bytes_per_gpu
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,7 @@ def layout_fit(model, tp: int = 1, pp: int = 1, gpu_name="H100-80", *, dtype: st
     card = gpu(gpu_name)
     usable = usable_bytes(card, utilization, overhead_gib)
     weights = weight_bytes_per_gpu(s, dtype, tp, pp, expert_parallel)  # PlanError: a TP that does not divide
-    parts = pp_partition(s.num_layers, pp)
-    stages = [range(sum(parts[:k]), sum(parts[:k + 1])) for k in range(pp)]
+    stages = stage_layers(s.num_layers, pp)
     per_token = [kv_bytes_per_token(s, kv_dtype, dtype, tp, len(r)) for r in stages]
     layouts = [kv_layout(s, context, block_size, GPU_IN_FLIGHT_TOKENS, kv_dtype, dtype, tp, r) for r in stages]
     blocks = [max(0, usable - w) // lay.bytes_per_block for w, lay in zip(weights, layouts, strict=True)]

@@ -276,13 +276,19 @@ def pp_partition(num_layers: int, pp: int) -> list[int]:
     return parts
 
 
-def _stage_of(t: Tensor, bounds: list[tuple[int, int]]) -> list[int]:
-    last = len(bounds) - 1
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """The layer numbers of each pipeline stage, split as :func:`pp_partition` counts them."""
+    parts = pp_partition(num_layers, pp)
+    return [range(sum(parts[:k]), sum(parts[:k + 1])) for k in range(pp)]
+
+
+def _stage_of(t: Tensor, stages: list[range]) -> list[int]:
+    last = len(stages) - 1
     if t.group == "embedding":
         return [0]
     if t.layer is None:  # final norm, LM head
         return [last]
-    return [k for k, (lo, hi) in enumerate(bounds) if lo <= t.layer < hi]
+    return [k for k, layers in enumerate(stages) if t.layer in layers]
 
 
 def _shard(s: ModelSpec, t: Tensor, tp: int) -> tuple[int, int]:
@@ -318,8 +324,7 @@ def _expert_index(t: Tensor) -> int:
 
 @functools.cache
 def _weight_bytes_per_gpu(s: ModelSpec, dtype: str | None, tp: int, pp: int, ep: bool = False) -> tuple[int, ...]:
-    parts = pp_partition(s.num_layers, pp)
-    bounds = [(sum(parts[:k]), sum(parts[:k + 1])) for k in range(pp)]
+    stages = stage_layers(s.num_layers, pp)
     bits = [0] * pp
     first_gpu_experts = -(-s.num_experts // tp)
     for t in tensors(s):
@@ -329,7 +334,7 @@ def _weight_bytes_per_gpu(s: ModelSpec, dtype: str | None, tp: int, pp: int, ep:
             numel, rows = t.numel, t.shape[0]
         else:
             numel, rows = _shard(s, t, tp)
-        for k in _stage_of(t, bounds):
+        for k in _stage_of(t, stages):
             bits[k] += _bits(s, t, dtype, numel, rows)
     if s.tie_word_embeddings and pp > 1:
         head = tensors(s)[0]

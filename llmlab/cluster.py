@@ -74,6 +74,7 @@ class JobSettings:
     kv_cache_gib: int = 1          # CPU engine only: VLLM_CPU_KVCACHE_SPACE
     extra_args: tuple[str, ...] = ()
     backend: str = "ray"           # across nodes: "ray" (Ray's executor) or "mp" (vLLM's own processes, --nnodes)
+    expert_parallel: bool = False  # a mixture of experts: whole experts dealt out to the TP group (vLLM's flag)
     ray_timeout: float = 600.0     # seconds for every Ray node (and GPU) to join
     ready_timeout: float = 5400.0  # seconds for /health (the seeds' 405B took ~40 min to load)
     description: str = ""
@@ -104,16 +105,20 @@ _FIELDS = {f for f in JobSettings.__dataclass_fields__ if f != "name"}
 _REQUIRED = ("model", "nodes", "gpus_per_node", "tp", "pp")
 
 
-def load_settings(path: Path | None = None) -> dict[str, JobSettings]:
-    """Every job of the settings file, checked: layout arithmetic, engine, and unknown keys."""
-    path = Path(path or settings_file())
+def _read_settings(path: Path) -> dict:
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise SettingsError(f"No settings file at {path}: set LLMLAB_SLURM_DIR to the folder with "
                             "llmlab-serve.sh and models.toml.") from None
     except tomllib.TOMLDecodeError as e:
         raise SettingsError(f"{path} is not valid TOML: {e}") from None
+
+
+def load_settings(path: Path | None = None) -> dict[str, JobSettings]:
+    """Every job of the settings file, checked: layout arithmetic, engine, and unknown keys."""
+    path = Path(path or settings_file())
+    data = _read_settings(path)
     defaults = data.pop("defaults", {})
     jobs = {}
     for name, table in data.items():
@@ -156,7 +161,7 @@ def check_settings(job: JobSettings, path: Path) -> None:
             raise SettingsError(f"{where}: TP={job.tp} x PP={job.pp} = {job.tp * job.pp} GPUs, but the job has "
                                 f"{job.nodes} node(s) x {job.gpus_per_node} GPUs = {job.gpus}; make them equal.")
         try:
-            memory.check_tp(job.model, job.tp)
+            memory.check_tp(job.model, job.tp, job.expert_parallel)
         except memory.PlanError as e:
             raise SettingsError(f"{where}: {e}") from None
     elif job.gpus_per_node:
@@ -167,8 +172,25 @@ def job_settings(name: str, path: Path | None = None) -> JobSettings:
     """The settings of one job (e.g. ``llama3.1-70b``); an unknown name lists the known ones."""
     jobs = load_settings(path)
     if name not in jobs:
-        raise SettingsError(f"No job {name!r} in {path or settings_file()}; known: {', '.join(jobs)}.")
+        raise SettingsError(f"No job {name!r} in {path or settings_file()}; known: {', '.join(jobs)}; or any "
+                            f"shipped model, laid out by llmlab.memory's planner: "
+                            f"{', '.join(m for m in memory.shipped_models() if m != 'llmlab-tiny')}.")
     return jobs[name]
+
+
+def model_job(model: str, *, nodes: int, gpus_per_node: int, tp: int, pp: int, path: Path | None = None,
+              description: str = "") -> JobSettings:
+    """A job for a shipped model that the settings file has no table for: its ``[defaults]`` and this layout.
+
+    Why: models.toml holds the layouts the course has tried; a learner who wants Qwen3 or DeepSeek-V3 should
+    not have to write a table first.  The served name is the model's, as for the shipped jobs.
+    """
+    path = Path(path or settings_file())
+    defaults = {k: v for k, v in _read_settings(path).get("defaults", {}).items() if k in _FIELDS}
+    if "extra_args" in defaults:
+        defaults["extra_args"] = tuple(defaults["extra_args"])
+    return JobSettings(name=model, **{**defaults, "model": model, "nodes": nodes, "gpus_per_node": gpus_per_node,
+                                      "tp": tp, "pp": pp, "description": description})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,7 +209,8 @@ def vllm_flags(job: JobSettings) -> list[str]:
             flags += ["--max-model-len", str(job.max_model_len)]
         return flags
     line, _ = memory.serve_command(job.model, tp=job.tp, pp=job.pp, max_model_len=job.context, dtype=job.dtype,
-                                   kv_dtype=job.kv_dtype, gpu_memory_utilization=job.gpu_memory_utilization)
+                                   kv_dtype=job.kv_dtype, gpu_memory_utilization=job.gpu_memory_utilization,
+                                   expert_parallel=job.expert_parallel)
     flags = shlex.split(line)[3:]  # drop "vllm serve MODEL"
     if job.nodes > 1:  # the job's executor across nodes (serve_command names Ray for PP)
         if "--distributed-executor-backend" in flags:
@@ -212,10 +235,11 @@ def layout_report(job: JobSettings | str) -> dict:
     if isinstance(job, str):
         job = job_settings(job)
     fit = memory.layout_fit(job.model, job.tp, job.pp, job.gpu, dtype=job.dtype, kv_dtype=job.kv_dtype,
-                            context=job.context, utilization=job.gpu_memory_utilization)
+                            context=job.context, utilization=job.gpu_memory_utilization,
+                            expert_parallel=job.expert_parallel)
     try:
         best = memory.plan(job.model, job.dtype, job.kv_dtype, job.gpu, max(job.gpus_per_node, 1), job.context,
-                           utilization=job.gpu_memory_utilization)
+                           utilization=job.gpu_memory_utilization, expert_parallel=job.expert_parallel)
         planner = {"tp": best.tp, "pp": best.pp, "gpus": best.gpus, "nodes": best.nodes}
     except memory.PlanError as e:
         planner = {"error": str(e)}

@@ -78,6 +78,31 @@ def test_launch_dry_run_renders_the_job_scripts_serve_line_and_ray_layout(name):
     assert "--- job script (not submitted: --dry-run) ---" in out.stdout
 
 
+UNLISTED = [m for m in memory.shipped_models() if m not in {j.model for j in cluster.load_settings().values()}]
+
+
+@pytest.mark.parametrize("model", [m for m in UNLISTED if m != "llmlab-tiny"])
+def test_any_shipped_model_launches_on_the_planners_layout(model):
+    """No models.toml table needed: the planner's smallest layout, its serve line in the job's settings."""
+    out = llmlab_cli("launch", model, "--dry-run", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    best = memory.plan(model)
+    assert (plan["plan"]["tp"], plan["plan"]["pp"], plan["plan"]["nodes"]) == (best.tp, best.pp, best.nodes)
+    assert plan["plan"]["fits"] and plan["plan"]["kv_tokens"] == best.kv_tokens
+    embedded = tomllib.loads(plan["script"].split("<<'LLMLAB_SETTINGS'\n", 1)[1].split("LLMLAB_SETTINGS\n", 1)[0])
+    assert embedded[model]["model"] == model and embedded[model]["tp"] == best.tp
+    assert f"--tensor-parallel-size {best.tp}" in plan["launcher"] or best.tp == 1
+
+
+def test_expert_parallel_reaches_the_serve_line_and_a_dense_model_is_refused():
+    out = llmlab_cli("launch", "qwen3-30b-a3b", "--tp", "2", "--expert-parallel", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "--enable-expert-parallel" in out.stdout and "--tensor-parallel-size 2" in out.stdout
+    out = llmlab_cli("launch", "qwen3-8b", "--expert-parallel", "--dry-run")
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "experts" in out.stderr, out.stderr
+
+
 def test_impossible_layout_is_refused_with_numbers_and_a_layout_that_fits(tmp_path):
     """Llama 3.1 405B in bf16 on one node of 4 x A100-40GB: refused before sbatch is ever called."""
     marker = tmp_path / "sbatch-was-called"
@@ -99,6 +124,7 @@ def test_impossible_layout_is_refused_with_numbers_and_a_layout_that_fits(tmp_pa
 
 @pytest.mark.parametrize("args, message", [
     (["launch", "llama9"], "No job 'llama9'"),
+    (["launch", "llmlab-tiny"], "or any shipped model, laid out by llmlab.memory's planner: deepseek-v3"),
     (["launch", "llama3.1-70b", "--tp", "3"], "64 attention heads do not divide into 3"),
     (["launch", "llama3.1-70b", "--nodes", "1", "--gpus-per-node", "4", "--tp", "8"], "make them equal"),
     (["launch", "llama3.1-70b", "--gpu-type", "B300"], "B300"),

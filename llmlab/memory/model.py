@@ -31,6 +31,7 @@ HF_IDS = {
     "qwen3-8b": "Qwen/Qwen3-8B",
     "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
     "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "kimi-k2": "moonshotai/Kimi-K2-Instruct",
     "gpt-oss-20b": "openai/gpt-oss-20b",
     "gpt-oss-120b": "openai/gpt-oss-120b",
     "gemma2-9b": "google/gemma-2-9b",
@@ -43,7 +44,9 @@ HF_IDS = {
 # 128 on its CPU backend (vllm/platforms/cpu.py sets it when the user gives none).
 GPU_BLOCK_SIZE = 16
 CPU_BLOCK_SIZE = 128
-CPU_MLA_BLOCK_SIZE = 16  # vLLM 0.32's CPU latent-attention kernel compiles for 16-token blocks only (platforms/cpu.py)
+# vLLM 0.32's reference CPU latent-attention kernel (CPU_MLA) compiles for 16-token blocks only (platforms/cpu.py);
+# on a CPU with AMX tiles vLLM prefers AMX_MLA (bf16 weights only, default blocks) unless CPU_MLA is asked for.
+CPU_MLA_BLOCK_SIZE = 16
 
 # vLLM's default share of a GPU's memory that it may use (weights + activations + KV cache).
 DEFAULT_UTILIZATION = 0.9

@@ -15,6 +15,10 @@ import json
 
 from llmlab.memory.model import ConfigError, _language_model, load_config
 
+# model_types whose checkpoints load with another's modelling code (Kimi K2 names its own type so that engines
+# can tell it apart, and ships DeepSeek-V3's code under it); vLLM maps them the same way (transformers_utils).
+SAME_CODE_AS = {"kimi_k2": "deepseek_v3"}
+
 
 def transformers_param_count(model) -> int:
     """Parameters of ``model`` (a shipped name, a config path or a dict) as transformers builds it.
@@ -36,6 +40,7 @@ def _count(cfg_json: str) -> int:
 
     cfg = json.loads(cfg_json)
     model_type = cfg.pop("model_type", None)
+    model_type = SAME_CODE_AS.get(model_type, model_type)
     if not model_type:
         raise ConfigError("the config has no 'model_type', so transformers cannot tell which model it describes: "
                           "add the model_type of its config.json (e.g. \"llama\").")

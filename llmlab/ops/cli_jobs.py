@@ -12,6 +12,7 @@ import shlex
 import sys
 import time
 
+from llmlab import memory
 from llmlab.ops import jobs
 from llmlab.serve.vllm import installed_vllm, vllm_outside_range
 
@@ -23,6 +24,7 @@ def _json(obj) -> None:
 def cmd_launch(a) -> int:
     overrides = dict(nodes=a.nodes, gpus_per_node=a.gpus_per_node, gpu=a.gpu_type, tp=a.tp, pp=a.pp,
                      dtype=a.dtype, max_model_len=a.max_model_len, backend=a.backend,
+                     expert_parallel=a.expert_parallel or None,
                      extra_args=shlex.split(a.extra_vllm_args) if a.extra_vllm_args else None)
     plan = jobs.prepare(a.model, account=a.account, partition=a.partition, time_limit=a.time,
                         extra_sbatch=a.sbatch or [], command=shlex.join(sys.argv[2:]), share=a.share,
@@ -160,6 +162,9 @@ def cmd_list(a) -> int:
         weights = "-" if r["weights_gib_per_gpu"] is None else f"{r['weights_gib_per_gpu']:.1f} GiB"
         conc = "-" if r["max_concurrency"] is None else f"{r['max_concurrency']:.1f}"
         print(f"{r['name']:<20} {layout:<22} {weights:>11} {r['kv_tokens']:>11,} {conc:>9}  {r['description']}")
+    others = [m for m in memory.shipped_models() if m != "llmlab-tiny" and m not in {r["model"] for r in rows}]
+    print(f"\nany other shipped model, laid out by llmlab.memory's planner: {', '.join(others)}"
+          "\n(`llmlab launch MODEL --dry-run` shows the layout; --tp/--pp/--gpu-type choose another)")
     return 0
 
 
@@ -168,7 +173,8 @@ def add_commands(sub) -> None:
     p = sub.add_parser("launch", help="check a layout, then submit a vLLM server as a SLURM job",
                        description="Per-model defaults come from slurm/models.toml; the layout is checked with "
                        "llmlab.memory before anything is submitted.")
-    p.add_argument("model", help="a server of slurm/models.toml (`llmlab list`), e.g. llama3.1-70b")
+    p.add_argument("model", help="a server of slurm/models.toml (`llmlab list`), e.g. llama3.1-70b, or any shipped "
+                   "model (listed by `llmlab list`), laid out by the planner unless --tp/--pp say otherwise")
     for flag, kind, text in (("--nodes", int, "nodes"), ("--gpus-per-node", int, "GPUs per node"),
                              ("--tp", int, "tensor-parallel size (inside a node)"),
                              ("--pp", int, "pipeline-parallel size (one stage per node)"),
@@ -178,6 +184,8 @@ def add_commands(sub) -> None:
     p.add_argument("--backend", choices=("ray", "mp"), help="across nodes: Ray's executor (token-authenticated; the "
                    "default) or vLLM's own processes (--nnodes, no Ray; their ports take no token)")
     p.add_argument("--dtype", help="weight dtype for vLLM: bfloat16, float16, fp8 ...")
+    p.add_argument("--expert-parallel", action="store_true", help="a mixture of experts: deal whole experts out to "
+                   "the TP group's GPUs (vLLM's --enable-expert-parallel)")
     p.add_argument("--extra-vllm-args", help="more vllm serve flags, quoted as one string")
     p.add_argument("--account", help="SLURM account (else sbatch's default / SBATCH_ACCOUNT)")
     p.add_argument("--partition", help="SLURM partition (else sbatch's default / SBATCH_PARTITION)")

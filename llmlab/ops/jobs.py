@@ -55,38 +55,59 @@ class JobError(RuntimeError):
 def settings(name: str, *, nodes: int | None = None, gpus_per_node: int | None = None, gpu: str | None = None,
              tp: int | None = None, pp: int | None = None, dtype: str | None = None,
              max_model_len: int | None = None, extra_args: list[str] | None = None,
-             backend: str | None = None) -> cluster.JobSettings:
+             backend: str | None = None, expert_parallel: bool | None = None) -> cluster.JobSettings:
     """The shipped settings of ``name`` with overrides applied and checked like models.toml's own.
 
-    Changing TP or PP without saying where the GPUs are keeps the course's rule: TP inside a node, one
-    pipeline stage per node (``nodes = pp``, ``gpus_per_node = tp``).
+    ``name`` is a job of models.toml, or any shipped model (``llmlab.memory.shipped_models``), which the planner
+    lays out when no TP/PP is given.  Changing TP or PP without saying where the GPUs are keeps the course's
+    rule: TP inside a node, one pipeline stage per node (``nodes = pp``, ``gpus_per_node = tp``).
     """
-    try:
-        job = cluster.job_settings(name)
-    except cluster.SettingsError as e:
-        raise JobError(str(e)) from None
-    changes = {k: v for k, v in dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, tp=tp, pp=pp, dtype=dtype,
-                                     max_model_len=max_model_len, backend=backend).items() if v is not None}
-    if extra_args:
-        changes["extra_args"] = tuple(job.extra_args) + tuple(extra_args)
-    if (tp or pp) and job.engine == "gpu" and nodes is None and gpus_per_node is None:
-        changes.update(nodes=pp or job.pp, gpus_per_node=tp or job.tp)
     if gpu is not None:
         try:
-            changes["gpu"] = memory.gpu(gpu).name
+            gpu = memory.gpu(gpu).name
         except memory.ConfigError as e:
             raise JobError(str(e)) from None
     if dtype is not None:
         try:
-            changes["dtype"] = memory.normalize_dtype(dtype)
+            dtype = memory.normalize_dtype(dtype)
         except memory.ConfigError as e:
             raise JobError(str(e)) from None
+    try:
+        job = cluster.job_settings(name)
+    except cluster.SettingsError as e:
+        if name not in memory.shipped_models() or name == "llmlab-tiny":
+            raise JobError(str(e)) from None
+        job = _planned_job(name, gpu, dtype, max_model_len, gpus_per_node, bool(expert_parallel), tp or pp)
+    changes = {k: v for k, v in dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, tp=tp, pp=pp, dtype=dtype,
+                                     max_model_len=max_model_len, backend=backend,
+                                     expert_parallel=expert_parallel).items() if v is not None}
+    if extra_args:
+        changes["extra_args"] = tuple(job.extra_args) + tuple(extra_args)
+    if (tp or pp) and job.engine == "gpu" and nodes is None and gpus_per_node is None:
+        changes.update(nodes=pp or job.pp, gpus_per_node=tp or job.tp)
     job = replace(job, **changes)
     try:
         cluster.check_settings(job, Path("llmlab launch"))
     except cluster.SettingsError as e:
         raise JobError(str(e).replace("llmlab launch [", "[")) from None
     return job
+
+
+def _planned_job(model: str, gpu: str | None, dtype: str | None, context: int | None, node_gpus: int | None,
+                 expert_parallel: bool, layout_given: bool) -> cluster.JobSettings:
+    """A shipped model without a models.toml table: the planner's smallest layout on nodes of ``node_gpus``
+    (default 8) GPUs, unless the learner gave TP/PP (then their layout is checked instead)."""
+    base = cluster.model_job(model, nodes=1, gpus_per_node=1, tp=1, pp=1)
+    if layout_given:
+        return replace(base, description=f"{model}: the layout given on the command line")
+    try:
+        p = memory.plan(model, dtype, base.kv_dtype, gpu or base.gpu, node_gpus or 8, context,
+                        utilization=base.gpu_memory_utilization, expert_parallel=expert_parallel)
+    except (memory.PlanError, memory.ConfigError) as e:
+        raise JobError(f"{model}: {e} Give a layout yourself (--tp, --pp, --gpu-type) or a shorter "
+                       "--max-model-len.") from None
+    return replace(base, nodes=p.pp, gpus_per_node=p.tp, tp=p.tp, pp=p.pp,
+                   description=f"{model}: laid out by llmlab.memory's planner (the smallest layout that fits)")
 
 
 def _toml_value(value) -> str:
@@ -133,13 +154,14 @@ def check_layout(job: cluster.JobSettings) -> dict:
 def _fitting_layout(job: cluster.JobSettings) -> str:
     try:
         p = memory.plan(job.model, job.dtype, job.kv_dtype, job.gpu, max(job.gpus_per_node, 1), job.context,
-                        utilization=job.gpu_memory_utilization)
+                        utilization=job.gpu_memory_utilization, expert_parallel=job.expert_parallel)
     except memory.PlanError as e:
         return f"No layout of {job.gpu} GPUs fits either: {e}"
     return (f"A layout that fits: {p.nodes} node(s) x {p.gpus_per_node} GPUs, TP={p.tp} x PP={p.pp}, "
             f"{p.weight_bytes_per_gpu / memory.GiB:.1f} GiB of weights per GPU, {p.kv_tokens:,} KV tokens: "
             f"llmlab launch {job.name} --nodes {p.nodes} --gpus-per-node {p.gpus_per_node} --tp {p.tp} --pp {p.pp}"
-            f" --gpu-type {job.gpu} (or a shorter --max-model-len, or --dtype fp8).")
+            f" --gpu-type {job.gpu}{' --expert-parallel' if job.expert_parallel else ''}"
+            " (or a shorter --max-model-len, or --dtype fp8).")
 
 
 def plan_rows(report: dict) -> list[tuple[str, str]]:

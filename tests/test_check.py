@@ -217,6 +217,23 @@ def test_knee(capsys):
     right(capsys, check.knee, 64, sweep)
 
 
+def test_goodput(capsys):
+    from llmlab import loadtest as lt
+
+    def rec(i, ttft, tpot, status="ok"):
+        return lt.Record(id=i, status=status, ttft=ttft, tpot=tpot, latency=1.0, output_tokens=8)
+
+    result = lt.LoadResult([rec(0, 0.1, 0.01), rec(1, 0.5, 0.01), rec(2, 0.2, 0.05), rec(3, 0.2, 0.02),
+                            rec(4, None, None, status="error")])
+    slo = {"ttft": 0.2, "tpot": 0.02}  # good: 0 and 3 (at both limits) -> 2 of 5
+    not_yet(check.goodput, 40, result, slo, hint="is not a share")
+    not_yet(check.goodput, 2 / 4, result, slo, hint="divide by every request, failed ones too")
+    not_yet(check.goodput, 1 / 5, result, slo, hint="use <=, as vLLM does")
+    not_yet(check.goodput, 3 / 5, result, slo, hint="that counts only the ttft objective")
+    not_yet(check.goodput, 0.0, result, slo, hint="are all within the SLOs")
+    assert "2 of 5 requests met every SLO (40%)" in right(capsys, check.goodput, 2 / 5, result, slo)
+
+
 # --- notebook 07: offline (the checks that need no engine) ----------------------------------------------------------
 
 def test_chat_prompt_ids(capsys):

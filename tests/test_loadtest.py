@@ -152,6 +152,22 @@ def test_summary_equals_hand_computed_figures():
     assert s["max_outstanding"] == 3
 
 
+def test_goodput_counts_the_requests_within_every_slo_as_vllm_bench_does():
+    records = [rec(0, 0.1, 1.1, 11, 100.0), rec(1, 0.2, 2.2, 21, 100.0), rec(2, 0.3, 1.3, 6, 101.0),
+               rec(3, 0.4, 2.4, 5, 101.5), rec(4, None, None, 3, 103.0, status="error"),
+               rec(5, 0.25, 0.25, 1, 101.0)]  # one token: no TPOT, which counts as 0
+    # ttft 0.1 0.2 0.3 0.4 - 0.25; tpot 0.1 0.1 0.2 0.5 - (0); the failed one never counts
+    s = lt.LoadResult(records).summary({"ttft": 0.3, "tpot": 0.2})
+    assert s["good"] == 4 and s["goodput_share"] == pytest.approx(4 / 6)  # 0, 1, 2 (0.3 and 0.2: at the limit), 5
+    assert s["goodput_requests_per_s"] == pytest.approx(4 / s["duration_s"])
+    assert lt.LoadResult(records).summary({"latency": 1.2})["good"] == 2  # 1.1 and the one-token 0.25
+    assert "good" not in lt.LoadResult(records).summary()
+    for slo, message in (({"e2el": 1.0}, "vLLM's e2el is llmlab's latency"), ({"ttft": -1}, "seconds >= 0"),
+                         ({}, "should be a dict"), ({"ttft": "500ms"}, "takes milliseconds; llmlab takes seconds")):
+        with pytest.raises(ValueError, match=message):
+            lt.LoadResult(records).summary(slo)
+
+
 def test_sessions_add_up_and_back_to_back_requests_do_not_overlap():
     a = [rec(0, 0.1, 1.0, 5, 0.0, t_response=0.0), rec(1, 0.1, 1.0, 5, 1.0, t_response=0.0)]  # one worker
     b = [rec(2, 0.1, 2.0, 5, 500.0, session="b")]  # resumed much later: the pause is not load-test time
@@ -319,12 +335,20 @@ def test_sweep_on_the_embedded_server(conn):
     matplotlib.use("Agg")
     client, model = conn
     jobs = lt.synthetic_workload(8, input_len=16, output_len=32, seed=1)
-    table = lt.sweep(client, model, jobs, concurrencies=(1, 4), progress=False, ignore_eos=True, temperature=0)
+    slo = {"ttft": 60.0, "tpot": 60.0}  # a minute: every request meets it, whatever the machine
+    table = lt.sweep(client, model, jobs, concurrencies=(1, 4), progress=False, ignore_eos=True, temperature=0,
+                     slo=slo)
     assert list(table.index) == [1, 4] and (table["ok"] == 8).all()
     assert table.loc[1, "max_outstanding"] == 1 and table.loc[4, "max_outstanding"] >= 3
+    assert (table["goodput_share"] == 1.0).all()
+    assert (table["goodput_requests_per_s"] == table["requests_per_s"]).all()
     # Throughput figures belong to benchmarks/ (a starved 2-core machine can erase the batching gain).
-    left, right = lt.plot_sweep(table)
+    left, right, good = lt.plot_sweep(table)
     assert len(right.texts) == 2 and set(table.attrs["results"]) == {1, 4}
+    assert good.texts[0].get_text().startswith("best: c=") and "ttft <= 60000 ms" in good.get_title()
+    assert len(lt.plot_sweep(table.drop(columns=["goodput_requests_per_s"]))) == 2
+    with pytest.raises(ValueError, match="unknown SLO 'itl'"):
+        lt.sweep(client, model, jobs, concurrencies=(1,), slo={"itl": 0.1})
 
 
 @pytest.mark.server

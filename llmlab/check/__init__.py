@@ -18,7 +18,7 @@ from llmlab.check.kvcache import (  # noqa: F401
     request_blocks,
     tiny_kv_bytes_per_token,
 )
-from llmlab.check.loadtest import job_queue, knee, resumed, tpot_by_hand  # noqa: F401
+from llmlab.check.loadtest import goodput, job_queue, knee, resumed, tpot_by_hand  # noqa: F401
 from llmlab.check.logprobs import best_choice, prompt_rank  # noqa: F401
 from llmlab.check.memory import (  # noqa: F401
     a100s_for_405b,

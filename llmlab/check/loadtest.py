@@ -4,7 +4,7 @@ a resumed run.
 
 from __future__ import annotations
 
-from llmlab.check.verdict import require, right
+from llmlab.check.verdict import _number, require, right
 
 
 def job_queue(send_all, workers: int = 4) -> None:
@@ -76,6 +76,34 @@ def knee(answer, table, share: float = 0.8) -> None:
     gain = best / tput[expected] - 1
     right(f"concurrency {expected} gives {tput[expected]:.0f} of the best {best:.0f} output tokens/s; more requests "
           f"in flight add latency for at most {gain:.0%} more throughput.")
+
+
+def goodput(share, result, slo: dict) -> None:
+    """06: the share of a run's requests that met every SLO (``slo`` in seconds: ttft, tpot, latency)."""
+    from llmlab.loadtest import check_slo, meets_slo
+
+    slo = check_slo(slo)
+    share = _number(share, "the share")
+    records = result.records
+    good = sum(meets_slo(r, slo) for r in records)
+    expected = good / len(records)
+    ok = [r for r in records if r.status == "ok"]
+    require(0 <= share <= 1, f"{share:g} is not a share: count the good requests and divide by all of them.")
+    require(share != 100 * expected or expected == 0, "a share between 0 and 1, not a percentage.")
+    strict = sum(all((getattr(r, k) or 0.0) < v for k, v in slo.items()) for r in ok) / len(records)
+    if abs(share - expected) > 1e-12:
+        require(abs(share - good / max(len(ok), 1)) > 1e-12 or len(ok) == len(records), "divide by every "
+                "request, failed ones too: a request that failed was not served within any SLO.")
+        require(abs(share - strict) > 1e-12, "a request exactly at the limit meets it: use <=, as vLLM does.")
+        for name in slo:
+            one = sum(meets_slo(r, {name: slo[name]}) for r in records) / len(records)
+            require(abs(share - one) > 1e-12, f"that counts only the {name} objective: a good request meets "
+                    f"every one ({', '.join(slo)}).")
+        require(False, f"count the requests with status 'ok' whose {', '.join(slo)} are all within the SLOs "
+                f"({', '.join(f'{k} <= {v:g} s' for k, v in slo.items())}), over all {len(records)} requests.")
+    right(f"{good} of {len(records)} requests met every SLO ({expected:.0%}); at "
+          f"{result.summary()['requests_per_s']:.1f} requests/s that is a goodput of "
+          f"{result.summary(slo)['goodput_requests_per_s']:.1f} requests/s.")
 
 
 def resumed(path, count: int) -> None:

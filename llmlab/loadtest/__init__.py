@@ -21,7 +21,9 @@ prompt ends as exactly one record -- ``ok``, ``error`` or ``timeout`` -- with th
 can be appended to a JSONL file as they finish, and a run that stopped half-way is resumed from it.
 
 ``run_async()`` is the same measurement with asyncio instead of threads; ``sweep()`` repeats a workload at
-growing concurrency and ``plot_sweep()`` draws the throughput-vs-latency trade-off.  ``synthetic_workload()``
+growing concurrency and ``plot_sweep()`` draws the throughput-vs-latency trade-off.  **Goodput** (``slo=``):
+the requests per second that met the TTFT/TPOT objectives a learner sets, as ``vllm bench serve --goodput``
+counts them -- the throughput users would accept.  ``synthetic_workload()``
 makes prompts of an exact token length from a seed, like ``vllm bench serve --dataset-name random``.
 """
 
@@ -41,15 +43,18 @@ from llmlab.loadtest.driver import (  # noqa: F401
 )
 from llmlab.loadtest.records import (  # noqa: F401
     PERCENTILES,
+    SLO_NAMES,
     STATUSES,
     TINY_TOKENIZER,
     Job,
     Record,
     _missing,
     as_jobs,
+    check_slo,
     connection_limit,
     duration_of,
     max_in_flight,
+    meets_slo,
     percentile,
     summarize,
 )

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from llmlab.loadtest.records import TINY_TOKENIZER, Job, Record, as_jobs, connection_limit, max_in_flight
+from llmlab.loadtest.records import TINY_TOKENIZER, Job, Record, as_jobs, check_slo, connection_limit, max_in_flight
 from llmlab.loadtest.request import _openai_params, _send, _send_async, _Settings
 from llmlab.loadtest.results import LoadResult, _Appender, load
 
@@ -280,14 +280,17 @@ def synthetic_workload(n: int, input_len: int = 32, output_len: int = 32, *, see
 # --- a concurrency sweep ----------------------------------------------------------------------------------
 
 def sweep(client, model: str, prompts: Iterable, concurrencies: Iterable[int] = (1, 2, 4, 8), *, warmup: int = 1,
-          progress: bool = True, **kwargs):
+          progress: bool = True, slo: dict | None = None, **kwargs):
     """Run the same prompts at each concurrency; return a pandas DataFrame, one summary row per level.
 
     ``warmup`` requests go first at each level and are not counted (the first request after a pause pays
-    for waking the engine).  The ``LoadResult``s are in ``table.attrs["results"]`` by concurrency.
+    for waking the engine).  The ``LoadResult``s are in ``table.attrs["results"]`` by concurrency.  ``slo``
+    (seconds, e.g. ``{"ttft": 0.5, "tpot": 0.05}``) adds each level's goodput (``good``, ``goodput_share``,
+    ``goodput_requests_per_s``), which ``plot_sweep`` then draws.
     """
     import pandas as pd
 
+    check_slo(slo)  # before any request: a typo in an SLO should not cost a whole sweep
     jobs = as_jobs(prompts)
     rows, results = [], {}
     for c in concurrencies:
@@ -296,7 +299,7 @@ def sweep(client, model: str, prompts: Iterable, concurrencies: Iterable[int] = 
                 **{k: v for k, v in kwargs.items() if k not in ("save", "resume", "on_record")})
         res = run(client, model, jobs, concurrency=c, progress=progress, **kwargs)
         results[c] = res
-        rows.append(res.summary())
+        rows.append(res.summary(slo))
     table = pd.DataFrame(rows).set_index("concurrency")
     table.attrs["results"] = results
     return table
@@ -304,12 +307,16 @@ def sweep(client, model: str, prompts: Iterable, concurrencies: Iterable[int] = 
 
 def plot_sweep(table, latency: str = "tpot_p50", axes=None):
     """Two panels: output tokens/s against concurrency (with perfect scaling from the first level), and
-    ``latency`` (ms) against throughput, one labelled point per concurrency -- the trade-off curve."""
+    ``latency`` (ms) against throughput, one labelled point per concurrency -- the trade-off curve.  A sweep
+    with an ``slo`` gets a third: goodput (requests/s within the SLOs) beside raw requests/s."""
     import matplotlib.pyplot as plt
 
+    goodput = "goodput_requests_per_s" in table.columns
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    left, right = axes
+        _, axes = plt.subplots(1, 3 if goodput else 2, figsize=(16 if goodput else 11, 3.8))
+    left, right = axes[0], axes[1]
+    if goodput:
+        _plot_goodput(table, axes[2])
     c = table.index.to_numpy()
     tput = table["output_tokens_per_s"].to_numpy()
     left.plot(c, tput, "o-", label="measured")
@@ -331,3 +338,20 @@ def plot_sweep(table, latency: str = "tpot_p50", axes=None):
     right.set_ylim(0, max(lat) * 1.2)
     right.figure.tight_layout()
     return axes
+
+
+def _plot_goodput(table, ax) -> None:
+    """Requests/s and goodput against concurrency, the best goodput marked: where users stop being served."""
+    c = table.index.to_numpy()
+    ax.plot(c, table["requests_per_s"].to_numpy(), "o:", color="grey", label="all requests")
+    good = table["goodput_requests_per_s"].to_numpy()
+    ax.plot(c, good, "o-", label="within the SLOs")
+    best = int(good.argmax())
+    ax.annotate(f"best: c={c[best]}", (c[best], good[best]), textcoords="offset points", xytext=(5, -14))
+    slo = ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in table["slo"].iloc[0].items())
+    ax.set_xscale("log", base=2)
+    ax.minorticks_off()
+    ax.set_xticks(c, [str(x) for x in c])
+    ax.set(xlabel="requests in flight (concurrency)", ylabel="requests / s", title=f"Goodput ({slo})")
+    ax.set_ylim(0, max(table["requests_per_s"].max(), good.max()) * 1.3)
+    ax.legend()

@@ -149,12 +149,45 @@ def connection_limit(client) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
-def summarize(records: list[Record], concurrency: int | None = None) -> dict:
+SLO_NAMES = ("ttft", "tpot", "latency")
+
+
+def check_slo(slo: dict | None) -> dict[str, float] | None:
+    """The service-level objectives of a goodput, in seconds: ``{"ttft": 0.5, "tpot": 0.05}`` (any of
+    ttft, tpot, latency).  A wrong name or value is one sentence."""
+    if slo is None:
+        return None
+    if not isinstance(slo, dict) or not slo:
+        raise ValueError(f"slo should be a dict such as {{'ttft': 0.5, 'tpot': 0.05}} (seconds), got {slo!r}.")
+    for name, limit in slo.items():
+        if name not in SLO_NAMES:
+            hint = " (vLLM's e2el is llmlab's latency)" if name == "e2el" else ""
+            raise ValueError(f"unknown SLO {name!r}{hint}: use {', '.join(SLO_NAMES)}.")
+        if isinstance(limit, bool) or not isinstance(limit, int | float) or not limit >= 0:
+            raise ValueError(f"the SLO {name}={limit!r} should be a number of seconds >= 0 (vllm bench serve "
+                             "--goodput takes milliseconds; llmlab takes seconds, like every time it reports).")
+    return {name: float(limit) for name, limit in slo.items()}
+
+
+def meets_slo(record: Record, slo: dict[str, float]) -> bool:
+    """Whether one request met every objective.  A failed request never does; a one-token answer has no
+    TPOT and counts as 0, as ``vllm bench serve --goodput`` counts it."""
+    if record.status != "ok":
+        return False
+    values = {"ttft": record.ttft, "tpot": record.tpot or 0.0, "latency": record.latency}
+    return all(values[name] is not None and values[name] <= limit for name, limit in slo.items())
+
+
+def summarize(records: list[Record], concurrency: int | None = None, slo: dict | None = None) -> dict:
     """Counts, throughput and p50/p90/p99 (seconds) of TTFT, TPOT, ITL and latency over the ok requests.
 
     ``errors`` counts every request that did not succeed (timeouts included; ``timeouts`` says how many of
-    them), so ``requests == ok + errors`` always holds.
+    them), so ``requests == ok + errors`` always holds.  With ``slo`` (seconds, see :func:`check_slo`):
+    ``good`` requests met every objective, ``goodput_share`` is their share of all requests and
+    ``goodput_requests_per_s`` their rate -- vLLM's "request goodput" (DistServe): throughput that users
+    would accept, which a server can lose while its raw throughput still climbs.
     """
+    slo = check_slo(slo)
     ok = [r for r in records if r.status == "ok"]
     duration = duration_of(records)
     out_tokens = sum(r.output_tokens for r in ok)
@@ -182,4 +215,8 @@ def summarize(records: list[Record], concurrency: int | None = None) -> dict:
         s[f"{name}_mean"] = sum(values) / len(values) if values else None
         for q in PERCENTILES:
             s[f"{name}_p{q}"] = percentile(values, q)
+    if slo:
+        good = sum(meets_slo(r, slo) for r in records)
+        s.update(slo=slo, good=good, goodput_share=good / len(records) if records else 0.0,
+                 goodput_requests_per_s=good / duration if duration > 0 else 0.0)
     return s

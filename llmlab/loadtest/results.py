@@ -28,8 +28,9 @@ class LoadResult:
     records: list[Record]
     concurrency: int | None = None
 
-    def summary(self) -> dict:
-        return summarize(self.records, self.concurrency)
+    def summary(self, slo: dict | None = None) -> dict:
+        """:func:`summarize` of the records; ``slo`` (seconds, e.g. ``{"ttft": 0.5, "tpot": 0.05}``) adds goodput."""
+        return summarize(self.records, self.concurrency, slo)
 
     @property
     def ok(self) -> list[Record]:

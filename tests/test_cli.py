@@ -7,8 +7,10 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
 from llmlab.serve.embedded import embedded_status
-from llmlab.serve.proc import free_port
+from llmlab.serve.proc import free_port, pid_alive
 
 
 def llmlab(*args, **kw):
@@ -49,6 +51,41 @@ def test_lab_opens_jupyterlab_on_the_running_server_and_ctrl_c_ends_it(embedded,
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     assert embedded_status()["pid"] == embedded["pid"]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("sig, when", [(signal.SIGHUP, "loading"), (signal.SIGTERM, "loading"),
+                                       (signal.SIGINT, "loading"), (signal.SIGTERM, "running")])
+def test_lab_stops_the_server_it_started_on_every_signal(sig, when, tmp_path, monkeypatch):
+    """Closing the terminal (SIGHUP), ``kill`` (SIGTERM) or Ctrl-C (SIGINT) -- while the server still starts, or
+    once JupyterLab answers -- leaves no embedded server and no JupyterLab behind."""
+    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / "home"))  # a server of its own, not the session's
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmlab", "lab", "--", "--no-browser", "--allow-root",
+                             f"--port={port}", "--ip=127.0.0.1", "--IdentityProvider.token=t0ken",
+                             f"--LabApp.workspaces_dir={tmp_path}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while (server := embedded_status()) is None or (when == "running" and not _answers(port)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.5)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    said = "Ctrl-C" if sig == signal.SIGINT else sig.name
+    assert f"{said}: stopping" in out and "stopping the embedded server" in out
+    assert embedded_status() is None and not pid_alive(server["pid"]), out
+    assert not _answers(port), "JupyterLab still answers"
+
+
+def _answers(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token=t0ken", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
 
 
 def test_doctor_names_a_vllm_outside_the_tested_range():

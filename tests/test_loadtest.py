@@ -21,6 +21,7 @@ import pytest
 import llmlab
 from llmlab import loadtest as lt
 from llmlab.serve.embedded import EmbeddedServer
+from llmlab.serve.proc import free_port
 
 # --- a fake OpenAI client that streams, stalls and fails as told --------------------------------------
 
@@ -326,6 +327,27 @@ def test_threads_and_asyncio_measure_the_same_requests(conn):
                                     temperature=0))
     assert ares.summary()["ok"] == 8 and ares.summary()["max_outstanding"] >= 3
     assert [r.text for r in ares.records] == [r.text for r in res.records]  # greedy: the same answers
+    assert all(r.ttft < r.latency and r.tpot > 0 and len(r.itl) == 47 for r in ares.records)  # token by token
+
+
+@pytest.mark.server
+def test_asyncio_failures_are_records_with_the_reason(conn):
+    """run_async's requests go over aiohttp: a refusal, a time-out and a server that is not there each end
+    as one record with a sentence, as run()'s do over the openai client."""
+    client, model = conn
+    context = client.models.list().data[0].max_model_len
+    jobs = [lt.Job("ok", "In the beginning", max_tokens=4), lt.Job("too long", "And the king said " * context),
+            lt.Job("slow", "In the beginning", max_tokens=480)]
+    res = asyncio.run(lt.run_async(client, model, jobs[:2], concurrency=2, progress=False))
+    slow = asyncio.run(lt.run_async(client, model, jobs[2:], timeout=0.2, progress=False,
+                                    extra_body={"ignore_eos": True}))  # 480 tokens take far longer than 0.2 s
+    assert [r.status for r in res.records + slow.records] == ["ok", "error", "timeout"]
+    assert res.records[1].error.startswith("HTTP 400: the server refused the request") and \
+        "maximum context length" in res.records[1].error
+    nowhere = openai.OpenAI(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="none")
+    down = asyncio.run(lt.run_async(nowhere, model, jobs[:2], progress=False))
+    assert [r.status for r in down.records] == ["error", "error"]
+    assert down.records[0].error.startswith("could not connect to the server at http://127.0.0.1:")
 
 
 @pytest.mark.server

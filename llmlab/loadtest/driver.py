@@ -151,21 +151,20 @@ async def run_async(client, model: str, prompts: Iterable, *, concurrency: int =
                     **sampling) -> LoadResult:
     """``run()`` with asyncio: ``concurrency`` coroutines pull jobs from one queue, in one thread.
 
-    In a notebook: ``result = await loadtest.run_async(client, model, prompts)``.  ``client`` may be the
-    synchronous ``openai.OpenAI`` of ``llmlab.connect()`` (an ``AsyncOpenAI`` with its URL and key is made)
-    or an ``AsyncOpenAI``.  Records and summary are the same as ``run()``'s.
+    In a notebook: ``result = await loadtest.run_async(client, model, prompts)``.  ``client`` is the
+    ``openai.OpenAI`` of ``llmlab.connect()`` or an ``AsyncOpenAI``: its URL and key are used, and the requests
+    go over aiohttp, one connection per coroutine (``_send_async`` says why).  Records and summary are the
+    same as ``run()``'s; ``**sampling`` goes into the request body as it is (vLLM's own parameters too).
     """
-    import openai
+    import aiohttp
 
     if concurrency < 1:
         raise ValueError(f"concurrency={concurrency}: at least one request must be in flight.")
     jobs, previous, path = _prepare(prompts, save, resume)
-    made = not isinstance(client, openai.AsyncOpenAI)
-    aclient = (openai.AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key) if made else client)
-    fast = aclient.with_options(timeout=timeout, max_retries=0)
-    pool_known = _check_pool(fast, concurrency)
-    cfg = _Settings(model, max_tokens, timeout, _openai_params(dict(sampling), fast.completions.create),
-                    uuid.uuid4().hex[:8], concurrency, str(aclient.base_url))
+    base_url = str(client.base_url).rstrip("/")
+    headers = {"Authorization": f"Bearer {client.api_key}"}
+    sampling.update(sampling.pop("extra_body", None) or {})  # the openai client's way to pass vLLM's parameters
+    cfg = _Settings(model, max_tokens, timeout, sampling, uuid.uuid4().hex[:8], concurrency, base_url)
     appender, new = _Appender(path), {}
     queue: asyncio.Queue[Job] = asyncio.Queue()
     for j in jobs:
@@ -177,26 +176,27 @@ async def run_async(client, model: str, prompts: Iterable, *, concurrency: int =
     bar = tqdm(total=len(jobs), initial=len(previous), desc=f"{concurrency} in flight (asyncio)",
                disable=not progress, unit="req", leave=False)
 
-    async def worker():
+    async def worker(session):
         while True:
             try:
                 job = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            rec = await _send_async(fast, job, cfg)
+            rec = await _send_async(session, f"{base_url}/completions", headers, job, cfg)
             new[str(job.id)] = rec
             appender.write(rec)
             if on_record is not None:
                 on_record(rec)
             bar.update(1)
 
+    limits = aiohttp.TCPConnector(limit=concurrency)  # the pool is as large as the concurrency, by construction
+    silence = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
     try:
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        async with aiohttp.ClientSession(connector=limits, timeout=silence) as session:
+            await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     finally:
         bar.close()
-        if made:
-            await aclient.close()
-    return _finish(jobs, previous, new, appender, concurrency, pool_known)
+    return _finish(jobs, previous, new, appender, concurrency, pool_known=True)
 
 
 # --- workloads --------------------------------------------------------------------------------------------

@@ -363,3 +363,31 @@ def test_the_job_queue_check_is_quick():
     start = time.perf_counter()
     check.job_queue(in_order)
     assert time.perf_counter() - start < 5
+
+
+# --- progress: every verdict recorded, counted per lesson ------------------------------------------------------------
+
+def test_progress_counts_each_lessons_exercises_passed(tmp_path, monkeypatch, capsys):
+    from llmlab.check import progress
+    from llmlab.ops.cli import main
+
+    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path))
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    sweep = pd.DataFrame({"output_tokens_per_s": [100.0, 700.0, 900.0, 1000.0]},
+                         index=pd.Index([1, 8, 64, 256], name="concurrency"))
+    not_yet(check.knee, 8, sweep, hint="take the smallest concurrency")
+    right(capsys, check.knee, 64, sweep)
+    monkeypatch.setenv("JPY_SESSION_NAME", "/home/me/course/exercises/01_memory_arithmetic.ipynb")
+    not_yet(check.kv_405b, 1, 1, hint="Not yet")  # tried in notebook 01, not passed
+    verdicts = [(a["check"], a["ok"], a.get("notebook")) for a in progress.attempts()]
+    assert verdicts == [("knee", False, None), ("knee", True, None), ("kv_405b", False, "01_memory_arithmetic")]
+    rows = {r["lesson"]: r for r in progress.table()}
+    assert set(rows) == {p.stem for p in (progress.COURSE / "exercises").glob("0*.ipynb")}
+    assert (rows["06_threaded_requests"]["passed"], rows["06_threaded_requests"]["total"]) == (1, 5)
+    assert rows["06_threaded_requests"]["not yet"] == ["job_queue", "tpot_by_hand", "resumed", "goodput"]
+    assert rows["01_memory_arithmetic"]["passed"] == 0 and rows["01_memory_arithmetic"]["last attempt"] != "-"
+    assert rows["03_online_inference"]["last attempt"] == "-"
+    (tmp_path / "progress.jsonl").open("a").write('{"check": "kn')  # a write cut short: skipped, not fatal
+    assert main(["progress"]) == 0
+    out = capsys.readouterr().out
+    assert "06_threaded_requests" in out and "1 / 5" in out and "job_queue" in out

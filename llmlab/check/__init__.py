@@ -4,6 +4,8 @@ Each function prints one line starting with "Right:" when the answer is correct,
 ``NotYet`` whose message says what is still wrong and why -- so an unsolved exercise fails loudly in nbval,
 and a learner sees a hint instead of a bare assertion.
 
+Every check's verdict is recorded (``progress``: ``~/.llmlab/progress.jsonl``, shown by ``llmlab progress``).
+
 One module per topic, named after its lesson module: ``check.memory`` checks notebook 01's answers with
 ``llmlab.memory``, and ``check.online`` the completions of notebooks 00, 03 and 08.  ``verdict`` holds what
 they all say (``NotYet``, ``require``, ``right``) and the small tests of a number they share.  A check imports
@@ -11,6 +13,7 @@ its lesson module inside the function, so ``import llmlab`` stays light.
 """
 
 # The parts, one per topic; every check stays reachable as llmlab.check.<name>.
+from llmlab.check import progress
 from llmlab.check.cluster import load_eta_minutes, pp_boundary, tp8_allreduce_bytes, tp_link_times  # noqa: F401
 from llmlab.check.kvcache import (  # noqa: F401
     cache_matches_arithmetic,
@@ -34,3 +37,9 @@ from llmlab.check.online import ended_by_model, first_completion, stopped_at  # 
 from llmlab.check.rehearse import rehearsal_kv_tokens, rehearsal_roofline, rehearsal_tp_per_gpu  # noqa: F401
 from llmlab.check.sampling import same_text, survivors  # noqa: F401
 from llmlab.check.verdict import NotYet, _number, _whole, require, right  # noqa: F401
+
+# Each exercise check, as notebooks call it (llmlab.check.<name>), records its verdict.
+for _name, _check in list(globals().items()):
+    if callable(_check) and getattr(_check, "__module__", "").startswith("llmlab.check.") and \
+            _check.__module__ not in ("llmlab.check.verdict", "llmlab.check.progress"):
+        globals()[_name] = progress.recorded(_check)

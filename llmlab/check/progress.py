@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -56,12 +55,14 @@ def recorded(check):
 
 def exercises(folder: Path | None = None) -> dict[str, list[str]]:
     """The checks each lesson's exercise notebook calls, by notebook name (``06_threaded_requests``)."""
+    from llmlab.ops.exercises import PATTERN_CHECK, source_text
+
     folder = folder or next((COURSE / d for d in ("exercises", "solutions") if (COURSE / d).is_dir()), COURSE)
     found = {}
     for path in sorted(Path(folder).glob("[0-9][0-9]_*.ipynb")):
         cells = json.loads(path.read_text()).get("cells", [])
-        source = "\n".join("".join(c.get("source", "")) for c in cells if c.get("cell_type") == "code")
-        found[path.stem] = list(dict.fromkeys(re.findall(r"llmlab\.check\.(\w+)\(", source)))
+        calls = [name for c in cells if c.get("cell_type") == "code" for name in PATTERN_CHECK.findall(source_text(c))]
+        found[path.stem] = list(dict.fromkeys(calls))
     return found
 
 
@@ -84,8 +85,8 @@ def table(path: Path | None = None, folder: Path | None = None) -> list[dict]:
     rows = []
     for notebook, checks in lessons.items():
         # a verdict from a lesson's notebook counts there; one from elsewhere (nbval, a copy) wherever its check is
-        mine = [a for a in tried if a.get("check") in checks and a.get("notebook") in (notebook, None, *[
-            n for n in [a.get("notebook")] if n not in lessons])]
+        mine = [a for a in tried if a.get("check") in checks
+                and (a.get("notebook") == notebook or a.get("notebook") not in lessons)]
         passed = {a["check"] for a in mine if a.get("ok")}
         last = max((a["time"] for a in mine), default=None)
         rows.append({"lesson": notebook, "passed": len(passed), "total": len(checks),

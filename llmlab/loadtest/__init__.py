@@ -63,8 +63,6 @@ from llmlab.loadtest.request import (  # noqa: F401
     _Deadline,
     _event,
     _find,
-    _openai_params,
-    _send,
     _send_async,
     _ServerError,
     _Settings,

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from llmlab.loadtest.records import TINY_TOKENIZER, Job, Record, as_jobs, check_slo, connection_limit, max_in_flight
-from llmlab.loadtest.request import _openai_params, _send, _send_async, _Settings
+from llmlab.loadtest.request import _send_async, _Settings
 from llmlab.loadtest.results import LoadResult, _Appender, load
 
 # --- a run ----------------------------------------------------------------------------------------------
@@ -81,20 +81,63 @@ def _start_threads(pool: ThreadPoolExecutor, n: int, timeout: float = 10.0) -> N
         barrier.wait(timeout)
 
 
+class _Streams:
+    """One thread running an event loop with an aiohttp session: every worker thread's request streams there.
+
+    Why not stream in each worker thread: on the course's 2-core machine, eight threads each woken by every
+    token of its own stream left the server short of CPU and made the client's own latency tail -- 0.62 of
+    ``vllm bench serve``'s throughput, TTFT p99 9.7x (benchmarks/loadtest_vs_vllm_bench.py).  One loop wakes
+    once for all the streams that have data; a worker thread wakes once per request, when its record is done.
+    """
+
+    def __init__(self, limit: int, timeout: float):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="llmlab-load-io", daemon=True)
+        self.thread.start()
+        self.session = self.call(_open_session(limit, timeout))
+
+    def call(self, coroutine):
+        """Run ``coroutine`` on the loop; wait for its result in the calling thread."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def close(self) -> None:
+        self.call(self.session.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+async def _open_session(limit: int, timeout: float):
+    """An aiohttp session of ``limit`` connections; ``timeout`` bounds connecting and each silence."""
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit),
+                                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout))
+
+
+def _endpoint(client, sampling: dict) -> tuple[str, dict, dict]:
+    """(base URL, headers, request parameters) of an openai client: its URL and key, and the sampling
+    parameters as one request body (the openai client's ``extra_body`` -- vLLM's own parameters -- merged in)."""
+    params = dict(sampling)
+    params.update(params.pop("extra_body", None) or {})
+    return str(client.base_url).rstrip("/"), {"Authorization": f"Bearer {client.api_key}"}, params
+
+
 def run(client, model: str, prompts: Iterable, *, concurrency: int = 8, max_tokens: int = 64,
         timeout: float = 60.0, progress: bool = True, save: str | Path | None = None, resume: bool = False,
         on_record: Callable[[Record], None] | None = None, **sampling) -> LoadResult:
     """Send every prompt with ``concurrency`` worker threads; as one request finishes, the next is sent.
 
+    - ``client``: the ``openai.OpenAI`` of ``llmlab.connect()``: its URL, key and connection-pool size are
+      used.  The streams themselves are read on one event loop (``_Streams`` says why).
     - ``prompts``: strings, token-id lists, ``Job``s (see ``synthetic_workload``) or dicts.
     - ``timeout``: seconds a request may take in all (checked at each chunk) or stay silent; it then ends
-      as a ``timeout`` record.  The client does not retry (``max_retries=0``): a retry would hide a failure
-      and count its time as latency.
+      as a ``timeout`` record.  Nothing is retried: a retry would hide a failure and count its time as latency.
     - ``save``: append each record to this JSONL file as it finishes (a ``.csv`` name is written at the
       end); ``resume=True`` skips the jobs the file already holds as ``ok`` and sends the rest again.
-    - ``on_record(record)``: called in the worker thread after each request (live plots, tests).
-    - ``**sampling``: request parameters (``temperature=0``, ``seed``, ``ignore_eos=True``, ``top_k``...);
-      vLLM's own ones are moved into ``extra_body``.
+    - ``on_record(record)``: called after each request, in the calling thread (live plots, tests).
+    - ``**sampling``: request parameters (``temperature=0``, ``seed``, ``ignore_eos=True``, ``top_k``...),
+      vLLM's own ones too.
 
     Returns a ``LoadResult``: one record per prompt, in the order given, and ``.summary()``.
     """
@@ -102,26 +145,30 @@ def run(client, model: str, prompts: Iterable, *, concurrency: int = 8, max_toke
         raise ValueError(f"concurrency={concurrency}: at least one request must be in flight.")
     jobs, previous, path = _prepare(prompts, save, resume)
     todo = [j for j in jobs if str(j.id) not in previous]
-    fast = client.with_options(timeout=timeout, max_retries=0)
-    pool_known = _check_pool(fast, concurrency)
-    cfg = _Settings(model, max_tokens, timeout, _openai_params(dict(sampling), fast.completions.create),
-                    uuid.uuid4().hex[:8], concurrency, str(getattr(client, "base_url", "")))
+    pool_known = _check_pool(client, concurrency)
+    base_url, headers, params = _endpoint(client, sampling)
+    cfg = _Settings(model, max_tokens, timeout, params, uuid.uuid4().hex[:8], concurrency, base_url)
     appender, new = _Appender(path), {}
 
     from tqdm.auto import tqdm
 
     bar = tqdm(total=len(jobs), initial=len(previous), desc=f"{concurrency} in flight", disable=not progress,
                unit="req", leave=False)
+    streams = _Streams(min(concurrency, connection_limit(client) or concurrency), timeout)
+
+    def send(job: Job) -> Record:
+        return streams.call(_send_async(streams.session, f"{base_url}/completions", headers, job, cfg))
+
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="llmlab-load")
     _start_threads(pool, concurrency)
     futures = {}
     try:
-        futures = {pool.submit(_send, fast, j, cfg): j for j in todo}
+        futures = {pool.submit(send, j): j for j in todo}
         for fut in as_completed(futures):
             job = futures[fut]
             try:
                 rec = fut.result()
-            except Exception as e:  # noqa: BLE001 -- a bug in _send must not lose the job either
+            except Exception as e:  # noqa: BLE001 -- a bug in _send_async must not lose the job either
                 rec = Record(id=job.id, status="error", error=f"{type(e).__name__}: {e}", session=cfg.session,
                              start=time.time(), end=time.time(), concurrency=concurrency)
             new[str(job.id)] = rec
@@ -141,7 +188,8 @@ def run(client, model: str, prompts: Iterable, *, concurrency: int = 8, max_toke
         raise
     finally:
         bar.close()
-    pool.shutdown(wait=True)
+        pool.shutdown(wait=True)
+        streams.close()
     return _finish(jobs, previous, new, appender, concurrency, pool_known)
 
 
@@ -154,17 +202,13 @@ async def run_async(client, model: str, prompts: Iterable, *, concurrency: int =
     In a notebook: ``result = await loadtest.run_async(client, model, prompts)``.  ``client`` is the
     ``openai.OpenAI`` of ``llmlab.connect()`` or an ``AsyncOpenAI``: its URL and key are used, and the requests
     go over aiohttp, one connection per coroutine (``_send_async`` says why).  Records and summary are the
-    same as ``run()``'s; ``**sampling`` goes into the request body as it is (vLLM's own parameters too).
+    same as ``run()``'s.
     """
-    import aiohttp
-
     if concurrency < 1:
         raise ValueError(f"concurrency={concurrency}: at least one request must be in flight.")
     jobs, previous, path = _prepare(prompts, save, resume)
-    base_url = str(client.base_url).rstrip("/")
-    headers = {"Authorization": f"Bearer {client.api_key}"}
-    sampling.update(sampling.pop("extra_body", None) or {})  # the openai client's way to pass vLLM's parameters
-    cfg = _Settings(model, max_tokens, timeout, sampling, uuid.uuid4().hex[:8], concurrency, base_url)
+    base_url, headers, params = _endpoint(client, sampling)
+    cfg = _Settings(model, max_tokens, timeout, params, uuid.uuid4().hex[:8], concurrency, base_url)
     appender, new = _Appender(path), {}
     queue: asyncio.Queue[Job] = asyncio.Queue()
     for j in jobs:
@@ -189,10 +233,8 @@ async def run_async(client, model: str, prompts: Iterable, *, concurrency: int =
                 on_record(rec)
             bar.update(1)
 
-    limits = aiohttp.TCPConnector(limit=concurrency)  # the pool is as large as the concurrency, by construction
-    silence = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
-    try:
-        async with aiohttp.ClientSession(connector=limits, timeout=silence) as session:
+    try:  # the pool is as large as the concurrency, by construction
+        async with await _open_session(concurrency, timeout) as session:
             await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     finally:
         bar.close()

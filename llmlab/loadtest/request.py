@@ -6,10 +6,8 @@ results, request, driver.
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmlab.loadtest.records import Job, Record
@@ -24,21 +22,6 @@ _WALL0, _PERF0 = time.time(), time.perf_counter()
 
 class _Deadline(Exception):
     """The request ran past the run's ``timeout``."""
-
-
-def _openai_params(sampling: dict, create: Callable) -> dict:
-    """Move vLLM's extra sampling parameters (ignore_eos, top_k, min_tokens, ...) into ``extra_body``, so
-    that ``run(..., ignore_eos=True)`` works: the openai client refuses keywords it does not know."""
-    try:
-        known = set(inspect.signature(create).parameters)
-    except (TypeError, ValueError):
-        return dict(sampling)
-    params, extra = {}, dict(sampling.pop("extra_body", None) or {})
-    for key, value in sampling.items():
-        (params if key in known else extra)[key] = value
-    if extra:
-        params["extra_body"] = extra
-    return params
 
 
 class _ServerError(Exception):
@@ -60,8 +43,8 @@ class _Timer:
 
     Why raw events and not the openai client's typed chunks: building a typed object costs ~0.3 ms of CPU
     per token, so at a thousand tokens per second the load generator itself would eat a third of a core --
-    taken from the server it measures when both share a machine.  The openai client still does the HTTP
-    (URL, key, HTTP errors); each event is parsed with ``json.loads``, as ``vllm bench serve`` does.
+    taken from the server it measures when both share a machine.  Each event is parsed with ``json.loads``,
+    as ``vllm bench serve`` does.
     """
 
     def __init__(self, job: Job, max_tokens: int, timeout: float, session: str, base_url: str,
@@ -142,7 +125,7 @@ class _Timer:
 
 
 def _chain(exc: BaseException | None) -> list[BaseException]:
-    """The exception and what caused it: openai wraps the HTTP library's error, which names the problem."""
+    """The exception and what caused it: aiohttp wraps the socket's error, which names the problem."""
     out: list[BaseException] = []
     while exc is not None and all(exc is not e for e in out):
         out.append(exc)
@@ -151,16 +134,12 @@ def _chain(exc: BaseException | None) -> list[BaseException]:
 
 
 def _find(chain: list[BaseException], *names: str) -> BaseException | None:
-    """The first exception in ``chain`` of a class named one of ``names`` (or derived from one).  By name:
-    the openai client runs on httpx or on its fork httpx2, whose classes are distinct but named alike, and
-    ``run_async`` on aiohttp."""
+    """The first exception in ``chain`` of a class named one of ``names`` (or derived from one)."""
     return next((e for e in chain if any(c.__name__ in names for c in type(e).__mro__)), None)
 
 
 def describe_failure(exc: BaseException, tokens: int, timeout: float, base_url: str = "") -> tuple[str, str]:
     """(status, one sentence) for a request that failed: what happened, in words a learner can act on."""
-    import openai
-
     from llmlab.client import describe_error
 
     chain = _chain(exc)
@@ -169,25 +148,22 @@ def describe_failure(exc: BaseException, tokens: int, timeout: float, base_url: 
     if isinstance(exc, _Deadline):
         return "timeout", (f"no complete answer within timeout={timeout:g} s ({got}): the server is overloaded or "
                            "stuck; lower the concurrency or raise timeout.")
-    if isinstance(exc, openai.APITimeoutError | TimeoutError) or _find(chain, "TimeoutException"):
+    if isinstance(exc, TimeoutError):  # aiohttp's silence past sock_read / sock_connect
         return "timeout", (f"the server{where} sent nothing for {timeout:g} s ({got}): it is overloaded, stuck, "
                            "or the client's connection pool is full; lower the concurrency or raise timeout.")
-    if isinstance(exc, openai.APIStatusError | _HTTPStatus):
+    if isinstance(exc, _HTTPStatus):
         return "error", describe_error(exc)
     if isinstance(exc, _ServerError):
         return "error", f"the server reported an error {got} and ended the answer: {exc}"
     if isinstance(exc, json.JSONDecodeError):
         return "error", f"the server sent an event that is not JSON {got} ({exc}): is this an OpenAI-compatible API?"
-    if (cause := _find(chain, "ConnectError", "ClientConnectorError")) is not None:
+    if (cause := _find(chain, "ClientConnectorError")) is not None:
         return "error", (f"could not connect to the server{where} ({cause}): nothing listens there -- the server "
                          "is down, restarting, or the address is wrong.")
-    if (cause := _find(chain, "RemoteProtocolError", "ReadError", "WriteError", "EndOfStream",
-                       "ServerDisconnectedError", "ClientPayloadError")) is not None:
+    if (cause := _find(chain, "ServerDisconnectedError", "ClientPayloadError", "ClientOSError")) is not None:
         when, during = (got, "mid-answer") if tokens else ("before the first token", "before answering")
         return "error", (f"the connection broke {when} ({type(cause).__name__}: {cause}): the server closed it "
                          f"{during} -- it crashed, was stopped, or restarted.")
-    if isinstance(exc, openai.APIError):
-        return "error", f"the server reported an error {got}: {exc}"
     return "error", f"{type(exc).__name__} {got}: {exc}"
 
 
@@ -210,20 +186,6 @@ class _Settings:
     def request(self, job: Job) -> dict:
         return dict(model=self.model, prompt=job.prompt, max_tokens=job.max_tokens or self.max_tokens, stream=True,
                     stream_options={"include_usage": True}, **self.params)
-
-
-def _send(client, job: Job, cfg: _Settings) -> Record:
-    """Send one streamed completion; never raises (apart from KeyboardInterrupt): a failure is a record."""
-    timer = cfg.timer(job)
-    timer.sent()
-    try:
-        with client.completions.with_streaming_response.create(**cfg.request(job)) as response:
-            timer.answered()
-            for line in response.iter_lines():
-                timer.line(line)
-        return timer.done()
-    except Exception as e:  # noqa: BLE001 -- every failure becomes a record, none stops the run
-        return timer.failed(e)
 
 
 class _HTTPStatus(Exception):

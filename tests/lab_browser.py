@@ -66,18 +66,24 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def jupyterlab(notebooks: list[str], timeout: float = 60) -> Iterator[Lab]:
+def jupyterlab(notebooks: list[str] = (), timeout: float = 60, course: bool = False) -> Iterator[Lab]:
     """JupyterLab on temporary copies of ``notebooks`` (it autosaves outputs into the files it opens).
 
+    ``course=True``: a copy of the whole course instead, as ``llmlab lab`` and the OnDemand app serve it
+    (notebooks/, exercises/ and solutions/ side by side, the course's settings, opened on the home page).
     A fresh workspaces folder per server: with a shared one, a "Select Kernel" dialog can block the run.
     The token reaches the server through the environment (JUPYTER_TOKEN), not through ``ps``.
     """
+    from llmlab.ops.cli import _home_page, lab_environment
+
     tmp = Path(tempfile.mkdtemp(prefix="llmlab-lab-"))
     root, workspaces = tmp / "root", tmp / "workspaces"
     root.mkdir()
     workspaces.mkdir()
     for name in notebooks:
         shutil.copy(NOTEBOOKS / name, root / name)
+    for part in ("notebooks", "exercises", "solutions") if course else ():
+        shutil.copytree(ROOT / part, root / part)
     # Private settings: every cell rendered (no windowing: a half-painted plot in a screenshot), and no
     # "Jupyter news?" notification over the widgets.
     for plugin, value in [("notebook-extension/tracker", {"windowingMode": "none"}),
@@ -90,10 +96,10 @@ def jupyterlab(notebooks: list[str], timeout: float = 60) -> Iterator[Lab]:
     cmd = [str(jupyter), "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", f"--ServerApp.root_dir={root}",
            "--allow-root", "--LabApp.expose_app_in_browser=True", f"--LabApp.workspaces_dir={workspaces}",
            f"--LabApp.user_settings_dir={tmp / 'settings'}",
-           "--ServerApp.open_browser=False"]
+           "--ServerApp.open_browser=False", *_home_page(root)]
     log = open(tmp / "jupyterlab.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JUPYTER_TOKEN": token},
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**(lab_environment() if course else os.environ), "JUPYTER_TOKEN": token})
     lab = Lab(f"http://127.0.0.1:{port}", token, root)
     try:
         deadline = time.monotonic() + timeout
@@ -132,6 +138,17 @@ def browser_page(width: int = 1400, height: int = 1000):
             yield page
         finally:
             browser.close()
+
+
+def current_path(page) -> str:
+    """The path of the document in JupyterLab's active tab."""
+    return page.evaluate("window.jupyterapp.shell.currentWidget?.context?.path ?? ''")
+
+
+def link(page, text: str, within: str = ""):
+    """A rendered Markdown link of the active notebook, by its text (and the text of the row it is in)."""
+    panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+    return (panel.locator(f"tr:has-text('{within}')") if within else panel).locator(f"a:text-is('{text}')").first
 
 
 def _kernel_idle(lab: Lab, name: str) -> bool:
@@ -207,7 +224,8 @@ def cell_of(widget):
 
 
 def screenshots(out_dir: Path) -> list[Path]:
-    """The calculator of notebook 01 and the sampling explorer of notebook 04, as the README shows them.
+    """The course's home page, the calculator of notebook 01 and the sampling explorer of notebook 04, as the
+    README shows them.
 
     Notebook 04 needs a server: ``llmlab.connect()`` in its kernel starts the embedded one under a
     private LLMLAB_HOME, which is stopped at the end.
@@ -219,6 +237,12 @@ def screenshots(out_dir: Path) -> list[Path]:
         os.environ.pop(var, None)
     written = []
     try:
+        with jupyterlab(course=True) as lab, browser_page(width=1200, height=820) as page:
+            page.goto(f"{lab.url}/?token={lab.token}")  # the file browser stays: it shows the course's tree
+            link(page, "exercises", within="Memory arithmetic").wait_for()
+            time.sleep(2)
+            page.screenshot(path=out_dir / "course-home.png")
+            written.append(out_dir / "course-home.png")
         with jupyterlab([CALCULATOR, EXPLORER]) as lab, browser_page(width=1200) as page:
             for name, moves, png in [
                 (CALCULATOR, lambda w: (choose(w, "model", "llama3.1-405b"), choose(w, "dtype", "fp8"),
@@ -228,17 +252,16 @@ def screenshots(out_dir: Path) -> list[Path]:
                  "sampling-explorer.png"),
             ]:
                 open_and_run(page, lab, name)
+                page.evaluate("window.jupyterapp.shell.collapseLeft()")  # the file browser: room for the plot
                 widget = interact(page)
                 before = output(widget).inner_html()
                 moves(widget)
                 page.wait_for_function("([el, old]) => el.innerHTML !== old",
                                        arg=[output(widget).element_handle(), before])
-                if name == EXPLORER:  # the text comes first, the new plot after it
-                    output(widget).locator("img").wait_for()
-                    page.wait_for_function("el => el.querySelector('img').complete",
-                                           arg=output(widget).element_handle())
-                page.evaluate("window.jupyterapp.shell.collapseLeft()")  # the file browser: room for the plot
+                output(widget).locator("img").wait_for()  # both draw a plot: the text first, the plot after it
+                page.wait_for_function("el => el.querySelector('img').complete", arg=output(widget).element_handle())
                 widget.scroll_into_view_if_needed()
+                page.evaluate("el => el.querySelector('img').decode()", output(widget).element_handle())
                 time.sleep(2)  # let the browser paint what scrolled into view
                 cell_of(widget).screenshot(path=out_dir / png)
                 written.append(out_dir / png)

@@ -43,6 +43,8 @@ def expect_lines(out, lines: list[str]) -> None:
 
 
 def test_memory_calculator_follows_its_controls():
+    from playwright.sync_api import expect
+
     with lb.jupyterlab([lb.CALCULATOR]) as lab, lb.browser_page() as page:
         lb.open_and_run(page, lab, lb.CALCULATOR)
         assert lb.errors(page) == []
@@ -67,8 +69,29 @@ def test_memory_calculator_follows_its_controls():
         settings.update(model="llama3.1-405b", dtype="fp8", kv_dtype="fp8", gpu_name="A100-80")
         expected = calculator_lines(**settings)
         expect_lines(out, expected)
-        # the old figures are gone, not appended to
+        # the old figures are gone, not appended to; one picture, redrawn for the new settings
         assert calculator_lines(**{**settings, "model": "llama3.1-70b"})[0] not in out.inner_text()
+        expect(out.locator("img")).to_have_count(1)
+
+
+def test_a_learner_reaches_exercise_01_from_the_home_page_and_comes_back():
+    """The course as `make lab` and the OnDemand app serve it: JupyterLab opens on the course map; its links
+    open lesson 01's exercises, and the exercises' last cell leads back to the map -- clicks only."""
+    from playwright.sync_api import expect
+
+    with lb.jupyterlab(course=True) as lab, lb.browser_page() as page:
+        page.goto(f"{lab.url}/?token={lab.token}")
+        lb.link(page, "exercises", within="Memory arithmetic").wait_for()
+        assert lb.current_path(page) == "notebooks/00_home.ipynb"
+        lb.link(page, "exercises", within="Memory arithmetic").click()
+        expect(page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")).to_contain_text(
+            "Exercise 1: the weights of 405B in fp16")
+        assert lb.current_path(page) == "exercises/01_memory_arithmetic.ipynb"
+        lb.link(page, "course home").click()
+        page.wait_for_function("window.jupyterapp.shell.currentWidget?.context?.path === 'notebooks/00_home.ipynb'")
+        lb.link(page, "Memory arithmetic", within="Memory arithmetic").click()  # and on to the lesson itself
+        page.wait_for_function(
+            "window.jupyterapp.shell.currentWidget?.context?.path === 'notebooks/01_memory_arithmetic.ipynb'")
 
 
 def notebook_prompt() -> str:

@@ -29,7 +29,8 @@ def test_exercises_check_passes_on_the_repository():
 
 
 def test_lab_opens_jupyterlab_on_the_running_server_and_ctrl_c_ends_it(embedded, tmp_path):
-    """`make lab` = `llmlab lab`: JupyterLab answers; Ctrl-C stops it; a server it did not start stays."""
+    """`make lab` = `llmlab lab`: JupyterLab answers, on the course map and with the course's settings; Ctrl-C
+    stops it; a server it did not start stays."""
     port, proc = _lab(tmp_path)
     try:
         deadline = time.monotonic() + 90
@@ -37,6 +38,20 @@ def test_lab_opens_jupyterlab_on_the_running_server_and_ctrl_c_ends_it(embedded,
             assert proc.poll() is None, proc.stdout.read()
             assert time.monotonic() < deadline, "JupyterLab did not answer within 90 s"
             time.sleep(1)
+        # it opens on the course map, at the course's root: lessons, exercises and solutions side by side
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/?token=t0ken", timeout=30) as r:
+            assert r.geturl().split("?")[0].endswith("/lab/tree/notebooks/00_home.ipynb") and r.status == 200
+        root = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents?token=t0ken", timeout=30))
+        assert {"notebooks", "exercises", "solutions"} <= {f["name"] for f in root["content"]}
+        # with the course's settings, not the learner's: no news prompt, no extension manager
+        settings = f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/%s?token=t0ken"
+        def default(plugin: str, key: str):  # the course's overrides become the schema's defaults
+            with urllib.request.urlopen(settings % plugin, timeout=30) as r:
+                return json.load(r)["schema"]["properties"][key]["default"]
+
+        assert default("apputils-extension:notification", "fetchNews") == "false"
+        assert default("apputils-extension:notification", "checkForUpdates") is False
+        assert default("extensionmanager-extension:plugin", "enabled") is False
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)

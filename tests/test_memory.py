@@ -721,3 +721,20 @@ def test_an_architecture_without_formulas_gets_transformers_count_and_nothing_gu
     assert "3,821,079,552 (transformers' count" in out and "does not guess its KV cache" in out
     assert main(["memory", str(tmp_path / "config.json"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["supported"] is False
+
+
+def test_the_calculators_picture_adds_up_to_the_card():
+    """Notebook 01's bar: the parts of the plan's fullest GPU sum to the card, the weights are the plan's share,
+    the KV the requests fill never exceeds what is left; a model that fits nowhere is drawn against one card."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    r = m.memory_report("llama3.1-70b", None, "auto", 8192, 4, "H100-80", 8)
+    parts = m.gpu_parts(r)
+    assert sum(parts.values()) == r["gpu_memory_bytes"] and min(parts.values()) >= 0
+    assert parts["weights"] == r["plan"]["weight_bytes_per_gpu"]
+    assert parts["KV cache the requests fill"] == r["plan"]["kv_bytes_per_token_per_gpu"] * 8192 * 4
+    ax = m.plot_gpu(r)
+    assert ax.get_title() == "one of 4 x H100-80 (TP=4 x PP=1)" and len(ax.patches) == 5  # 4 x 8k: TP=2 is full
+    huge = m.memory_report("llama3.1-405b", None, "auto", 131_072, 64, "H100-80", 1)
+    assert huge["plan"] is None and m.plot_gpu(huge).get_title().startswith("does not fit: ")

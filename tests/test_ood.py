@@ -229,6 +229,9 @@ def test_each_server_choice_exports_what_connect_reads(tmp_path):
         assert oct(config.stat().st_mode & 0o777) == "0o600"
         text = config.read_text()
         assert 'c.ServerApp.base_url = "/node/cn1/5555/"' in text and 'c.IdentityProvider.token = "pw"' in text
+        # the same course as `make lab`: opened on its map, with the course's JupyterLab settings first
+        assert 'c.LabApp.default_url = "/lab/tree/notebooks/00_home.ipynb"' in text
+        assert exported["JUPYTER_CONFIG_PATH"].split(":")[0] == str(ROOT / "llmlab" / "ops" / "jupyter")
 
 
 def test_course_is_copied_once_and_edits_survive(tmp_path):
@@ -239,7 +242,8 @@ def test_course_is_copied_once_and_edits_survive(tmp_path):
     course = home / "llmlab-course"
     nb = course / "notebooks" / "01_memory_arithmetic.ipynb"
     assert nb.read_bytes() == (ROOT / "notebooks" / nb.name).read_bytes()
-    assert (course / "exercises" / nb.name).is_file()
+    assert (course / "exercises" / nb.name).is_file() and (course / "solutions" / nb.name).is_file()
+    assert (course / "notebooks" / "00_home.ipynb").is_file()  # the page JupyterLab opens on
     nb.write_text("my answers")
     (course / "notebooks" / "04_sampling.ipynb").unlink()
     source_before(staged, home, tmp_path / "work2")

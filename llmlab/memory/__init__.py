@@ -18,7 +18,8 @@ a shipped name (``llama3.1-8b`` ... ``llmlab-tiny``) or a :class:`ModelSpec`.  T
 5. :func:`layout_fit` (:mod:`~llmlab.memory.fit`): whether one TP x PP layout holds the requests, and why
    not -- the one answer that the planner, ``llmlab launch``, ``llmlab generate`` and notebook 01 share;
 6. :func:`plan` (:mod:`~llmlab.memory.planner`): the smallest layout that fits, and its ``vllm serve`` line;
-7. :func:`transformers_param_count` (:mod:`~llmlab.memory.reference`): the referee, transformers' own model
+7. :func:`plot_gpu` (:mod:`~llmlab.memory.picture`): one GPU of a plan as stacked bars against its size;
+8. :func:`transformers_param_count` (:mod:`~llmlab.memory.reference`): the referee, transformers' own model
    built from the config on the meta device (no weights), which every formula above must agree with.
 
 Units: bytes are exact integers; ``GB`` is 10**9 bytes (datasheets, published tables) and ``GiB`` is
@@ -98,6 +99,7 @@ from llmlab.memory.model import (  # noqa: F401
     serve_dtype,
     shipped_models,
 )
+from llmlab.memory.picture import gpu_parts, plot_gpu  # noqa: F401
 from llmlab.memory.planner import Plan, memory_report, plan, serve_command  # noqa: F401
 from llmlab.memory.reference import transformers_param_count  # noqa: F401
 from llmlab.memory.weights import (  # noqa: F401

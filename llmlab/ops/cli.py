@@ -61,9 +61,29 @@ def _stop_on_signals() -> None:
         signal.signal(sig, raise_stopped)
 
 
+# The course's JupyterLab settings (no news prompt, no extension manager, Markdown opened rendered): first on
+# JUPYTER_CONFIG_PATH for the JupyterLab that `llmlab lab` and the OnDemand app start, and nowhere else -- the
+# learner's own settings stay as they are.
+JUPYTER_CONFIG = Path(__file__).parent / "jupyter"
+HOME_PAGE = "notebooks/00_home.ipynb"  # the course map, opened on start; relative to the course's root
+
+
+def lab_environment() -> dict:
+    """This process's environment with the course's JupyterLab settings first on JUPYTER_CONFIG_PATH."""
+    paths = [str(JUPYTER_CONFIG), *filter(None, os.environ.get("JUPYTER_CONFIG_PATH", "").split(os.pathsep))]
+    return {**os.environ, "JUPYTER_CONFIG_PATH": os.pathsep.join(paths)}
+
+
+def _home_page(root: Path) -> list[str]:
+    """JupyterLab opens the course map when the course's root has one (lessons, exercises and solutions side by
+    side under it); on any other folder it opens as usual."""
+    return [f"--LabApp.default_url=/lab/tree/{HOME_PAGE}"] if (root / HOME_PAGE).is_file() else []
+
+
 def cmd_lab(args) -> int:
-    """Start (or reuse) the embedded server, run JupyterLab on the notebooks.  Ctrl-C, SIGTERM and SIGHUP stop
-    both -- also while the server is still starting -- but never a server this command did not start."""
+    """Start (or reuse) the embedded server, run JupyterLab on the course, opened on its home page.  Ctrl-C,
+    SIGTERM and SIGHUP stop both -- also while the server is still starting -- but never a server this command
+    did not start."""
     _stop_on_signals()
     started = embedded.embedded_status() is None
     extra = list(args.jupyter_args)
@@ -72,7 +92,8 @@ def cmd_lab(args) -> int:
     lab = None
     try:
         embedded.ensure_embedded(timeout=args.timeout)
-        lab = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={args.dir}", *extra])
+        lab = subprocess.Popen([sys.executable, "-m", "jupyter", "lab", f"--notebook-dir={args.dir}",
+                                *_home_page(Path(args.dir)), *extra], env=lab_environment())
         return lab.wait()
     except (KeyboardInterrupt, _Stopped) as e:
         print(f"\n{str(e) or 'Ctrl-C'}: stopping")
@@ -265,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("lab", help="start the embedded server and JupyterLab on the notebooks")
-    p.add_argument("--dir", default="notebooks" if Path("notebooks").is_dir() else ".", help="notebook directory")
+    p.add_argument("--dir", default=".", help="the course's root: notebooks/, exercises/ and solutions/ side by side")
     p.add_argument("--timeout", type=float, default=embedded.DEFAULT_TIMEOUT, help="seconds to wait for /health")
     p.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed to `jupyter lab` (after --)")
     p.set_defaults(func=cmd_lab)

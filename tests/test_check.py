@@ -391,3 +391,42 @@ def test_progress_counts_each_lessons_exercises_passed(tmp_path, monkeypatch, ca
     assert main(["progress"]) == 0
     out = capsys.readouterr().out
     assert "06_threaded_requests" in out and "1 / 5" in out and "job_queue" in out
+
+
+def test_a_room_collects_only_the_tables_its_learners_hand_in(tmp_path, monkeypatch, capsys):
+    """Opt-in: a learner's `llmlab progress --hand-in DIR` puts their table -- no key, no answer -- in the room's
+    folder, readable by the group only; the instructor's `--room DIR` shows a learner a line."""
+    import json
+    import stat
+
+    from llmlab.check import progress
+    from llmlab.ops.cli import main
+
+    folder = tmp_path / "room"
+    folder.mkdir()
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    sweep = pd.DataFrame({"output_tokens_per_s": [100.0, 700.0, 900.0, 1000.0]},
+                         index=pd.Index([1, 8, 64, 256], name="concurrency"))
+    for user, answers in (("ada", [64]), ("bob", [8])):
+        monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / user))
+        (tmp_path / user).mkdir()
+        (tmp_path / user / "api_key").write_text("sk-secret-of-" + user)  # what must never leave the home
+        for answer in answers:
+            try:
+                check.knee(answer, sweep)
+            except check.NotYet:
+                pass
+        path = progress.hand_in(folder, user)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+        handed = path.read_text()
+        assert "secret" not in handed and set(json.loads(handed)) == {"user", "handed in", "lessons"}
+    capsys.readouterr()
+    rows = {r["user"]: r for r in progress.room(folder)}
+    assert rows["ada"]["06_threaded_requests"] == "1/5" and rows["bob"]["06_threaded_requests"] == "0/5"
+    assert rows["ada"]["passed"] == 1 and rows["ada"]["total"] == rows["bob"]["total"] > 20
+    assert main(["progress", "--room", str(folder)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:2] == ["user", "passed"] and out[1].startswith("ada") and out[2].startswith("bob")
+    assert main(["progress", "--hand-in", str(tmp_path / "nowhere")]) == 2
+    assert "ask your instructor for the room's progress folder" in capsys.readouterr().err
+    assert progress.show_room(tmp_path / "bob").startswith("nobody has handed in yet")

@@ -104,3 +104,54 @@ def show(path: Path | None = None) -> str:
     done, total = sum(r["passed"] for r in rows), sum(r["total"] for r in rows)
     lines.append(f"{'all lessons':<28} {done:>3} / {total:<2}  (kept in {progress_file()})")
     return "\n".join(lines)
+
+
+# --- a workshop room (opt-in) ----------------------------------------------------------------------------------
+
+def hand_in(folder: Path, user: str | None = None) -> Path:
+    """Put this learner's table -- and nothing else: no key, no answer, no notebook -- into the room's folder as
+    ``<user>.json``, readable by its group (0640), so that the instructor sees who is stuck where.  Opt-in: only
+    this call writes there, and each call replaces the learner's earlier file.  The folder is one the instructor
+    made for the room (group-writable, e.g. ``install -d -m 2770 -g GROUP DIR``)."""
+    import getpass
+
+    folder, user = Path(folder), user or getpass.getuser()
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise PermissionError(f"{folder} is not a folder you can write to: ask your instructor for the room's "
+                              "progress folder (they create it group-writable for the workshop's group).")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", user) or user.startswith("."):
+        raise ValueError(f"{user!r} is not a user name llmlab can use as a file name.")
+    rows = [{k: r[k] for k in ("lesson", "passed", "total", "last attempt")} for r in table()]
+    tmp = folder / f".{user}.json.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"user": user, "handed in": time.strftime("%Y-%m-%d %H:%M"), "lessons": rows}, f)
+    os.chmod(tmp, 0o640)  # whatever the umask: the group (the instructor) reads it, nobody else
+    return tmp.replace(folder / f"{user}.json")
+
+
+def room(folder: Path) -> list[dict]:
+    """One row per learner who handed in: exercises passed in all, per lesson, and when they handed in."""
+    rows = []
+    for path in sorted(Path(folder).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # unreadable or half-written: that learner hands in again
+        lessons = {r["lesson"]: f"{r['passed']}/{r['total']}" for r in data.get("lessons", [])}
+        rows.append({"user": data.get("user", path.stem), "passed": sum(r["passed"] for r in data["lessons"]),
+                     "total": sum(r["total"] for r in data["lessons"]), "handed in": data.get("handed in", "-"),
+                     **lessons})
+    return rows
+
+
+def show_room(folder: Path) -> str:
+    """The room as text, a learner a line (``llmlab progress --room DIR``)."""
+    rows = room(folder)
+    if not rows:
+        return f"nobody has handed in yet: learners run `llmlab progress --hand-in {folder}`."
+    lessons = [k for k in rows[0] if k[:2].isdigit()]
+    lines = [f"{'user':<16} {'passed':>9}  {'handed in':<16}  " + " ".join(k[:2].rjust(5) for k in lessons)]
+    lines += [f"{r['user']:<16} {r['passed']:>4} / {r['total']:<3} {r['handed in']:<16}  " +
+              " ".join(str(r.get(k, "-")).rjust(5) for k in lessons) for r in rows]
+    return "\n".join(lines)

@@ -125,7 +125,16 @@ def cmd_progress(args) -> int:
     """Every ``llmlab.check`` verdict this user has had, counted per lesson (``llmlab.check.progress``)."""
     from llmlab.check import progress
 
-    print(json.dumps(progress.table(), indent=2) if args.json else progress.show())
+    if args.hand_in:
+        try:
+            print(f"handed in: {progress.hand_in(Path(args.hand_in))} (your table only: no key, no answer)")
+        except (OSError, ValueError) as e:
+            print(f"llmlab: {e}", file=sys.stderr)
+            return 2
+    elif args.room:
+        print(json.dumps(progress.room(Path(args.room)), indent=2) if args.json else progress.show_room(args.room))
+    else:
+        print(json.dumps(progress.table(), indent=2) if args.json else progress.show())
     return 0
 
 
@@ -299,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("progress", help="the exercises you have passed, lesson by lesson (from every check cell)")
     p.add_argument("--json", action="store_true")
+    room = p.add_mutually_exclusive_group()
+    room.add_argument("--hand-in", metavar="DIR", help="opt-in: put your table in the workshop's progress folder")
+    room.add_argument("--room", metavar="DIR", help="instructor: every table handed in to DIR, a learner a line")
     p.set_defaults(func=cmd_progress)
 
     p = sub.add_parser("doctor", help="what this environment has and which server connect() would use")

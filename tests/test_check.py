@@ -382,7 +382,7 @@ def test_progress_counts_each_lessons_exercises_passed(tmp_path, monkeypatch, ca
     verdicts = [(a["check"], a["ok"], a.get("notebook")) for a in progress.attempts()]
     assert verdicts == [("knee", False, None), ("knee", True, None), ("kv_405b", False, "01_memory_arithmetic")]
     rows = {r["lesson"]: r for r in progress.table()}
-    assert set(rows) == {p.stem for p in (progress.COURSE / "exercises").glob("0*.ipynb")}
+    assert set(rows) == {p.stem for p in (progress.COURSE / "exercises").glob("[0-9][0-9]_*.ipynb")}
     assert (rows["06_threaded_requests"]["passed"], rows["06_threaded_requests"]["total"]) == (1, 5)
     assert rows["06_threaded_requests"]["not yet"] == ["job_queue", "tpot_by_hand", "resumed", "goodput"]
     assert rows["01_memory_arithmetic"]["passed"] == 0 and rows["01_memory_arithmetic"]["last attempt"] != "-"
@@ -430,3 +430,17 @@ def test_a_room_collects_only_the_tables_its_learners_hand_in(tmp_path, monkeypa
     assert main(["progress", "--hand-in", str(tmp_path / "nowhere")]) == 2
     assert "ask your instructor for the room's progress folder" in capsys.readouterr().err
     assert progress.show_room(tmp_path / "bob").startswith("nobody has handed in yet")
+
+
+def test_structured_output_checks_name_what_is_wrong(capsys):
+    """Notebook 10's checks: a pattern must be a reference, bounded, and the answer finished; a parsed answer a dict."""
+    good = r"[A-Z][a-z]{1,12} [0-9]{1,3}:[0-9]{1,3}"
+    right(capsys, check.verse_regex, good, "Judah 12:4", "stop")
+    not_yet(check.verse_regex, r"[A-Z][a-z]{1,12} [0-9]{1,3}", "Judah 12", "stop", hint="does not match 'John 3:16'")
+    not_yet(check.verse_regex, r"[A-Za-z]{1,12} [0-9]{1,3}:[0-9]{1,3}", "Judah 12:4", "stop", hint="'john 3:16'")
+    not_yet(check.verse_regex, r"[A-Z][a-z]+ [0-9]+:[0-9]+", "Judah 12:4", "stop", hint="bound every repetition")
+    not_yet(check.verse_regex, good, "Judahite", "length", hint="does not match your pattern")
+    not_yet(check.verse_regex, good, "Judah 12:4", "length", hint="the answer was cut")
+    right(capsys, check.parsed, {"name": "Elijah", "age": 40}, '{"name": "Elijah", "age": 40}')
+    not_yet(check.parsed, '{"name": "Elijah", "age": 40}', '{"name": "Elijah", "age": 40}', hint="json.loads")
+    not_yet(check.parsed, {"name": "Elijah"}, '{"name": "Elijah"}', hint="name and age")

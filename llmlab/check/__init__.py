@@ -36,6 +36,7 @@ from llmlab.check.offline import chat_prompt_ids, offline_batch, offline_samplin
 from llmlab.check.online import ended_by_model, first_completion, stopped_at  # noqa: F401
 from llmlab.check.rehearse import rehearsal_kv_tokens, rehearsal_roofline, rehearsal_tp_per_gpu  # noqa: F401
 from llmlab.check.sampling import same_text, survivors  # noqa: F401
+from llmlab.check.structured import parsed, verse_regex  # noqa: F401
 from llmlab.check.verdict import NotYet, _number, _whole, require, right  # noqa: F401
 
 # Each exercise check, as notebooks call it (llmlab.check.<name>), records its verdict.

@@ -16,6 +16,8 @@ import re
 
 import pandas as pd
 
+from llmlab.logprobs import token_records
+
 # vLLM reports a token the grammar ruled out with this logprob (it is -inf inside the engine).
 MASKED = -9999.0
 
@@ -40,13 +42,10 @@ def constraint(*, choice: list[str] | None = None, regex: str | None = None, jso
 
 
 def grammar_steps(response, choice: int = 0) -> pd.DataFrame:
-    """One row per generated token of a completion asked with ``logprobs=k``: the token, its logprob, and how many
-    of the k most likely tokens the grammar had ruled out at that step (vLLM reports them at ``MASKED``)."""
-    lp = response.choices[choice].logprobs
-    if lp is None or not lp.top_logprobs:
-        raise ValueError("this completion has no logprobs: ask with logprobs=5 (completions endpoint).")
-    rows = []
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
-        rows.append({"token": token, "logprob": logprob, "masked in top": sum(v <= MASKED for v in top.values()),
-                     "allowed in top": [t for t, v in top.items() if v > MASKED]})
-    return pd.DataFrame(rows)
+    """One row per generated token of an answer asked with logprobs (completions or chat): the token, its logprob,
+    and how many of the most likely tokens the grammar had ruled out at that step (vLLM reports them at
+    ``MASKED``).  The tokens are read by notebook 05's :func:`llmlab.logprobs.token_records`."""
+    return pd.DataFrame([{"token": r["token"], "logprob": r["logprob"],
+                          "masked in top": sum(lp <= MASKED for _, lp in r["alternatives"]),
+                          "allowed in top": [t for t, lp in r["alternatives"] if lp > MASKED]}
+                         for r in token_records(response, choice)])

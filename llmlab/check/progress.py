@@ -138,10 +138,10 @@ def room(folder: Path) -> list[dict]:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # unreadable or half-written: that learner hands in again
-        lessons = {r["lesson"]: f"{r['passed']}/{r['total']}" for r in data.get("lessons", [])}
-        rows.append({"user": data.get("user", path.stem), "passed": sum(r["passed"] for r in data["lessons"]),
-                     "total": sum(r["total"] for r in data["lessons"]), "handed in": data.get("handed in", "-"),
-                     **lessons})
+        lessons = data.get("lessons", [])
+        rows.append({"user": data.get("user", path.stem), "passed": sum(r["passed"] for r in lessons),
+                     "total": sum(r["total"] for r in lessons), "handed in": data.get("handed in", "-"),
+                     **{r["lesson"]: f"{r['passed']}/{r['total']}" for r in lessons}})
     return rows
 
 

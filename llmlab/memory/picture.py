@@ -20,8 +20,8 @@ def gpu_parts(report: dict) -> dict[str, int]:
     p = report["plan"]
     card = report["gpu_memory_bytes"]
     given = int(card * report["gpu_memory_utilization"])
-    overhead = int(report["overhead_gib"] * GiB)
-    room = max(0, given - p["weight_bytes_per_gpu"] - overhead)
+    overhead = given - report["usable_bytes_per_gpu"]  # the allowance, as memory.usable_bytes takes it off
+    room = max(0, report["usable_bytes_per_gpu"] - p["weight_bytes_per_gpu"])
     kv_used = min(p["kv_bytes_per_token_per_gpu"] * report["tokens"] * report["concurrency"], room)
     sizes = (p["weight_bytes_per_gpu"], overhead, kv_used, room - kv_used, card - given)
     return {label: size for (label, _), size in zip(PARTS, sizes, strict=True)}

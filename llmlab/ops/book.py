@@ -16,9 +16,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from llmlab.ops.testing import CLUSTER_ONLY  # the tag nbval skips; the book shows those cells unrun
+
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("notebooks", "exercises", "solutions")
-CLUSTER_ONLY = "cluster-only"
 
 
 def stage(dest: Path, root: Path = ROOT) -> Path:

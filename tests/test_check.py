@@ -444,3 +444,46 @@ def test_structured_output_checks_name_what_is_wrong(capsys):
     right(capsys, check.parsed, {"name": "Elijah", "age": 40}, '{"name": "Elijah", "age": 40}')
     not_yet(check.parsed, '{"name": "Elijah", "age": 40}', '{"name": "Elijah", "age": 40}', hint="json.loads")
     not_yet(check.parsed, {"name": "Elijah"}, '{"name": "Elijah"}', hint="name and age")
+
+
+# --- notebook 11: quantization ------------------------------------------------------------------------------------
+
+def test_fp8_kv_tokens_check_names_each_mistake(capsys):
+    for wrong, hint in ((524_288, "default server's figure"), (1_048_576, "2 bytes per value"),
+                        (512, "the bytes one token takes"), (10**9 // 512, "GiB (2**30 bytes), not GB"),
+                        (4_194_304, "K and V are both stored"), (2_097_152.5, "whole number"),
+                        (2_000_000, "4 layers x 2 (K and V)")):
+        not_yet(check.fp8_kv_tokens, wrong, hint=hint)
+    assert right(capsys, check.fp8_kv_tokens, 2_097_152).startswith("Right: 2,097,152 tokens")
+
+
+def test_h100s_for_405b_fp8_check_names_each_mistake(capsys):
+    params = memory.param_count("llama3.1-405b")
+    for answer, hint in (((2 * params, 6), "that is bf16"), ((405 * 10**9, 6), "rounded name"),
+                         ((params + 1, 6), "expected 1 byte"), ((params, 12), "the bf16 count"),
+                         ((params, 5), "do not hold the weights"), ((params, 7), "but fewer do")):
+        not_yet(check.h100s_for_405b_fp8, *answer, hint=hint)
+    assert right(capsys, check.h100s_for_405b_fp8, params, 6).startswith("Right: 405.9 GB on 6 H100s")
+
+
+# --- notebook 12: speculative decoding ---------------------------------------------------------------------------
+
+def test_speculative_decoding_checks_name_what_is_wrong(capsys):
+    """Notebook 12's checks: rates from the counters (per token drafted, per pass), and the formula's sum."""
+    before = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "generated": 0.0, "accepted_at": [0.0] * 4}
+    after = {"drafts": 10.0, "draft_tokens": 40.0, "accepted": 25.0, "generated": 60.0, "accepted_at": [8.0, 7, 5, 5]}
+    right(capsys, check.spec_rates, 25 / 40, 60 / 35, before, after)
+    not_yet(check.spec_rates, 2.5, 60 / 35, before, after, hint="accepted tokens per draft")
+    not_yet(check.spec_rates, 25 / 60, 60 / 35, before, after, hint="accepted / draft_tokens = 25 / 40")
+    not_yet(check.spec_rates, 25 / 40, 3.5, before, after, hint="counts only the steps that drafted")
+    not_yet(check.spec_rates, 25 / 40, 60 / 25, before, after, hint="generated / (generated - accepted)")
+    not_yet(check.spec_rates, 0.5, 1.0, before, before | {"generated": 5.0}, hint="counted no drafts")
+    per_step = [sum(0.6 ** i for i in range(k + 1)) for k in range(1, 9)]
+    right(capsys, check.draft_length, per_step, 5)
+    not_yet(check.draft_length, per_step[:4], 5, hint="a list of 8 numbers")
+    not_yet(check.draft_length, [0.6 ** k for k in range(1, 9)], 5, hint="the whole draft is accepted")
+    not_yet(check.draft_length, [v - 1 for v in per_step], 5, hint="one token of the model's own")
+    not_yet(check.draft_length, per_step[:2] + [2.0] + per_step[3:], 5, hint="for k = 3 expect")
+    not_yet(check.draft_length, per_step, 4, hint="a longer draft is needed")
+    not_yet(check.draft_length, per_step, 8, hint="k = 5 already gives")
+    not_yet(check.draft_length, per_step, 9, hint="one of 1 to 8")

@@ -1,0 +1,49 @@
+"""Checks of notebook 11, quantization (``llmlab.quantization``): an fp8 KV cache's tokens, the 405B in fp8.
+
+Every expected figure comes from ``llmlab.memory``; the first one the lesson also read in vLLM's own log.
+"""
+
+from __future__ import annotations
+
+from llmlab.check.verdict import _whole, require, right
+
+
+def fp8_kv_tokens(tokens) -> None:
+    """11: the KV tokens the embedded server (tiny model, 1 GiB of KV space) logs with --kv-cache-dtype fp8."""
+    from llmlab import memory
+
+    n = _whole(tokens, "the KV token count")
+    expected = memory.embedded_kv_capacity(1, memory.TINY_NAME, kv_dtype="fp8").tokens
+    per_token = memory.kv_bytes_per_token(memory.TINY_NAME, "fp8")
+    require(n != memory.embedded_kv_capacity(1, memory.TINY_NAME).tokens, "that is the default server's figure: "
+            "its KV cache is float32, 4 bytes per value; fp8 stores each K and V value in 1 byte.")
+    require(n != 2**30 // (2 * per_token), "that is 2 bytes per value (bf16 or fp16); fp8 takes 1 byte.")
+    require(n != per_token, "that is the bytes one token takes; divide the 1 GiB of KV space by it.")
+    require(n != 10**9 // per_token, "VLLM_CPU_KVCACHE_SPACE counts GiB (2**30 bytes), not GB (10**9).")
+    require(n != 2 * expected, "K and V are both stored: count 2 values per layer, KV head and head dimension.")
+    require(n == expected, "bytes per token = 4 layers x 2 (K and V) x 2 KV heads x 32 (head_dim) x 1 byte; tokens = "
+            "1 GiB / that, in whole blocks of 128 tokens.")
+    right(f"{n:,} tokens, {per_token} bytes each: 4x the float32 server's, as the fp8 server's log says.")
+
+
+def h100s_for_405b_fp8(nbytes, count) -> None:
+    """11: bytes of Llama 3.1 405B's weights with every weight in fp8, and the H100s whose usable memory holds them."""
+    from llmlab import memory
+
+    params = memory.param_count("llama3.1-405b")
+    n = _whole(nbytes, "the weight size in bytes")
+    require(n != 2 * params, "that is bf16 (2 bytes per parameter); fp8 stores each in 1 byte.")
+    require(n != 405 * 10**9, "405 x 10**9 is the rounded name; count the parameters from the config "
+            "(memory.param_count).")
+    expected = memory.weight_bytes("llama3.1-405b", "fp8")
+    require(n == expected, f"expected 1 byte x {params:,} parameters (memory.weight_bytes('llama3.1-405b', 'fp8')).")
+    k = _whole(count, "the number of H100s")
+    found = memory.gpus_needed("llama3.1-405b", "fp8", gpu_name="H100-80")
+    bf16 = memory.gpus_needed("llama3.1-405b", "bfloat16", gpu_name="H100-80").weights_whole
+    require(k != bf16, f"{bf16} H100s is the bf16 count; the fp8 weights are half as large.")
+    require(k >= found.weights_whole, f"{k} H100s do not hold the weights: each gives vLLM 0.9 x 79.18 GiB - 3 GiB; "
+            "divide the weights by that (in bytes) and round up.")
+    require(k == found.weights_whole, f"{k} H100s hold them, but fewer do: divide the weights by 0.9 x 79.18 GiB "
+            "- 3 GiB (in bytes), then round up.")
+    right(f"{n / 1e9:.1f} GB on {k} H100s ({found.weights:.2f} cards' worth), half of bf16's {bf16}: one node of 8 "
+          "holds the weights and leaves room for the KV cache, where bf16 needs two nodes.")

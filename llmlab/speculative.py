@@ -1,0 +1,143 @@
+"""Speculative decoding (notebook 12): guess several tokens cheaply, let the model check them in one step.
+
+Why: at batch 1 a decode step is bound by reading the weights (notebook 09's roofline), not by arithmetic, so
+checking five tokens costs about as much as producing one.  A *drafter* proposes ``k`` tokens; the model runs once
+over all of them and keeps the longest prefix it agrees with, plus one token of its own.  With greedy sampling the
+answer is exactly the model's own; with sampling, vLLM's rejection sampler keeps the model's distribution.  The
+simplest drafter needs no second model: **n-gram (prompt-lookup) drafting** finds the last few tokens earlier in
+the prompt or the answer and proposes what followed them there.
+
+The server's ``--speculative-config`` takes the method and ``k``; :func:`ngram_args` builds it and refuses a bad one
+before vLLM does.  vLLM counts drafts, drafted and accepted tokens on ``/metrics``; :func:`spec_snapshot` reads them,
+:func:`spec_delta` turns two snapshots into the acceptance rate and tokens per step, and
+:func:`expected_tokens_per_step` is the textbook prediction to hold them against.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from llmlab import loadtest
+from llmlab.kvcache import FINISHED, wait_for_request
+from llmlab.serve.metrics import Metrics, fetch_metrics
+
+DRAFTS = "vllm:spec_decode_num_drafts_total"                 # steps in which a draft was proposed
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"     # tokens proposed (k per draft)
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"      # of those, accepted by the model
+ACCEPTED_AT = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # accepted at draft position 0, 1, ...
+GENERATED = "vllm:generation_tokens_total"                   # output tokens, all requests
+
+
+def ngram_args(k: int = 4, lookup_min: int = 2, lookup_max: int = 4) -> list[str]:
+    """``vllm serve`` flags for n-gram drafting: propose ``k`` tokens after the longest match of the last
+    ``lookup_min``..``lookup_max`` tokens found earlier in the sequence."""
+    for name, value in (("k", k), ("lookup_min", lookup_min), ("lookup_max", lookup_max)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: give a whole number of tokens, at least 1.")
+    if lookup_min > lookup_max:
+        raise ValueError(f"lookup_min={lookup_min} > lookup_max={lookup_max}: the shortest n-gram to look up "
+                         "cannot be longer than the longest.")
+    if k > 16:
+        raise ValueError(f"k={k}: a draft that long is almost never accepted whole and every rejected token costs "
+                         "compute; vLLM's examples use 2 to 8.")
+    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min,
+              "prompt_lookup_max": lookup_max}
+    return ["--speculative-config", json.dumps(config)]
+
+
+def spec_snapshot(metrics: Metrics) -> dict:
+    """The speculative-decoding counters of one ``/metrics`` scrape, summed over engines; all zero on a server
+    that does not speculate (it exports none of them)."""
+    positions: dict[int, float] = {}
+    for s in metrics[ACCEPTED_AT]:
+        positions[int(s.labels["position"])] = positions.get(int(s.labels["position"]), 0.0) + s.value
+    return {"drafts": metrics.value(DRAFTS, default=0.0), "draft_tokens": metrics.value(DRAFT_TOKENS, default=0.0),
+            "accepted": metrics.value(ACCEPTED, default=0.0), "generated": metrics.value(GENERATED, default=0.0),
+            "accepted_at": [positions[p] for p in sorted(positions)],
+            "requests_finished": metrics.value(FINISHED, default=0.0)}
+
+
+def scrape(client, before: dict | None = None, requests: int = 1) -> dict:
+    """:func:`spec_snapshot` of the client's server.  Given the snapshot ``before`` some requests, it first waits
+    until the server has counted ``requests`` more finished ones: vLLM records a request just after answering."""
+    url, key = str(client.base_url), client.api_key
+    if before is not None:
+        wait_for_request(url, key, before, requests)
+    return spec_snapshot(fetch_metrics(url, key))
+
+
+def spec_delta(before: dict, after: dict) -> dict:
+    """What the requests between two :func:`spec_snapshot` s did.
+
+    - ``acceptance_rate``: accepted / drafted tokens;
+    - ``mean_accepted``: accepted tokens per draft (0 to k);
+    - ``tokens_per_step``: output tokens per forward pass of the model.  Every step yields one token of the
+      model's own plus whatever it accepted, so the passes are ``generated - accepted``;
+    - ``accepted_at``: per draft position, the share of drafts accepted *up to* that position (falling: a
+      rejection ends the draft).
+    """
+    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted", "generated")}
+    if d["generated"] <= 0:
+        raise ValueError("no output tokens between these snapshots: send the requests between the two scrapes.")
+    earlier = before["accepted_at"] or [0.0] * len(after["accepted_at"])  # a server's first scrape may have none
+    at = [a - b for a, b in zip(after["accepted_at"], earlier, strict=True)]
+    d["acceptance_rate"] = d["accepted"] / d["draft_tokens"] if d["draft_tokens"] else 0.0
+    d["mean_accepted"] = d["accepted"] / d["drafts"] if d["drafts"] else 0.0
+    d["tokens_per_step"] = d["generated"] / (d["generated"] - d["accepted"])
+    d["accepted_at"] = [a / d["drafts"] if d["drafts"] else 0.0 for a in at]
+    return d
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Tokens per model step if each drafted token is accepted independently with probability ``alpha``
+    (Leviathan et al., 2023): ``1 + alpha + ... + alpha**k`` = ``(1 - alpha**(k+1)) / (1 - alpha)``."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha={alpha}: an acceptance rate lies between 0 and 1.")
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"k={k!r}: the draft length is a whole number of tokens, 0 or more.")
+    return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def position_table(delta: dict) -> pd.DataFrame:
+    """Per draft position, the share of drafts accepted up to it, beside what independent acceptance at the
+    overall rate would give (``alpha ** (position + 1)``)."""
+    alpha = delta["acceptance_rate"]
+    return pd.DataFrame({"accepted up to here": delta["accepted_at"],
+                         "if independent": [alpha ** (p + 1) for p in range(len(delta["accepted_at"]))]},
+                        index=pd.Index(range(len(delta["accepted_at"])), name="draft position")).round(3)
+
+
+def measure(client, model: str, prompts: list[str], concurrency: int, max_tokens: int = 64) -> dict:
+    """Send ``prompts`` greedily (``ignore_eos``: every answer ``max_tokens`` long) through
+    :func:`llmlab.loadtest.run` and read the server's counters around them: latency, throughput and, on a
+    server that speculates, acceptance and tokens per step (a plain server reports 1 token per step).
+
+    The server must be this client's alone while it runs: the counters are the server's, not the requests'."""
+    before = scrape(client)
+    result = loadtest.run(client, model, prompts, concurrency=concurrency, max_tokens=max_tokens, temperature=0,
+                          ignore_eos=True, progress=False).summary()
+    if result["errors"]:
+        raise RuntimeError(f"{result['errors']} of {result['requests']} requests failed: see the records of "
+                           "llmlab.loadtest.run for the reasons.")
+    delta = spec_delta(before, scrape(client, before, len(prompts)))
+    return {"latency p50 (ms)": result["latency_p50"] * 1e3, "tokens/s": result["output_tokens_per_s"],
+            "acceptance": delta["acceptance_rate"], "tokens per step": delta["tokens_per_step"]}
+
+
+def compare(servers: dict, workloads: dict[str, list[str]], concurrencies=(1, 32), max_tokens: int = 64,
+            rounds: int = 1) -> pd.DataFrame:
+    """:func:`measure` every workload at every concurrency on every server (``{"name": (client, model)}``),
+    alternating the servers so that a busy moment of the machine does not land on one of them only; with
+    ``rounds`` > 1 each figure is the median of the rounds."""
+    rows = []
+    for _ in range(rounds):
+        for workload, prompts in workloads.items():
+            for c in concurrencies:
+                jobs = (list(prompts) * (2 * c // len(prompts) + 1))[:max(2 * c, len(prompts))]
+                for name, (client, model) in servers.items():
+                    rows.append({"workload": workload, "concurrency": c, "server": name,
+                                 **measure(client, model, jobs, c, max_tokens)})
+    table = pd.DataFrame(rows).groupby(["workload", "concurrency", "server"], sort=False).median()
+    return table.round({"latency p50 (ms)": 0, "tokens/s": 0, "acceptance": 2, "tokens per step": 2})

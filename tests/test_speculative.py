@@ -1,0 +1,93 @@
+"""Speculative decoding (notebook 12, ``llmlab.speculative``): flags refused before vLLM sees them, the textbook
+formula, and a real engine with n-gram drafting -- the same answers as a plain one, counters that add up."""
+
+import json
+
+import pytest
+
+import llmlab
+from llmlab import speculative
+from llmlab.serve.embedded import EmbeddedServer
+
+OPENERS = ["The LORD is my shepherd", "In the beginning", "And the king said unto", "Now there was a man"]
+LOOP = "The LORD is my shepherd; I shall not want."  # the tiny model soon repeats itself after this
+
+
+def test_ngram_flags_and_the_mistakes_refused_before_vllm_sees_them():
+    flag, config = speculative.ngram_args(k=3, lookup_min=1, lookup_max=5)
+    assert flag == "--speculative-config"
+    assert json.loads(config) == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 5}
+    for kwargs, message in (({"k": 0}, "k=0: give a whole number"), ({"k": 2.5}, "k=2.5"),
+                            ({"k": True}, "k=True"),
+                            ({"lookup_min": 5, "lookup_max": 2}, "lookup_min=5 > lookup_max=2"),
+                            ({"k": 40}, "vLLM's examples use 2 to 8")):
+        with pytest.raises(ValueError, match=message):
+            speculative.ngram_args(**kwargs)
+
+
+def test_expected_tokens_per_step_is_the_geometric_sum():
+    assert speculative.expected_tokens_per_step(0.0, 4) == 1.0  # nothing accepted: the model's own token only
+    assert speculative.expected_tokens_per_step(1.0, 4) == 5.0  # all accepted: k + 1
+    assert speculative.expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)
+    assert speculative.expected_tokens_per_step(0.6, 4) == pytest.approx(sum(0.6 ** i for i in range(5)))
+    for alpha, k, message in ((1.2, 4, "between 0 and 1"), (0.5, -1, "whole number"), (0.5, 2.0, "whole number")):
+        with pytest.raises(ValueError, match=message):
+            speculative.expected_tokens_per_step(alpha, k)
+
+
+def test_a_delta_without_output_tokens_is_refused():
+    snap = {"drafts": 3.0, "draft_tokens": 12.0, "accepted": 5.0, "generated": 40.0,
+            "accepted_at": [2.0, 1.0, 1.0, 1.0]}
+    with pytest.raises(ValueError, match="no output tokens between these snapshots"):
+        speculative.spec_delta(snap, snap)
+    later = {"drafts": 5.0, "draft_tokens": 20.0, "accepted": 11.0, "generated": 60.0,
+             "accepted_at": [4.0, 3.0, 2.0, 2.0]}
+    d = speculative.spec_delta(snap, later)
+    assert (d["acceptance_rate"], d["mean_accepted"], d["tokens_per_step"]) == (6 / 8, 3.0, 20 / 14)
+    assert d["accepted_at"] == [1.0, 1.0, 0.5, 0.5]
+    table = speculative.position_table(d)
+    assert list(table["if independent"]) == [round(0.75 ** n, 3) for n in (1, 2, 3, 4)]
+
+
+@pytest.fixture(scope="module")
+def drafting():
+    """A second embedded engine of the tiny model, drafting 4 tokens by n-gram lookup."""
+    with EmbeddedServer(extra_args=speculative.ngram_args(k=4)) as srv:
+        yield llmlab.connect(srv.base_url, srv.api_key, quiet=True)
+
+
+@pytest.mark.server
+def test_drafting_changes_the_number_of_steps_not_the_answer(embedded, drafting):
+    (plain, model), (spec, spec_model) = llmlab.connect(quiet=True), drafting
+    before = speculative.scrape(spec)
+    for prompt in OPENERS:
+        a, b = (c.completions.create(model=m, prompt=prompt, max_tokens=48, temperature=0, logprobs=1).choices[0]
+                for c, m in ((plain, model), (spec, spec_model)))
+        assert a.text == b.text, prompt
+        assert b.logprobs.token_logprobs == pytest.approx(a.logprobs.token_logprobs, abs=1e-4)
+    d = speculative.spec_delta(before, speculative.scrape(spec, before, len(OPENERS)))
+    assert d["drafts"] > 0 and d["tokens_per_step"] > 1  # it did draft, and the drafts saved passes
+
+
+@pytest.mark.server
+def test_the_counters_add_up_and_a_loop_is_drafted_whole(drafting):
+    client, model = drafting
+    before = speculative.scrape(client)
+    r = client.completions.create(model=model, prompt=LOOP, max_tokens=64, temperature=0)
+    d = speculative.spec_delta(before, speculative.scrape(client, before))
+    assert d["generated"] == r.usage.completion_tokens == 64
+    assert d["draft_tokens"] == 4 * d["drafts"] and 0 < d["accepted"] <= d["draft_tokens"]
+    # a draft accepted up to position p was accepted at every position before it: the shares fall, and sum to
+    # the accepted tokens per draft
+    assert d["accepted_at"] == sorted(d["accepted_at"], reverse=True)
+    assert sum(d["accepted_at"]) == pytest.approx(d["mean_accepted"])
+    assert d["acceptance_rate"] > 0.9 and d["tokens_per_step"] > 3  # the loop: every lookup finds it
+
+
+@pytest.mark.server
+def test_a_plain_server_takes_one_pass_per_token(embedded):
+    client, model = llmlab.connect(quiet=True)
+    row = speculative.measure(client, model, OPENERS, concurrency=2, max_tokens=16)
+    assert (row["acceptance"], row["tokens per step"]) == (0.0, 1.0)
+    assert row["tokens/s"] > 0 and row["latency p50 (ms)"] > 0

@@ -39,6 +39,7 @@ TTFT = "vllm:time_to_first_token_seconds"            # histogram, measured insid
 PREFILL_COMPUTED = "vllm:request_prefill_kv_computed_tokens"  # histogram: prompt tokens really computed
 CACHE_CONFIG = "vllm:cache_config_info"              # a gauge = 1 whose labels are the cache config
 FINISHED = "vllm:request_success_total"              # finished requests, by finish reason
+GENERATED = "vllm:generation_tokens_total"           # output tokens of all requests
 
 __all__ = [
     "attend", "decode_uncached", "decode_cached",

@@ -100,11 +100,11 @@ def roofline_tok_s(model, dtype: str | None = None, kv_dtype: str = "auto", batc
 # Output: logprob drift between two servers on the same prompts
 # --------------------------------------------------------------------------------------------------
 
-def ask(client, model: str, prompt: str, max_tokens: int = 24):
+def ask(client, model: str, prompt: str, max_tokens: int = 24, **extra_body):
     """A greedy completion (temperature 0) with the logprob of every prompt and generated token, and the prompt's
-    token ids: what :func:`drift` compares."""
+    token ids: what :func:`drift` compares.  ``extra_body`` adds vLLM's own request fields (``cache_salt=...``)."""
     return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
-                                     extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+                                     extra_body={"prompt_logprobs": 0, "return_token_ids": True, **extra_body})
 
 
 def drift(reference, other) -> dict:

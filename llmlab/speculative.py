@@ -20,14 +20,13 @@ import json
 import pandas as pd
 
 from llmlab import loadtest
-from llmlab.kvcache import FINISHED, wait_for_request
+from llmlab.kvcache import FINISHED, GENERATED, wait_for_request
 from llmlab.serve.metrics import Metrics, fetch_metrics
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"                 # steps in which a draft was proposed
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"     # tokens proposed (k per draft)
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"      # of those, accepted by the model
 ACCEPTED_AT = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # accepted at draft position 0, 1, ...
-GENERATED = "vllm:generation_tokens_total"                   # output tokens, all requests
 
 
 def ngram_args(k: int = 4, lookup_min: int = 2, lookup_max: int = 4) -> list[str]:

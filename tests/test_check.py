@@ -487,3 +487,47 @@ def test_speculative_decoding_checks_name_what_is_wrong(capsys):
     not_yet(check.draft_length, per_step, 4, hint="a longer draft is needed")
     not_yet(check.draft_length, per_step, 8, hint="k = 5 already gives")
     not_yet(check.draft_length, per_step, 9, hint="one of 1 to 8")
+
+
+# --- notebook 13: prefix caching and chunked prefill at scale ----------------------------------------------------
+
+def test_prefix_caching_at_scale_checks_name_what_is_wrong(capsys):
+    """Notebook 13's checks: the room's hit rate from counter deltas, and a GPU room's blocks (shared counted once)."""
+    before = {"prefix_cache_queries": 1000.0, "prefix_cache_hits": 100.0}
+    after = {"prefix_cache_queries": 5100.0, "prefix_cache_hits": 3556.0}  # the room: 4,100 looked up, 3,456 found
+    right(capsys, check.room_hit_rate, 3456 / 4100, 644, before, after)
+    not_yet(check.room_hit_rate, 3556 / 5100, 644, before, after, hint="since the server started")
+    not_yet(check.room_hit_rate, 4100 / 3456, 644, before, after, hint="that is queries / hits")
+    not_yet(check.room_hit_rate, 100 * 3456 / 4100, 644, before, after, hint="not a percentage")
+    not_yet(check.room_hit_rate, 0.5, 644, before, after, hint="hit_rate = hits / queries")
+    not_yet(check.room_hit_rate, 3456 / 4100, 3456, before, after, hint="the server computed the others")
+    not_yet(check.room_hit_rate, 3456 / 4100, 600, before, after, hint="were not computed again")
+    not_yet(check.room_hit_rate, 0.5, 10, before, before, hint="looked up no prompt tokens")
+    # 30 requests of 2,050 + 199 tokens: 141 blocks each; the 29 later ones find 125 whole system-prompt blocks
+    right(capsys, check.room_blocks, 30 * 141 - 29 * 125, 30 * 141)
+    not_yet(check.room_blocks, 605, 4217, hint="round up per request")
+    not_yet(check.room_blocks, 605, 4200, hint="blocks_for(2050 + 200 - 1, 16) = 141")
+    not_yet(check.room_blocks, 4230, 4230, hint="held once, not 30 times")
+    not_yet(check.room_blocks, 30 * 141 - 30 * 125, 4230, hint="the first learner's request computes")
+    not_yet(check.room_blocks, 30 * 141 - 29 * 126, 4230, hint="only *full* blocks are shared")
+    not_yet(check.room_blocks, 600, 4230, hint="less the 125 whole system-prompt blocks")
+    not_yet(check.room_blocks, 605.5, 4230, hint="whole number")
+
+
+# --- notebook 14: determinism -------------------------------------------------------------------------------------
+
+def test_determinism_checks_name_what_is_wrong(capsys):
+    """Notebook 14's checks: the first batch whose row 0 moves (1-based, the smallest), and a seed that repeats."""
+    from llmlab import determinism
+
+    want = determinism.first_varying_batch(16, 512, 512, seed=1)
+    right(capsys, check.first_varying_batch, want)
+    if want is not None:
+        not_yet(check.first_varying_batch, None, hint="row 0 does change on this machine")
+        if want > 1:
+            not_yet(check.first_varying_batch, want - 1, hint="0-based index")
+        not_yet(check.first_varying_batch, want + 1, hint="already differs with fewer rows")
+    right(capsys, check.seeded_answers, "x y", "x y", "z")
+    not_yet(check.seeded_answers, "x y", "x z", "z", hint="with the same seed differ")
+    not_yet(check.seeded_answers, "x y", "x y", "x y", hint="give it another seed")
+    not_yet(check.seeded_answers, "x y", "x y", None, hint="texts")

@@ -15,6 +15,7 @@ its lesson module inside the function, so ``import llmlab`` stays light.
 # The parts, one per topic; every check stays reachable as llmlab.check.<name>.
 from llmlab.check import progress
 from llmlab.check.cluster import load_eta_minutes, pp_boundary, tp8_allreduce_bytes, tp_link_times  # noqa: F401
+from llmlab.check.determinism import first_varying_batch, seeded_answers  # noqa: F401
 from llmlab.check.kvcache import (  # noqa: F401
     cache_matches_arithmetic,
     prefix_hits,
@@ -34,6 +35,7 @@ from llmlab.check.memory import (  # noqa: F401
 )
 from llmlab.check.offline import chat_prompt_ids, offline_batch, offline_sampling  # noqa: F401
 from llmlab.check.online import ended_by_model, first_completion, stopped_at  # noqa: F401
+from llmlab.check.prefixcache import room_blocks, room_hit_rate  # noqa: F401
 from llmlab.check.quantization import fp8_kv_tokens, h100s_for_405b_fp8  # noqa: F401
 from llmlab.check.rehearse import rehearsal_kv_tokens, rehearsal_roofline, rehearsal_tp_per_gpu  # noqa: F401
 from llmlab.check.sampling import same_text, survivors  # noqa: F401

@@ -1,0 +1,67 @@
+"""Checks of notebook 13, prefix caching at the scale of a room (``llmlab.prefixcache``): the room's hit rate from
+the server's counters, and the KV blocks a GPU room holds with a shared system prompt and without."""
+
+from __future__ import annotations
+
+import math
+
+from llmlab.check.verdict import _number, _whole, require, right
+
+# Exercise 2's room: Llama 3.1 8B on one H100 (blocks of 16 tokens), 30 learners, a system prompt of 2,010 tokens
+# (its start token included), then a question of 40 tokens each, answers of 200 tokens.
+LEARNERS, SYSTEM, QUESTION, ANSWER, BLOCK = 30, 2_010, 40, 200, 16
+
+
+def room_hit_rate(hit_rate, computed, before: dict, after: dict) -> None:
+    """13: the share of looked-up prompt tokens found in the prefix cache, and the prompt tokens computed, from
+    two ``kvcache.kv_snapshot`` s around a room."""
+    hit_rate, computed = _number(hit_rate, "hit_rate"), _number(computed, "computed")
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    require(queries > 0, "the server looked up no prompt tokens between your two snapshots: take `before`, run "
+            "the room, then take `after`.")
+    require(not (math.isclose(hit_rate, after["prefix_cache_hits"] / after["prefix_cache_queries"], rel_tol=1e-9)
+                 and not math.isclose(hit_rate, hits / queries, rel_tol=1e-9)),
+            "that is the rate since the server started: the counters only grow, so subtract `before` from `after` "
+            "to get what the room did.")
+    require(not (hits and math.isclose(hit_rate, queries / hits, rel_tol=1e-6)),
+            "that is queries / hits: the rate divides the tokens found by the tokens looked up, so it lies "
+            "between 0 and 1.")
+    require(not math.isclose(hit_rate, 100 * hits / queries, rel_tol=1e-6) or hits == 0,
+            "give the rate as a share between 0 and 1, not a percentage.")
+    require(math.isclose(hit_rate, hits / queries, rel_tol=1e-6),
+            f"the room looked up {queries:.0f} prompt tokens and found {hits:.0f}: hit_rate = hits / queries.")
+    require(not math.isclose(computed, hits) or math.isclose(hits, queries - hits),
+            "those are the tokens found in the cache; the server computed the others.")
+    require(math.isclose(computed, queries - hits),
+            f"of the {queries:.0f} prompt tokens looked up, the {hits:.0f} found were not computed again.")
+    right(f"{hit_rate:.1%} of the room's prompt tokens came from the cache; the server computed {computed:.0f}.")
+
+
+def room_blocks(shared, salted) -> None:
+    """13: KV blocks (of 16 tokens) the 30 requests hold at their longest, with one salt for the room and with a
+    salt per learner."""
+    from llmlab.kvcache import blocks_for, prefix_cache_hit_tokens
+
+    shared, salted = _whole(shared, "shared"), _whole(salted, "salted")
+    prompt = SYSTEM + QUESTION
+    own = blocks_for(prompt + ANSWER - 1, BLOCK)                       # one request's blocks at its longest
+    found = prefix_cache_hit_tokens(prompt, SYSTEM, BLOCK) // BLOCK    # whole blocks of the system prompt
+    want_salted, want_shared = LEARNERS * own, LEARNERS * own - (LEARNERS - 1) * found
+    require(salted != math.ceil(LEARNERS * (prompt + ANSWER - 1) / BLOCK),
+            "salted: each request holds whole blocks of its own, so round up per request, then multiply by 30.")
+    require(salted == want_salted, f"salted: each request holds blocks_for({prompt} + {ANSWER} - 1, 16) = {own} "
+            "blocks at its longest (the last answer token is sampled, never fed back), and with a salt each "
+            "nobody shares: 30 times that.")
+    require(shared != want_salted, "shared: with one salt the system prompt's blocks are held once, not 30 times.")
+    require(shared != LEARNERS * own - LEARNERS * found,
+            "shared: the first learner's request computes the system prompt and holds its blocks; only the other "
+            "29 find them instead of allocating their own.")
+    require(shared != LEARNERS * own - (LEARNERS - 1) * math.ceil(SYSTEM / BLOCK),
+            f"shared: only *full* blocks are shared. {SYSTEM} tokens fill {SYSTEM // BLOCK} blocks; the last "
+            f"{SYSTEM % BLOCK} share a block with each learner's question, which differs per learner.")
+    require(shared == want_shared, f"shared: 30 x {own} blocks, less the {found} whole system-prompt blocks that "
+            "each of the 29 later requests finds in the cache.")
+    gib = 131_072 * BLOCK / 2**30  # Llama 3.1 8B's KV bytes per token (notebook 01), per block
+    right(f"{shared} blocks ({shared * gib:.2f} GiB) with one salt for the room, {salted} ({salted * gib:.2f} GiB) "
+          f"with a salt per learner: {salted / shared:.1f}x the KV memory.")

@@ -1,0 +1,333 @@
+"""Prefix caching and chunked prefill at the scale of a room (notebook 13): 30 learners, one server.
+
+Why: notebook 02 showed one request reusing another's blocks.  A workshop is 30 learners sending the same system
+prompt at the same moment, and two questions follow: how much of the room's prefill and KV memory does the
+shared prompt save (the first learner computes it, the other 29 find its whole blocks), and what does a long
+prompt arriving in the middle of everyone's answers do to the tokens they are waiting for.
+
+vLLM names a block by a hash of its tokens chained to the block before it; a request's ``cache_salt`` enters the
+first block's hash, so requests with different salts never share a block.  The same switch serves two ends:
+:func:`room_salts` gives one salt for the room (sharing within it, and a cold cache on every run of the
+notebook) or one per learner (no sharing at all, which is also what closes the timing side channel of a shared
+server).  :func:`run_room` sends every learner's request at once through :mod:`llmlab.loadtest` and reads the
+server's counters and KV gauge around it (:mod:`llmlab.kvcache`); :func:`expected_hits` and
+:func:`expected_blocks` are the arithmetic to hold them against.  :func:`itl_while_prompts_arrive` measures the
+gaps between the tokens of running requests while long prompts are prefilled, the figure chunked prefill is for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pandas as pd
+
+from llmlab import kvcache, loadtest
+from llmlab.kvcache import GENERATED, blocks_for, blocks_in_use, kv_snapshot, prefix_cache_hit_tokens, wait_for_request
+from llmlab.serve.metrics import fetch_metrics
+
+RUNNING = "vllm:num_requests_running"  # gauge: requests in the running batch now
+
+# The workshop's system prompt: 384 tokens of the tiny model's tokenizer, so with its start token three whole CPU
+# blocks of 128 (twelve of the cluster-mode model's 32).  Another model's tokenizer splits it differently: the
+# notebook counts the server's own tokens.
+SYSTEM = (
+    'You are the teaching assistant of a workshop on serving language models. Thirty learners sit in the room, '
+    'and each of them sends you questions from a notebook. Answer in plain words, in two or three sentences, and '
+    'never more than the question needs. When a learner asks about memory, explain it with the numbers of the '
+    'model that the room is using: its layers, its heads, the bytes of every value, and the number of tokens that '
+    'a request holds. When a learner asks about time, say which part of the work takes it: reading the prompt, '
+    'which is done once and for all of its tokens together, or writing the answer, which is done one token at a '
+    'time. When a learner asks why the server is slow, ask first how many requests were running, how long the '
+    'prompts were, and whether the cache was already full. Do not guess a number that the server itself can tell: '
+    'its metrics are there to be read. If a learner shows you an error, read it with them, say what it means in '
+    'one sentence, and then say what to try next. Keep the same terms through the whole day: a block is a block, '
+    'a request is a request, and the cache is the store of keys and values that the server keeps for every token '
+    'it has read. The learners will often send the same question in different words; answer each of them as if it '
+    "were the first time, since none of them sees what the others asked. Now the learner's question follows."
+)
+
+QUESTIONS = ["What does the server keep for every token?", "Why is the memory divided into blocks?",
+             "When does a request wait in the queue?", "What is the time to first token?",
+             "Why do two requests share a block?", "What happens when the pool is full?"]
+
+
+def _count(value, what: str, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{what}={value!r}: give a whole number, at least {least}.")
+    return value
+
+
+def room_prompts(system: str, learners: int = 30, questions: list[str] = QUESTIONS) -> list[str]:
+    """One prompt per learner: the shared ``system`` prompt, then that learner's own question (numbered, so that
+    no two prompts are the same even where the questions repeat)."""
+    _count(learners, "learners")
+    if not system or not questions:
+        raise ValueError("give a non-empty system prompt and at least one question.")
+    return [f"{system}\nLearner {i + 1}: {questions[i % len(questions)]}\nAnswer:" for i in range(learners)]
+
+
+def room_salts(learners: int, shared: bool) -> list[str]:
+    """``cache_salt`` per learner: one fresh salt for all (``shared``: the room shares its blocks, with nobody
+    outside it, not even an earlier run) or a fresh one each (no learner can reuse, or time, another's blocks).
+    43 random characters, the length vLLM's documentation asks for (256 bits)."""
+    _count(learners, "learners")
+    if shared:
+        return [secrets.token_urlsafe(32)] * learners
+    return [secrets.token_urlsafe(32) for _ in range(learners)]
+
+
+def server_lengths(client, model: str, prompts: list[str]) -> tuple[list[int], int]:
+    """``(tokens of each prompt, tokens all prompts share at the start)`` as the server's tokenizer counts them
+    (:func:`llmlab.kvcache.server_token_ids`: one echoed request each, which caches their blocks unsalted --
+    ask after an experiment, or salt the experiment)."""
+    ids = [kvcache.server_token_ids(client, model, p) for p in prompts]
+    return [len(i) for i in ids], len(os.path.commonprefix(ids))
+
+
+def expected_hits(prompt_tokens: list[int], shared_tokens: int, block_size: int, salts: list[str]) -> int:
+    """Prefix-cache hit tokens of a room whose prompts begin with ``shared_tokens`` common tokens: the first
+    request of each salt computes the shared prefix, every later one with that salt reuses its whole blocks
+    (:func:`llmlab.kvcache.prefix_cache_hit_tokens`: full blocks only, the last prompt token always computed).
+
+    It holds for requests that arrive together too: vLLM names a request's full blocks when it schedules them,
+    so the next request scheduled, even in the same step, finds them."""
+    if len(prompt_tokens) != len(salts):
+        raise ValueError(f"{len(prompt_tokens)} prompt lengths but {len(salts)} salts: one of each per learner.")
+    seen, hits = set(), 0
+    for n, salt in zip(prompt_tokens, salts, strict=True):
+        if salt in seen:
+            hits += prefix_cache_hit_tokens(n, min(shared_tokens, n), block_size)
+        seen.add(salt)
+    return hits
+
+
+def expected_blocks(prompt_tokens: list[int], shared_tokens: int, block_size: int, salts: list[str],
+                    max_tokens: int) -> int:
+    """KV blocks the room holds once every request has written all its tokens (the prompt and ``max_tokens - 1``
+    answer tokens: the last one sampled is never fed back): each request's own blocks, less the shared blocks
+    that later requests found instead of allocating (a shared block is held once, whoever uses it)."""
+    _count(max_tokens, "max_tokens")
+    hits = expected_hits(prompt_tokens, shared_tokens, block_size, salts)
+    return sum(blocks_for(n + max_tokens - 1, block_size) for n in prompt_tokens) - hits // block_size
+
+
+def _scrape(client) -> dict:
+    return kv_snapshot(fetch_metrics(str(client.base_url), client.api_key))
+
+
+class _Watch:
+    """Scrape ``/metrics`` in a thread until stopped, keeping the most KV blocks and running requests seen:
+    the gauges count only requests running at the moment of the scrape."""
+
+    def __init__(self, client, every: float = 0.02):
+        self.client, self.every = client, every
+        self.peak_blocks = self.peak_running = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="llmlab-kv-watch", daemon=True)
+
+    def _run(self) -> None:
+        url, key = str(self.client.base_url), self.client.api_key
+        while not self.stop.is_set():
+            metrics = fetch_metrics(url, key)
+            snap = kv_snapshot(metrics)
+            if "num_gpu_blocks" in snap:
+                self.peak_blocks = max(self.peak_blocks, blocks_in_use(snap))
+            self.peak_running = max(self.peak_running, int(metrics.value(RUNNING, default=0.0)))
+            self.stop.wait(self.every)
+
+    def __enter__(self) -> _Watch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def _in_a_loop(coroutine):
+    """Run ``coroutine`` to its end on a fresh event loop in a worker thread: this works in a script and in a
+    notebook cell alike (a notebook's kernel already runs a loop of its own in the main thread)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+async def _send_room(client, model, prompts, salts, max_tokens, progress, sampling):
+    """One :func:`llmlab.loadtest.run_async` per salt, all at once: a salt travels in the request body, and one
+    run sends one body for all its prompts."""
+    from tqdm.auto import tqdm
+
+    groups: dict[str, list] = {}
+    for i, (prompt, salt) in enumerate(zip(prompts, salts, strict=True)):
+        groups.setdefault(salt, []).append(loadtest.Job(id=i, prompt=prompt))
+    bar = tqdm(total=len(prompts), desc=f"{len(prompts)} learners", unit="req", disable=not progress, leave=False)
+    try:
+        runs = await asyncio.gather(*(
+            loadtest.run_async(client, model, jobs, concurrency=len(jobs), max_tokens=max_tokens, progress=False,
+                               on_record=lambda _r: bar.update(1), extra_body={"cache_salt": salt}, **sampling)
+            for salt, jobs in groups.items()))
+    finally:
+        bar.close()
+    records = sorted((r for run in runs for r in run.records), key=lambda r: r.id)
+    for r in records:  # one room, one session: the summary's wall time is the room's, not the sum of its runs'
+        r.session = "room"
+    return loadtest.LoadResult(records, concurrency=len(prompts))
+
+
+def run_room(client, model: str, prompts: list[str], salts: list[str], max_tokens: int = 32,
+             progress: bool = True, **sampling) -> dict:
+    """Send every learner's prompt at once (each with its ``cache_salt``), greedily and ``ignore_eos`` (every
+    answer ``max_tokens`` long), and read the server around it.
+
+    Returns ``{"result": LoadResult, "summary": its summary, "delta": the kvcache snapshot delta (prefix-cache
+    queries and hits, prompt tokens...), "peak_blocks": most KV blocks held at one scrape, "peak_running": most
+    requests running at one scrape}``.  The server must be this client's alone while it runs: the counters are
+    the server's, not the room's."""
+    if len(prompts) != len(salts) or not prompts:
+        raise ValueError(f"{len(prompts)} prompts and {len(salts)} salts: give one salt per prompt "
+                         "(room_salts(len(prompts), shared=...)).")
+    _count(max_tokens, "max_tokens")
+    sampling = {"temperature": 0, "ignore_eos": True, **sampling}
+    before = _scrape(client)
+    with _Watch(client) as watch:
+        result = _in_a_loop(_send_room(client, model, prompts, salts, max_tokens, progress, sampling))
+    if result.failed:
+        raise RuntimeError(f"{len(result.failed)} of {len(prompts)} requests failed, the first: "
+                           f"{result.failed[0].error}")
+    after = wait_for_request(str(client.base_url), client.api_key, before, len(prompts), timeout=30)
+    delta = {k: after[k] - before[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens",
+                                               "prefill_computed_sum")}
+    return {"result": result, "summary": result.summary(), "delta": delta, "peak_blocks": watch.peak_blocks,
+            "peak_running": watch.peak_running}
+
+
+def room_table(rooms: dict[str, dict]) -> pd.DataFrame:
+    """One row per :func:`run_room` result: hit rate, prompt tokens computed, TTFT p50/p99 and peak KV blocks."""
+    rows = {}
+    for name, room in rooms.items():
+        d, s = room["delta"], room["summary"]
+        rows[name] = {"hit rate": d["prefix_cache_hits"] / d["prefix_cache_queries"],
+                      "prompt tokens computed": int(d["prefill_computed_sum"]),
+                      "TTFT p50 (ms)": s["ttft_p50"] * 1e3, "TTFT p99 (ms)": s["ttft_p99"] * 1e3,
+                      "peak KV blocks": room["peak_blocks"]}
+    return pd.DataFrame(rows).T.round({"hit rate": 3, "TTFT p50 (ms)": 0, "TTFT p99 (ms)": 0})
+
+
+# --- chunked prefill: the running requests' tokens while a long prompt arrives --------------------------------
+
+def _generated(client) -> float:
+    return fetch_metrics(str(client.base_url), client.api_key).value(GENERATED, default=0.0)
+
+
+async def _wait_decoding(client, before: float, tokens: float, running: asyncio.Future, timeout: float = 60.0):
+    """Wait until the server has generated ``tokens`` more output tokens than ``before``: the decoders are under
+    way.  A counter, not the running-requests gauge: a counter cannot be missed between two scrapes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while await asyncio.to_thread(_generated, client) - before < tokens:
+        if running.done():
+            raise RuntimeError("the decoding requests ended before the long prompts were sent: "
+                               f"{running.result().summary()['errors']} of them failed; ask for more decode_tokens.")
+        if loop.time() > deadline:
+            raise TimeoutError(f"the server did not generate {tokens:.0f} tokens within {timeout:.0f} s: is it "
+                               "busy with another client's requests?")
+        await asyncio.sleep(0.01)
+
+
+async def _decode_and_arrive(client, model, decoders, decode_tokens, long_prompts, salt):
+    short = [loadtest.Job(id=f"decoder-{i}", prompt=f"Learner {i + 1} asks: tell me a story.")
+             for i in range(decoders)]
+    before = await asyncio.to_thread(_generated, client)
+    running = asyncio.ensure_future(loadtest.run_async(
+        client, model, short, concurrency=decoders, max_tokens=decode_tokens, progress=False, temperature=0,
+        ignore_eos=True))
+    await _wait_decoding(client, before, 4 * decoders, running)
+    arrivals = await loadtest.run_async(client, model, long_prompts, concurrency=1, max_tokens=1, progress=False,
+                                        temperature=0, extra_body={"cache_salt": salt})
+    return await running, arrivals
+
+
+def token_times(record) -> list[float]:
+    """Unix times at which a streamed request's tokens arrived: its start, TTFT, then its inter-token gaps."""
+    if record.ttft is None:
+        return []
+    times = [record.start + record.ttft]
+    for gap in record.itl:
+        times.append(times[-1] + gap)
+    return times
+
+
+def gaps_during(decoders, arrivals) -> tuple[list[float], list[float]]:
+    """Split the running requests' inter-token gaps: those that overlap an arriving prompt's prefill (its
+    sending to its first token) and all the others."""
+    windows = [(a.start, a.start + a.ttft) for a in arrivals.ok]
+    during, other = [], []
+    for r in decoders.ok:
+        times = token_times(r)
+        for t0, t1 in itertools.pairwise(times):
+            (during if any(t0 < end and t1 > start for start, end in windows) else other).append(t1 - t0)
+    return during, other
+
+
+def itl_while_prompts_arrive(client, model: str, long_prompts: list, decoders: int = 8,
+                             decode_tokens: int = 384) -> dict:
+    """``decoders`` requests decode ``decode_tokens`` tokens each; once they are under way (the server has
+    generated 4 tokens per decoder), the ``long_prompts`` arrive one after another (each asking for one token,
+    under a fresh salt: no cache hits).
+
+    Returns ``{"decoders": LoadResult, "arrivals": LoadResult, "during": gaps overlapping a prefill,
+    "other": the other gaps, "overlapped": arrivals whose prefill fell inside the decoding}``."""
+    _count(decoders, "decoders")
+    _count(decode_tokens, "decode_tokens", least=2)
+    if not long_prompts:
+        raise ValueError("give at least one long prompt to arrive while the others decode.")
+    running, arrivals = _in_a_loop(_decode_and_arrive(client, model, decoders, decode_tokens, long_prompts,
+                                                      secrets.token_urlsafe(32)))
+    failed = running.failed + arrivals.failed
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, the first: {failed[0].error}")
+    last_token = min(token_times(r)[-1] for r in running.ok)
+    overlapped = sum(a.start + a.ttft <= last_token for a in arrivals.ok)
+    during, other = gaps_during(running, arrivals)
+    return {"decoders": running, "arrivals": arrivals, "during": during, "other": other, "overlapped": overlapped}
+
+
+def compare_itl(servers: dict, long_prompts: list, rounds: int = 2, decoders: int = 8,
+                decode_tokens: int = 384) -> dict[str, dict]:
+    """:func:`itl_while_prompts_arrive` on every server (``{"name": (client, model)}``), ``rounds`` times,
+    alternating the servers so that a busy moment of the machine does not land on one of them only; each
+    server's rounds pooled into one result."""
+    _count(rounds, "rounds")
+    pooled: dict[str, dict] = {}
+    for _ in range(rounds):
+        for name, (client, model) in servers.items():
+            run = itl_while_prompts_arrive(client, model, long_prompts, decoders, decode_tokens)
+            if name not in pooled:
+                pooled[name] = run
+                continue
+            into = pooled[name]
+            into["during"], into["other"] = into["during"] + run["during"], into["other"] + run["other"]
+            into["overlapped"] += run["overlapped"]
+            for key in ("decoders", "arrivals"):
+                into[key] = loadtest.LoadResult(into[key].records + run[key].records)
+    return pooled
+
+
+def itl_table(runs: dict[str, dict]) -> pd.DataFrame:
+    """One row per :func:`itl_while_prompts_arrive` result: the running requests' gaps (ms) while a long prompt
+    was prefilled and otherwise, and the long prompts' own TTFT."""
+    import numpy as np
+
+    rows = {}
+    for name, run in runs.items():
+        ttft = [a.ttft for a in run["arrivals"].ok]
+        rows[name] = {"gap p50, otherwise": np.median(run["other"]) * 1e3,
+                      "gap p50, during a prefill": np.median(run["during"]) * 1e3 if run["during"] else np.nan,
+                      "gap max": max(run["during"] + run["other"]) * 1e3,
+                      "gap p99": np.percentile(run["during"] + run["other"], 99) * 1e3,
+                      "long prompt TTFT p50": np.median(ttft) * 1e3}
+    return pd.DataFrame(rows).T.round(1)

@@ -1,0 +1,105 @@
+"""Prefix caching and chunked prefill for a room (notebook 13, ``llmlab.prefixcache``): the arithmetic of a room's
+hits and blocks, and a real engine whose counters match it -- one salt for the room shares, a salt per learner
+never does -- and a second engine whose token budget cuts a long prompt into chunks."""
+
+import openai
+import pytest
+
+import llmlab
+from llmlab import kvcache, loadtest, prefixcache
+from llmlab.loadtest import Record
+from llmlab.serve.embedded import EmbeddedServer
+
+
+def test_room_prompts_and_salts():
+    prompts = prefixcache.room_prompts("Be brief.", learners=8, questions=["Why?", "How?"])
+    assert len(set(prompts)) == 8 and all(p.startswith("Be brief.\nLearner ") for p in prompts)
+    shared, own = prefixcache.room_salts(5, shared=True), prefixcache.room_salts(5, shared=False)
+    assert len(set(shared)) == 1 and len(set(own)) == 5 and len(shared[0]) == 43
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="give a whole number"):
+            prefixcache.room_salts(bad, shared=True)
+    with pytest.raises(ValueError, match="non-empty system prompt"):
+        prefixcache.room_prompts("", 3)
+
+
+def test_expected_hits_and_blocks_count_the_shared_blocks_once():
+    lengths, salt = [410, 412, 411], ["room"] * 3
+    # the first computes; the others reuse the 3 whole blocks of the 390 shared tokens
+    assert prefixcache.expected_hits(lengths, 390, 128, salt) == 2 * 384
+    assert prefixcache.expected_hits(lengths, 390, 128, ["a", "b", "c"]) == 0
+    assert prefixcache.expected_hits(lengths, 390, 128, ["a", "b", "a"]) == 384
+    # at their longest (prompt + 31 answer tokens) each holds 4 blocks; the room 12 alone, 4 + 1 + 1 together
+    assert prefixcache.expected_blocks(lengths, 390, 128, salt, max_tokens=32) == 6
+    assert prefixcache.expected_blocks(lengths, 390, 128, ["a", "b", "c"], max_tokens=32) == 12
+    with pytest.raises(ValueError, match="one of each per learner"):
+        prefixcache.expected_hits(lengths, 390, 128, salt[:2])
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        prefixcache.expected_blocks(lengths, 390, 128, salt, max_tokens=0)
+
+
+def test_gaps_are_split_by_the_prefill_windows():
+    # a decoder's tokens at 10.1, 10.2, 10.5, 10.6; a long prompt prefilled from 10.25 to 10.45
+    decoder = Record(id=0, status="ok", start=10.0, ttft=0.1, itl=[0.1, 0.3, 0.1])
+    arrival = Record(id=1, status="ok", start=10.25, ttft=0.2)
+    during, other = prefixcache.gaps_during(loadtest.LoadResult([decoder]), loadtest.LoadResult([arrival]))
+    assert during == pytest.approx([0.3]) and other == pytest.approx([0.1, 0.1])
+    assert prefixcache.token_times(decoder) == pytest.approx([10.1, 10.2, 10.5, 10.6])
+
+
+@pytest.mark.server
+def test_one_salt_shares_the_system_prompt_a_salt_each_never(embedded):
+    client, model = llmlab.connect(quiet=True)
+    block = kvcache.kv_snapshot(kvcache.fetch_metrics(client.base_url, client.api_key))["block_size"]
+    prompts = prefixcache.room_prompts(prefixcache.SYSTEM, learners=12)
+    rooms = {shared: (salts := prefixcache.room_salts(12, shared),
+                      prefixcache.run_room(client, model, prompts, salts, max_tokens=16, progress=False))
+             for shared in (True, False)}
+    lengths, shared_tokens = prefixcache.server_lengths(client, model, prompts)
+    for salts, room in rooms.values():
+        d = room["delta"]
+        assert d["prefix_cache_hits"] == prefixcache.expected_hits(lengths, shared_tokens, block, salts)
+        assert d["prefix_cache_queries"] == d["prompt_tokens"] == sum(lengths)
+        assert d["prefill_computed_sum"] == sum(lengths) - d["prefix_cache_hits"]
+        assert 0 < room["peak_blocks"] <= prefixcache.expected_blocks(lengths, shared_tokens, block, salts, 16)
+        assert [r.output_tokens for r in room["result"].records] == [16] * 12
+    assert rooms[True][1]["delta"]["prefix_cache_hits"] == 11 * (shared_tokens // block * block) > 0
+    assert rooms[False][1]["delta"]["prefix_cache_hits"] == 0
+
+
+@pytest.mark.server
+def test_a_salt_is_a_wall_between_learners(embedded):
+    client, model = llmlab.connect(quiet=True)
+    prompt, mine, theirs = prefixcache.room_prompts(prefixcache.SYSTEM, 1)[0], *prefixcache.room_salts(2, False)
+    hits = []
+    for salt in (mine, mine, theirs):
+        before = kvcache.kv_snapshot(kvcache.fetch_metrics(client.base_url, client.api_key))
+        client.completions.create(model=model, prompt=prompt, max_tokens=1,
+                                  extra_body={"cache_salt": salt})
+        hits.append(kvcache.wait_for_request(client.base_url, client.api_key, before)["prefix_cache_hits"]
+                    - before["prefix_cache_hits"])
+    assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0  # the same prompt: found under its salt only
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):  # vLLM refuses a salt with a '/'
+        client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "a/b"})
+
+
+@pytest.fixture(scope="module")
+def chunked():
+    """A second embedded engine of the tiny model whose steps hold at most 64 tokens (vLLM requires
+    max_num_seqs <= the budget, so 32 sequences)."""
+    with EmbeddedServer(extra_args=["--max-num-batched-tokens", "64", "--max-num-seqs", "32"]) as srv:
+        yield llmlab.connect(srv.base_url, srv.api_key, quiet=True)
+
+
+@pytest.mark.server
+def test_a_small_budget_cuts_long_prompts_into_chunks(embedded, chunked):
+    plain = llmlab.connect(quiet=True)
+    long_prompts = loadtest.synthetic_workload(3, input_len=400, output_len=1, seed=7)
+    runs = {name: prefixcache.itl_while_prompts_arrive(c, m, long_prompts, decoders=4, decode_tokens=200)
+            for name, (c, m) in (("default", plain), ("chunked", chunked))}
+    for run in runs.values():
+        assert [r.output_tokens for r in run["decoders"].records] == [200] * 4
+        assert [r.prompt_tokens for r in run["arrivals"].records] == [401] * 3  # the start token added
+        assert len(run["during"]) + len(run["other"]) == 4 * 199
+    table = prefixcache.itl_table(runs)
+    assert list(table.index) == ["default", "chunked"]  # which gaps overlap a prefill is timing

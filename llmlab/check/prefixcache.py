@@ -41,6 +41,7 @@ def room_hit_rate(hit_rate, computed, before: dict, after: dict) -> None:
 def room_blocks(shared, salted) -> None:
     """13: KV blocks (of 16 tokens) the 30 requests hold at their longest, with one salt for the room and with a
     salt per learner."""
+    from llmlab import memory
     from llmlab.kvcache import blocks_for, prefix_cache_hit_tokens
 
     shared, salted = _whole(shared, "shared"), _whole(salted, "salted")
@@ -62,6 +63,6 @@ def room_blocks(shared, salted) -> None:
             f"{SYSTEM % BLOCK} share a block with each learner's question, which differs per learner.")
     require(shared == want_shared, f"shared: 30 x {own} blocks, less the {found} whole system-prompt blocks that "
             "each of the 29 later requests finds in the cache.")
-    gib = 131_072 * BLOCK / 2**30  # Llama 3.1 8B's KV bytes per token (notebook 01), per block
+    gib = memory.kv_bytes_per_token("llama3.1-8b") * BLOCK / 2**30  # one block of Llama 3.1 8B's KV (notebook 01)
     right(f"{shared} blocks ({shared * gib:.2f} GiB) with one salt for the room, {salted} ({salted * gib:.2f} GiB) "
           f"with a salt per learner: {salted / shared:.1f}x the KV memory.")

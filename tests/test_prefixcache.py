@@ -100,6 +100,7 @@ def test_a_small_budget_cuts_long_prompts_into_chunks(embedded, chunked):
     for run in runs.values():
         assert [r.output_tokens for r in run["decoders"].records] == [200] * 4
         assert [r.prompt_tokens for r in run["arrivals"].records] == [401] * 3  # the start token added
-        assert len(run["during"]) + len(run["other"]) == 4 * 199
+        # every streamed gap is classified once; a chunk can carry several tokens, so there are at most 199 each
+        assert len(run["during"]) + len(run["other"]) == sum(len(r.itl) for r in run["decoders"].records) <= 4 * 199
     table = prefixcache.itl_table(runs)
     assert list(table.index) == ["default", "chunked"]  # which gaps overlap a prefill is timing

@@ -153,7 +153,7 @@ def fp8_kv_server(log_path: Path | str | None = None, **kwargs) -> EmbeddedServe
     """A second embedded server (the tiny model, its own key and proxy) with ``--kv-cache-dtype fp8``; use it as
     a context manager so that it stops when the cells that need it are done."""
     extra = [*FP8_KV, *kwargs.pop("extra_args", ())]
-    return EmbeddedServer(extra_args=extra, log_path=None if log_path is None else Path(log_path), **kwargs)
+    return EmbeddedServer(extra_args=extra, log_path=log_path, **kwargs)
 
 
 def logged_kv_tokens(log_path: Path | str) -> int:
@@ -182,7 +182,7 @@ def startup_errors(extra_args, log_path: Path | str | None = None, **kwargs) -> 
     if it starts, stop it and return [] (it supports what was asked)."""
     from llmlab.serve.info import ServerError
 
-    srv = EmbeddedServer(extra_args=list(extra_args), log_path=None if log_path is None else Path(log_path), **kwargs)
+    srv = EmbeddedServer(extra_args=list(extra_args), log_path=log_path, **kwargs)
     try:
         with srv:
             return []

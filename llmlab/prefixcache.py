@@ -124,7 +124,7 @@ class _Watch:
     """Scrape ``/metrics`` in a thread until stopped, keeping the most KV blocks and running requests seen:
     the gauges count only requests running at the moment of the scrape."""
 
-    def __init__(self, client, every: float = 0.02):
+    def __init__(self, client, every: float = 0.01):
         self.client, self.every = client, every
         self.peak_blocks = self.peak_running = 0
         self.stop = threading.Event()

@@ -531,3 +531,30 @@ def test_determinism_checks_name_what_is_wrong(capsys):
     not_yet(check.seeded_answers, "x y", "x z", "z", hint="with the same seed differ")
     not_yet(check.seeded_answers, "x y", "x y", "x y", hint="give it another seed")
     not_yet(check.seeded_answers, "x y", "x y", None, hint="texts")
+
+
+# --- notebook 15: replicas behind a router ------------------------------------------------------------------------
+
+def test_replica_checks_name_what_is_wrong(capsys):
+    """Notebook 15's checks: one replica's and the TP=2 engine's KV pools and the 8k requests each layout holds, and
+    the cold prefills of a room dealt in turn and routed by prefix."""
+    from llmlab import memory, replicas
+
+    pools = {tp: memory.layout_fit(memory.model_spec("llama3.1-8b"), tp, 1, memory.gpu("H100"), dtype="bfloat16",
+                                   context=8192).kv_blocks * 16 for tp in (1, 2)}
+    one, two = pools[1], pools[2]
+    right(capsys, check.replica_kv, one, two, 2 * (one // 8192), two // 8192)
+    not_yet(check.replica_kv, 2 * one, two, 2 * (one // 8192), two // 8192, hint="do not pool their caches")
+    not_yet(check.replica_kv, one, two // 2, 2 * (one // 8192), two // 8192, hint="kv_blocks already counts")
+    not_yet(check.replica_kv, one, two, one // 8192, two // 8192, hint="counts both replicas")
+    not_yet(check.replica_kv, one, two, 2 * (one // 8192), two // 8192 + 1, hint=f"hold {two // 8192} requests")
+
+    courses = ["A", "B", "C", "D"]
+    prompts = replicas.course_prompts(courses, 6)
+    homes = replicas.homes(prompts, ["workshop-salt"] * len(prompts), 2)
+    split = [homes.count(0), homes.count(1)]
+    right(capsys, check.cold_prefills, 4, 4, split)
+    not_yet(check.cold_prefills, 8, 4, split, hint="not every course lands on both replicas")
+    not_yet(check.cold_prefills, 4, 8, split, hint="computed once there")
+    not_yet(check.cold_prefills, 4, 4, split[::-1] if split[0] != split[1] else [0, 24], hint="replica 0 first")
+    not_yet(check.cold_prefills, 4, 4, 24, hint="a list of two counts")

@@ -45,7 +45,8 @@ class EmbeddedServer:
 
     def __init__(self, model: Path = TINY_MODEL, name: str = TINY_NAME, *, port: int | None = None,
                  host: str = "127.0.0.1", kv_cache_gib: float = 1.0, max_model_len: int | None = None,
-                 extra_args: list[str] = (), log_path: Path | None = None, publish: bool = False):
+                 extra_args: list[str] = (), log_path: Path | None = None, publish: bool = False,
+                 env: Mapping[str, str] | None = None):
         if kv_cache_gib != int(kv_cache_gib) or kv_cache_gib < 1:
             raise ValueError(f"kv_cache_gib={kv_cache_gib}: vLLM's CPU engine takes its KV space "
                              "(VLLM_CPU_KVCACHE_SPACE) in whole GiB; use 1, 2, ...")
@@ -56,6 +57,7 @@ class EmbeddedServer:
         self.key_file = llmlab_home() / "keys" / f"embedded-{self.port}.key"
         self.proxy_log = self.log_path.with_name(f"embedded-{self.port}.proxy.log")
         self.publish = publish  # write ~/.llmlab/embedded.json so that connect() finds this server
+        self.env = dict(env or {})  # vLLM's environment on top of ours, e.g. VLLM_CPU_OMP_THREADS_BIND (notebook 15)
         self.engine: VLLMProcess | None = None  # vLLM, with its proxy in the same process group
         self.run_dir: Path | None = None  # the private (0700) directory of vLLM's socket
 
@@ -96,7 +98,7 @@ class EmbeddedServer:
         proxy = proxy_command(f"{self.host}:{self.port}", self.uds, self.key_file, cpus=proxy_cpus(), ready_file=ready)
         # vLLM and its proxy as one process group; vLLM starts only once the proxy listens (proxy.PAIR)
         self.engine = VLLMProcess(pair_command(proxy, cmd, self.proxy_log, ready),
-                                  engine_env(self.run_dir, self.kv_cache_gib),
+                                  {**engine_env(self.run_dir, self.kv_cache_gib), **self.env},
                                   self.log_path, host=self.host, port=self.port, api_key=self.api_key,
                                   header=f"$ {' '.join(cmd)}\n$ {' '.join(proxy)}  (log: {self.proxy_log})").start()
         self._wait_bound(ready)

@@ -31,6 +31,8 @@ line): ``--key-file`` holds the owner's key; an older vLLM without ``--uds`` is 
 http://127.0.0.1:PORT`` with its internal key in ``--upstream-key-file``.  ``--listen HOST:0`` lets the system pick
 a free port; ``--ready-file`` is written (0600, ``{"host", "port", "pid"}``) once the proxy listens, and is what a
 caller waits for (:func:`wait_bound`) before it publishes the port or sends the key there (bind, then publish).
+``--upstream`` given several times makes the proxy a router between replicas of one model (``--route``,
+:meth:`Proxy.pick`; notebook 15): the key check and the allow-list are the same for every replica.
 
 Under load from others (docs/security.md, tests/test_security.py): the soft open-file limit is raised to the hard
 one, and near it idle connections that never showed a key are closed first (:meth:`Proxy.admit`); a connection
@@ -513,11 +515,19 @@ class Client(asyncio.Protocol):
             self._arm_idle()
 
     async def _forward(self, request: Request) -> None:
+        replica = self.proxy.pick(request)
+        replica.in_flight += 1
+        try:
+            await self._relay(request, replica)
+        finally:
+            replica.in_flight -= 1
+
+    async def _relay(self, request: Request, replica: Replica) -> None:
         upstream = Upstream(self, request)
         try:
-            await self.proxy.connect(lambda: upstream)
+            await self.proxy.connect(lambda: upstream, replica)
         except OSError as e:
-            log.info("upstream %s: %s", self.proxy.upstream, e)  # expected while vLLM loads
+            log.info("upstream %s: %s", replica.name, e)  # expected while vLLM loads
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 self.write(error_response(503, "The proxy is out of file descriptors (too many connections); try "
                                                "again in a moment."))
@@ -539,11 +549,11 @@ class Client(asyncio.Protocol):
                                                "`llmlab logs` shows why."))
 
 
-class Proxy:
-    """What every connection shares: the keys, the upstream's address, how a request is judged, and the open
-    connections, counted against the file descriptors the process may have (``fd_budget``, set by :func:`serve`)."""
+class Replica:
+    """One vLLM behind the proxy: where it listens, and the requests the proxy has in flight to it (what
+    least-loaded routing compares) and has sent it in all."""
 
-    def __init__(self, upstream: str, keys: KeyRing, upstream_key: str | None = None):
+    def __init__(self, upstream: str):
         if upstream.startswith("unix:"):
             self.uds, self.address = upstream[5:], None
         elif upstream.startswith("http://"):
@@ -553,7 +563,60 @@ class Proxy:
             self.uds, self.address = None, (host.strip("[]"), int(port))
         else:
             raise ProxyError(f"--upstream {upstream!r}: give unix:/path/to/vllm.sock or http://127.0.0.1:PORT.")
-        self.upstream, self.keys = upstream, keys
+        self.name, self.in_flight, self.sent = upstream, 0, 0
+
+
+# How a proxy with several replicas picks one (notebook 15).  "least-loaded": the one with the fewest requests in
+# flight through this proxy.  "prefix": the same prompt beginning always goes to the same replica (so its prefix
+# cache is found there, not computed once per replica), unless that replica has ``balance`` more requests in flight
+# than the least loaded one: then least-loaded, so that one popular system prompt cannot pile a room onto one GPU.
+ROUTES = ("least-loaded", "prefix")
+PREFIX_CHARS = 256  # characters of the prompt that choose the replica: a system prompt's worth
+BALANCE = 16
+
+
+def prefix_key(body: bytes | bytearray, chars: int = PREFIX_CHARS) -> bytes | None:
+    """What prefix routing hashes: the request's ``cache_salt`` and the first ``chars`` characters of its prompt
+    (``prompt``, or the ``messages`` as sent), or None for a body that is not such a JSON request.  The salt counts
+    because requests with different salts never share cached blocks (notebook 13), so grouping them gains nothing."""
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON: vLLM will say so; any replica can
+        return None
+    if not isinstance(request, dict):
+        return None
+    prompt = request.get("prompt", request.get("messages"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):  # a batch of prompts: the first
+        prompt = prompt[0]
+    if prompt is None:
+        return None
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
+    return f"{request.get('cache_salt', '')}\x00{text[:chars]}".encode("utf-8", "surrogatepass")
+
+
+def home_replica(key: bytes, replicas: int) -> int:
+    """The replica (an index) that prefix routing sends ``key`` to: rendezvous hashing, the index whose hash with
+    the key is highest.  Why not ``hash % n``: when a replica is added, only the keys that now prefer it move."""
+    return max(range(replicas), key=lambda i: hashlib.sha256(b"%d\x00%b" % (i, key)).digest())
+
+
+class Proxy:
+    """What every connection shares: the keys, the replicas (one vLLM, or several to route between), how a request
+    is judged, and the open connections, counted against the file descriptors the process may have (``fd_budget``,
+    set by :func:`serve`)."""
+
+    def __init__(self, upstreams: str | list[str], keys: KeyRing, upstream_key: str | None = None,
+                 route: str = "least-loaded", prefix_chars: int = PREFIX_CHARS, balance: int = BALANCE):
+        upstreams = [upstreams] if isinstance(upstreams, str) else list(upstreams)
+        if not upstreams:
+            raise ProxyError("no --upstream: give the vLLM socket (unix:/path/vllm.sock) or several, one each.")
+        if route not in ROUTES:
+            raise ProxyError(f"--route {route!r}: give one of {', '.join(ROUTES)}.")
+        if prefix_chars < 1 or balance < 1:
+            raise ProxyError(f"--prefix-chars {prefix_chars} and --balance {balance}: both must be at least 1.")
+        self.replicas = [Replica(u) for u in upstreams]
+        self.route, self.prefix_chars, self.balance = route, prefix_chars, balance
+        self.upstream, self.keys = " + ".join(upstreams), keys
         self.auth = b"authorization: Bearer %b\r\n" % upstream_key.encode() if upstream_key else b""
         self.clients: dict[Client, None] = {}  # open client connections, oldest first
         self.upstreams = 0  # open connections to vLLM
@@ -581,12 +644,25 @@ class Proxy:
                     "" if admitted else "; a new connection is turned away (all others are keyed and at work)")
         return admitted
 
-    async def connect(self, factory) -> None:
+    async def connect(self, factory, replica: Replica) -> None:
         loop = asyncio.get_running_loop()
-        if self.uds:
-            await loop.create_unix_connection(factory, self.uds)
+        if replica.uds:
+            await loop.create_unix_connection(factory, replica.uds)
         else:
-            await asyncio.wait_for(loop.create_connection(factory, *self.address), 30)
+            await asyncio.wait_for(loop.create_connection(factory, *replica.address), 30)
+
+    def pick(self, r: Request) -> Replica:
+        """The replica that answers ``r`` (see ``ROUTES``).  Ties in load go to the replica sent the fewest requests
+        so far, so an idle pool takes turns.  ``/metrics`` never reaches here with several replicas (``judge``)."""
+        replica = min(self.replicas, key=lambda x: (x.in_flight, x.sent))
+        if self.route == "prefix" and len(self.replicas) > 1:
+            key = prefix_key(r.body, self.prefix_chars)
+            if key is not None:
+                home = self.replicas[home_replica(key, len(self.replicas))]
+                if home.in_flight - replica.in_flight < self.balance:
+                    replica = home
+        replica.sent += 1
+        return replica
 
     def judge(self, r: Request) -> bytes | None:
         """The refusal for a request whose head is complete, or None to forward it.  The order matters: a path
@@ -607,6 +683,10 @@ class Proxy:
                                        "llmlab.connect() reads it from the server's key file).",
                                   (b"www-authenticate: Bearer",))
         r.keyed = True
+        if path == "/metrics" and len(self.replicas) > 1:
+            return error_response(404, f"Not Found: this proxy routes between {len(self.replicas)} vLLM servers, "
+                                       "each with counters of its own; read /metrics from each server (notebook 15: "
+                                       "llmlab.replicas.Replicas.metrics()).")
         if not allowed(path):
             return error_response(404, f"Not Found: this server forwards only {ALLOWED_PREFIX}*, "
                                        f"{' and '.join(ALLOWED_EXACT)}.")
@@ -697,8 +777,9 @@ def wait_bound(ready_file: Path, alive, log_path: Path, timeout: float = 60.0) -
         time.sleep(0.05)
 
 
-def serve(listen: str, upstream: str, key_file: Path, keys: Path | None = None, upstream_key_file: Path | None = None,
-          watch_pid: int | None = None, ready_file: Path | None = None) -> None:
+def serve(listen: str, upstream: str | list[str], key_file: Path, keys: Path | None = None,
+          upstream_key_file: Path | None = None, watch_pid: int | None = None, ready_file: Path | None = None,
+          route: str = "least-loaded", prefix_chars: int = PREFIX_CHARS, balance: int = BALANCE) -> None:
     """Run the proxy until SIGTERM/SIGINT (or until ``watch_pid`` exits).  Once it listens, ``ready_file`` says
     where (removed again when it stops)."""
     host, _, port = listen.rpartition(":")
@@ -710,7 +791,7 @@ def serve(listen: str, upstream: str, key_file: Path, keys: Path | None = None, 
             upstream_key = Path(upstream_key_file).read_text().strip()
         except OSError as e:
             raise ProxyError(f"Cannot read the upstream key file {upstream_key_file} ({e.strerror}).") from None
-    proxy = Proxy(upstream, KeyRing(key_file, keys), upstream_key)
+    proxy = Proxy(upstream, KeyRing(key_file, keys), upstream_key, route, prefix_chars, balance)
     if ready_file:
         Path(ready_file).unlink(missing_ok=True)  # a file left by an earlier run must not say "listening"
     limit = raise_fd_limit()
@@ -728,7 +809,7 @@ def serve(listen: str, upstream: str, key_file: Path, keys: Path | None = None, 
         proxy.fd_budget = fd_budget(limit)
         if ready_file:
             write_ready(ready_file, server.sockets)
-        log.info("listening on %s, forwarding to %s", listen, upstream)
+        log.info("listening on %s, forwarding to %s (%s)", listen, proxy.upstream, route)
         watcher = asyncio.ensure_future(_watch_pid(watch_pid, stop)) if watch_pid else None
         await stop.wait()
         server.close()
@@ -753,12 +834,15 @@ def pin(cpus: str) -> None:
         raise ProxyError(f"--cpus {cpus!r}: give CPU numbers this process may use, e.g. 0,1 ({e}).") from None
 
 
-def proxy_command(listen: str, uds: Path, key_file: Path, keys: Path | None = None,
+def proxy_command(listen: str, uds: Path | list[Path], key_file: Path, keys: Path | None = None,
                   python: str = sys.executable, cpus: list[int] | None = None,
-                  ready_file: Path | None = None) -> list[str]:
-    """``python -m llmlab.serve.proxy`` in front of the socket: file paths only, never a key."""
-    cmd = [python, "-m", "llmlab.serve.proxy", "--listen", listen, "--upstream", f"unix:{uds}",
-           "--key-file", str(key_file)]
+                  ready_file: Path | None = None, route: str | None = None) -> list[str]:
+    """``python -m llmlab.serve.proxy`` in front of the socket (or several, routed by ``route``): file paths only,
+    never a key."""
+    cmd = [python, "-m", "llmlab.serve.proxy", "--listen", listen]
+    for path in uds if isinstance(uds, list) else [uds]:
+        cmd += ["--upstream", f"unix:{path}"]
+    cmd += ["--key-file", str(key_file)] + (["--route", route] if route else [])
     cmd += ["--keys", str(keys)] if keys else []
     cmd += ["--ready-file", str(ready_file)] if ready_file else []
     return cmd + (["--cpus", ",".join(map(str, cpus))] if cpus else [])
@@ -794,7 +878,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmlab.serve.proxy", description="Key-checking reverse proxy in front "
                                 "of a vLLM server (see the module docstring). Secrets only through files.")
     p.add_argument("--listen", required=True, help="HOST:PORT others connect to")
-    p.add_argument("--upstream", required=True, help="unix:/path/vllm.sock, or http://127.0.0.1:PORT")
+    p.add_argument("--upstream", required=True, action="append",
+                   help="unix:/path/vllm.sock, or http://127.0.0.1:PORT; give it again for each replica to route to")
+    p.add_argument("--route", choices=ROUTES, default="least-loaded", help="how a replica is picked (ROUTES)")
+    p.add_argument("--prefix-chars", type=int, default=PREFIX_CHARS, help="prompt characters that --route prefix "
+                   "hashes")
+    p.add_argument("--balance", type=int, default=BALANCE, help="--route prefix falls back to least-loaded when "
+                   "the prefix's replica has this many more requests in flight")
     p.add_argument("--key-file", required=True, type=Path, help="0600 file with the owner's key")
     p.add_argument("--keys", type=Path, help="file or directory of registered 'sha256:<hex>' lines (re-read)")
     p.add_argument("--upstream-key-file", type=Path, help="the internal key of an http:// upstream")
@@ -810,7 +900,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.cpus:
             pin(a.cpus)
-        serve(a.listen, a.upstream, a.key_file, a.keys, a.upstream_key_file, a.watch_pid, a.ready_file)
+        serve(a.listen, a.upstream, a.key_file, a.keys, a.upstream_key_file, a.watch_pid, a.ready_file, a.route,
+              a.prefix_chars, a.balance)
     except ProxyError as e:
         print(f"llmlab proxy: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,253 @@
+"""Replicas of one model behind a router (notebook 15): data parallelism, against one engine with TP=2.
+
+Why: a model that fits one GPU can take two GPUs in two ways.  One engine with tensor parallelism (TP=2) splits
+every layer across both and joins the halves with an all-reduce per layer per step: one batch, each token a
+little sooner, twice the KV room.  Two engines of one GPU each (*replicas*, data parallelism) share nothing: a
+router hands each request to one of them.  Which serves a room better is measured here, with the same
+``llmlab.loadtest`` on both.
+
+The router is llmlab's own key-checking proxy given several upstreams (:mod:`llmlab.serve.proxy`, ``--route``):
+``least-loaded`` sends a request to the replica with the fewest in flight; ``prefix`` sends the same prompt
+beginning to the same replica, so that a system prompt's cached blocks are found where they were computed
+(notebook 13) instead of once per replica.  On the embedded engine a "GPU" is a CPU core:
+``VLLM_CPU_OMP_THREADS_BIND`` gives each replica its own core, and each rank of the TP=2 engine one core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from llmlab import kvcache, loadtest, prefixcache
+from llmlab.connection import connect
+from llmlab.serve.embedded import EmbeddedServer
+from llmlab.serve.info import ServerError, llmlab_home, read_key, write_private
+from llmlab.serve.metrics import fetch_metrics
+from llmlab.serve.proc import terminate
+from llmlab.serve.proxy import BALANCE, PREFIX_CHARS, ROUTES, home_replica, prefix_key, proxy_command, wait_bound
+
+BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM-CPU: the cores of each rank, "0-3|4-7" for two ranks
+__all__ = ["BIND", "ROUTES", "Router", "Replicas", "split_cores", "tp_engine", "measure", "layout_table", "homes",
+           "counted", "course_prompts", "run_room", "room_table"]
+
+
+def split_cores(parts: int, cores: list[int] | None = None) -> list[str]:
+    """Give ``parts`` engines (or ranks) equal shares of ``cores`` (default: those this process may use), in
+    ``VLLM_CPU_OMP_THREADS_BIND``'s spelling: 2 parts of cores 0-3 are ``["0-1", "2-3"]``."""
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= len(cores):
+        raise ValueError(f"parts={parts!r}: this machine lets us use {len(cores)} core(s), so give 1 to "
+                         f"{len(cores)} (each engine or rank needs a core of its own).")
+    share = len(cores) // parts
+    chunks = [cores[i * share:(i + 1) * share] for i in range(parts)]
+    return [str(c[0]) if len(c) == 1 else f"{c[0]}-{c[-1]}" for c in chunks]
+
+
+def tp_engine(tp: int = 2, extra_args: list[str] = ()) -> EmbeddedServer:
+    """An embedded engine of the tiny model with ``--tensor-parallel-size tp``, each rank bound to its own share
+    of the cores (not started: use it as a context manager, or ``.start().wait_ready()``)."""
+    return EmbeddedServer(extra_args=["--tensor-parallel-size", str(tp), *extra_args],
+                          env={BIND: "|".join(split_cores(tp))})
+
+
+class Router:
+    """llmlab's proxy in front of several vLLM sockets, with a key of its own: what a learner connects to.
+
+    Started in its own process group, bound before its port is used (``wait_bound``), stopped with its group.
+    Secrets only in 0600 files, as for every llmlab server."""
+
+    def __init__(self, sockets: list[Path], route: str = "least-loaded", *, balance: int = BALANCE,
+                 prefix_chars: int = PREFIX_CHARS):
+        if route not in ROUTES:
+            raise ValueError(f"route={route!r}: give one of {', '.join(ROUTES)}.")
+        self.sockets, self.route, self.balance, self.prefix_chars = list(sockets), route, balance, prefix_chars
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.run_dir: Path | None = None
+
+    def start(self) -> Router:
+        self.run_dir = Path(tempfile.mkdtemp(prefix="llmlab-router-"))  # 0700: the ready file and the key
+        self.key_file = self.run_dir / "router.key"
+        write_private(self.key_file, secrets.token_urlsafe(32) + "\n")
+        self.log_path = llmlab_home() / "logs" / f"router-{self.run_dir.name}.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        ready = self.run_dir / "ready"
+        cmd = proxy_command("127.0.0.1:0", self.sockets, self.key_file, ready_file=ready, route=self.route)
+        cmd += ["--balance", str(self.balance), "--prefix-chars", str(self.prefix_chars)]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        try:
+            self.port = wait_bound(ready, lambda: self.proc.poll() is None, self.log_path)["port"]
+        except ServerError:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def api_key(self) -> str:
+        return read_key(self.key_file)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            terminate(self.proc.pid, grace=5)
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> Router:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Replicas:
+    """``n`` embedded engines of the tiny model, each bound to its own cores, and a :class:`Router` in front::
+
+        with Replicas(2, route="least-loaded") as pool:
+            client, model = pool.connect()          # the router: one URL, one key, for every replica
+            pool.use("prefix")                      # the same engines, another router
+
+    ``metrics()`` reads each replica's own ``/metrics`` (the router forwards none: each engine counts its own)."""
+
+    def __init__(self, n: int = 2, route: str = "least-loaded", *, extra_args: list[str] = (), **router_options):
+        self.servers = [EmbeddedServer(extra_args=list(extra_args), env={BIND: cores})
+                        for cores in split_cores(n)]
+        self.route, self.router_options = route, router_options
+        self.router: Router | None = None
+
+    def start(self) -> Replicas:
+        """Start every engine at once (they load side by side), wait for each, then the router."""
+        try:
+            for server in self.servers:
+                server.start()
+            for i, server in enumerate(self.servers):
+                print(f"replica {i} (cores {server.env[BIND]}):", end=" ")
+                server.wait_ready()
+            self.use(self.route)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def use(self, route: str, **router_options) -> tuple:
+        """Put a fresh router with ``route`` in front of the same engines; returns ``llmlab.connect()``'s
+        ``(client, model)`` for it.  The engines (and their caches) stay as they are."""
+        if self.router is not None:
+            self.router.stop()
+        self.route, self.router = route, None
+        self.router = Router([s.uds for s in self.servers], route,
+                             **{**self.router_options, **router_options}).start()
+        return self.connect()
+
+    def connect(self) -> tuple:
+        """``llmlab.connect()`` to the router: ``(client, model)``."""
+        return connect(self.router.base_url, self.router.api_key, quiet=True)
+
+    def metrics(self) -> list[dict]:
+        """Each replica's KV-cache counters (:func:`llmlab.kvcache.kv_snapshot`), read from the replica itself."""
+        return [kvcache.kv_snapshot(fetch_metrics(s.base_url, s.api_key)) for s in self.servers]
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> Replicas:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def measure(client, model: str, prompts, concurrency: int, max_tokens: int = 64, warmup: int = 4) -> dict:
+    """One load run (``llmlab.loadtest.run``, greedy, every answer ``max_tokens`` long) after ``warmup``
+    requests that are not counted; returns its summary.  Raises if any request failed: a rate over failures
+    would flatter the layout that failed."""
+    prompts = list(prompts)
+    sampling = {"temperature": 0, "ignore_eos": True}
+    if warmup:
+        loadtest.run(client, model, prompts[:warmup], concurrency=warmup, max_tokens=8, progress=False, **sampling)
+    result = loadtest.run(client, model, prompts, concurrency=concurrency, max_tokens=max_tokens, **sampling)
+    if result.failed:
+        raise RuntimeError(f"{len(result.failed)} of {len(prompts)} requests failed, the first: "
+                           f"{result.failed[0].error}")
+    return result.summary()
+
+
+def layout_table(runs: dict[str, dict]) -> pd.DataFrame:
+    """One row per layout (a :func:`measure` summary each): output tokens/s, requests/s, TTFT p50/p99, TPOT p50."""
+    ms = lambda s: None if s is None else round(1000 * s, 1)  # noqa: E731
+    return pd.DataFrame({name: {"output tok/s": round(s["output_tokens_per_s"]), "requests/s":
+                                round(s["requests_per_s"], 2), "TTFT p50 (ms)": ms(s["ttft_p50"]),
+                                "TTFT p99 (ms)": ms(s["ttft_p99"]), "TPOT p50 (ms)": ms(s["tpot_p50"])}
+                         for name, s in runs.items()}).T.rename_axis("layout")
+
+
+def homes(prompts: list[str], salts: list[str], replicas: int, prefix_chars: int = PREFIX_CHARS) -> list[int]:
+    """The replica prefix routing sends each prompt to, as the router computes it (before its balance check)."""
+    return [home_replica(prefix_key(json.dumps({"prompt": p, "cache_salt": s}).encode(), prefix_chars), replicas)
+            for p, s in zip(prompts, salts, strict=True)]
+
+
+def course_prompts(courses: list[str], learners: int) -> list[str]:
+    """``learners`` prompts per course, in the order a room sends them (the courses interleaved): each course's
+    own first line, then notebook 13's workshop system prompt and the learner's question."""
+    per_course = {c: prefixcache.room_prompts(f"Course: {c}.\n{prefixcache.SYSTEM}", learners) for c in courses}
+    return [per_course[c][i] for i in range(learners) for c in courses]
+
+
+def counted(pool: Replicas, before: list[dict], requests: int, timeout: float = 30.0) -> list[dict]:
+    """Each replica's counters since ``before`` (a :meth:`Replicas.metrics`), once together they have counted
+    ``requests`` more finished requests: vLLM counts a request just after it answered
+    (:func:`llmlab.kvcache.wait_for_request`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        per = [kvcache.snapshot_delta(b, a) for b, a in zip(before, pool.metrics(), strict=True)]
+        done = sum(d["requests_finished"] for d in per)
+        if done >= requests:
+            return per
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the replicas counted {done:.0f} of {requests} requests within {timeout:.0f} s: "
+                               "is another client using them?")
+        time.sleep(0.05)
+
+
+def run_room(pool: Replicas, prompts: list[str], salt: str, max_tokens: int = 32) -> dict:
+    """Send ``prompts`` all at once through ``pool``'s router (greedy, one ``cache_salt`` for the room) and read
+    every replica's counters around it: requests and prefix-cache hits per replica, and the client's summary."""
+    client, model = pool.connect()
+    before = pool.metrics()
+    result = loadtest.run(client, model, prompts, concurrency=len(prompts), max_tokens=max_tokens, progress=False,
+                          temperature=0, ignore_eos=True, extra_body={"cache_salt": salt})
+    if result.failed:
+        raise RuntimeError(f"{len(result.failed)} requests failed, the first: {result.failed[0].error}")
+    per = counted(pool, before, len(prompts))
+    return {"route": pool.route, "summary": result.summary(), "requests": [int(d["requests_finished"]) for d in per],
+            "hits": [int(d["prefix_cache_hits"]) for d in per],
+            "queries": [int(d["prefix_cache_queries"]) for d in per]}
+
+
+def room_table(rooms: list[dict]) -> pd.DataFrame:
+    """One row per :func:`run_room`: requests per replica, prefix-cache hit rate, TTFT p50/p99."""
+    rows = {}
+    for room in rooms:
+        s = room["summary"]
+        rows[room["route"]] = {"requests per replica": " / ".join(map(str, room["requests"])),
+                               "hit rate": round(sum(room["hits"]) / max(1, sum(room["queries"])), 3),
+                               "TTFT p50 (ms)": round(1000 * s["ttft_p50"]),
+                               "TTFT p99 (ms)": round(1000 * s["ttft_p99"])}
+    return pd.DataFrame(rows).T.rename_axis("route")

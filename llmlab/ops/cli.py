@@ -53,12 +53,15 @@ class _Stopped(Exception):
 def _stop_on_signals() -> None:
     """SIGTERM (``kill``, a job's end) and SIGHUP (the terminal closed) end the process without running any
     ``finally`` by default, which would leave the embedded server running with nobody to stop it; make them
-    raise instead."""
+    raise instead.  SIGINT raises KeyboardInterrupt even where it was inherited ignored: a shell script starts its
+    background commands with SIGINT ignored, and Python then never installs its Ctrl-C handler, so ``kill -INT``
+    would do nothing at all."""
     def raise_stopped(signum, _frame):
         raise _Stopped(signal.Signals(signum).name)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, raise_stopped)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # The course's JupyterLab settings (no news prompt, no extension manager, Markdown opened rendered): first on

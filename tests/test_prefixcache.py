@@ -1,6 +1,8 @@
 """Prefix caching and chunked prefill for a room (notebook 13, ``llmlab.prefixcache``): the arithmetic of a room's
 hits and blocks, and a real engine whose counters match it -- one salt for the room shares, a salt per learner
-never does -- and a second engine whose token budget cuts a long prompt into chunks."""
+never does.  The second engine, whose token budget cuts a long prompt into chunks, is asserted by notebook 13's
+cells, which `make test` runs under nbval in the same session (every decoder's 384 tokens, every gap counted once,
+the long prompts' 449 tokens): starting it here again cost 51 s of CI (issue 23)."""
 
 import openai
 import pytest
@@ -8,7 +10,6 @@ import pytest
 import llmlab
 from llmlab import kvcache, loadtest, prefixcache
 from llmlab.loadtest import Record
-from llmlab.serve.embedded import EmbeddedServer
 
 
 def test_room_prompts_and_salts():
@@ -83,26 +84,3 @@ def test_a_salt_is_a_wall_between_learners(embedded):
     assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0  # the same prompt: found under its salt only
     with pytest.raises(openai.BadRequestError, match="cache_salt"):  # vLLM refuses a salt with a '/'
         client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "a/b"})
-
-
-@pytest.fixture(scope="module")
-def chunked():
-    """A second embedded engine of the tiny model whose steps hold at most 64 tokens (vLLM requires
-    max_num_seqs <= the budget, so 32 sequences)."""
-    with EmbeddedServer(extra_args=["--max-num-batched-tokens", "64", "--max-num-seqs", "32"]) as srv:
-        yield llmlab.connect(srv.base_url, srv.api_key, quiet=True)
-
-
-@pytest.mark.server
-def test_a_small_budget_cuts_long_prompts_into_chunks(embedded, chunked):
-    plain = llmlab.connect(quiet=True)
-    long_prompts = loadtest.synthetic_workload(3, input_len=400, output_len=1, seed=7)
-    runs = {name: prefixcache.itl_while_prompts_arrive(c, m, long_prompts, decoders=4, decode_tokens=200)
-            for name, (c, m) in (("default", plain), ("chunked", chunked))}
-    for run in runs.values():
-        assert [r.output_tokens for r in run["decoders"].records] == [200] * 4
-        assert [r.prompt_tokens for r in run["arrivals"].records] == [401] * 3  # the start token added
-        # every streamed gap is classified once; a chunk can carry several tokens, so there are at most 199 each
-        assert len(run["during"]) + len(run["other"]) == sum(len(r.itl) for r in run["decoders"].records) <= 4 * 199
-    table = prefixcache.itl_table(runs)
-    assert list(table.index) == ["default", "chunked"]  # which gaps overlap a prefill is timing

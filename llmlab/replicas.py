@@ -81,7 +81,8 @@ class Router:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         ready = self.run_dir / "ready"
         cmd = proxy_command("127.0.0.1:0", self.sockets, self.key_file, ready_file=ready, route=self.route)
-        cmd += ["--balance", str(self.balance), "--prefix-chars", str(self.prefix_chars)]
+        cmd += ["--balance", str(self.balance), "--prefix-chars", str(self.prefix_chars),
+                "--watch-pid", str(os.getpid())]  # no router left behind when the kernel that started it ends
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)

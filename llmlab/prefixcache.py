@@ -195,9 +195,7 @@ def run_room(client, model: str, prompts: list[str], salts: list[str], max_token
     before = _scrape(client)
     with _Watch(client) as watch:
         result = _in_a_loop(_send_room(client, model, prompts, salts, max_tokens, progress, sampling))
-    if result.failed:
-        raise RuntimeError(f"{len(result.failed)} of {len(prompts)} requests failed, the first: "
-                           f"{result.failed[0].error}")
+    result.raise_on_failure()
     after = wait_for_request(str(client.base_url), client.api_key, before, len(prompts), timeout=30)
     delta = {k: after[k] - before[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens",
                                                "prefill_computed_sum")}
@@ -287,9 +285,8 @@ def itl_while_prompts_arrive(client, model: str, long_prompts: list, decoders: i
         raise ValueError("give at least one long prompt to arrive while the others decode.")
     running, arrivals = _in_a_loop(_decode_and_arrive(client, model, decoders, decode_tokens, long_prompts,
                                                       secrets.token_urlsafe(32)))
-    failed = running.failed + arrivals.failed
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed, the first: {failed[0].error}")
+    running.raise_on_failure()
+    arrivals.raise_on_failure()
     last_token = min(token_times(r)[-1] for r in running.ok)
     overlapped = sum(a.start + a.ttft <= last_token for a in arrivals.ok)
     during, other = gaps_during(running, arrivals)

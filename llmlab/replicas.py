@@ -183,10 +183,7 @@ def measure(client, model: str, prompts, concurrency: int, max_tokens: int = 64,
     if warmup:
         loadtest.run(client, model, prompts[:warmup], concurrency=warmup, max_tokens=8, progress=False, **sampling)
     result = loadtest.run(client, model, prompts, concurrency=concurrency, max_tokens=max_tokens, **sampling)
-    if result.failed:
-        raise RuntimeError(f"{len(result.failed)} of {len(prompts)} requests failed, the first: "
-                           f"{result.failed[0].error}")
-    return result.summary()
+    return result.raise_on_failure().summary()
 
 
 def layout_table(runs: dict[str, dict]) -> pd.DataFrame:
@@ -233,9 +230,7 @@ def run_room(pool: Replicas, prompts: list[str], salt: str, max_tokens: int = 32
     client, model = pool.connect()
     before = pool.metrics()
     result = loadtest.run(client, model, prompts, concurrency=len(prompts), max_tokens=max_tokens, progress=False,
-                          temperature=0, ignore_eos=True, extra_body={"cache_salt": salt})
-    if result.failed:
-        raise RuntimeError(f"{len(result.failed)} requests failed, the first: {result.failed[0].error}")
+                          temperature=0, ignore_eos=True, extra_body={"cache_salt": salt}).raise_on_failure()
     per = counted(pool, before, len(prompts))
     return {"route": pool.route, "summary": result.summary(), "requests": [int(d["requests_finished"]) for d in per],
             "hits": [int(d["prefix_cache_hits"]) for d in per],

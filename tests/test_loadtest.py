@@ -399,3 +399,10 @@ def test_saving_over_a_file_on_a_full_disk_keeps_the_old_file(conn, tiny_disk):
         res = lt.run(client, model, SIXTY, concurrency=3, max_tokens=40, progress=False, ignore_eos=True,
                      save=tiny_disk / "run.csv")
     assert len(res.ok) == 60 and list(tiny_disk.iterdir()) == []
+
+
+def test_raise_on_failure_names_the_count_and_the_first_error():
+    ok, bad = lt.Record(id=0, status="ok"), lt.Record(id=1, status="error", error="HTTP 400: prompt too long")
+    assert lt.LoadResult([ok]).raise_on_failure().ok == [ok]
+    with pytest.raises(RuntimeError, match="1 of 2 requests failed, the first: HTTP 400: prompt too long"):
+        lt.LoadResult([ok, bad]).raise_on_failure()

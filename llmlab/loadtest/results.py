@@ -40,6 +40,14 @@ class LoadResult:
     def failed(self) -> list[Record]:
         return [r for r in self.records if r.status != "ok"]
 
+    def raise_on_failure(self) -> LoadResult:
+        """``self`` if every request succeeded, else a RuntimeError naming how many failed and the first error: for
+        experiments whose figures would mislead over failed requests (a rate that flatters the layout that failed)."""
+        if self.failed:
+            raise RuntimeError(f"{len(self.failed)} of {len(self.records)} requests failed, the first: "
+                               f"{self.failed[0].error}")
+        return self
+
     def to_frame(self):
         """One row per record (a pandas DataFrame); ``itl`` stays a list."""
         import pandas as pd

@@ -10,6 +10,7 @@
 #   PIECES=3 benchmarks/rehearse_on_device.sh llama3.1-8b:1 llama3.1-8b:2
 #   PIECES=3 benchmarks/rehearse_on_device.sh proxy --model llama3.1-8b ...   # benchmarks/proxy_overhead.py
 #   PIECES=3 benchmarks/rehearse_on_device.sh launch llama3.1-8b               # benchmarks/launcher_on_gpu.py
+#   PIECES=2 benchmarks/rehearse_on_device.sh lessons quant                    # benchmarks/lessons_on_gpu.py
 #
 # With Ray (multi-node jobs), the set and Ray's own tar.xz travel as one byte stream cut into BUNDLE pieces of
 # 46.4 MB (bundle.NN: site.tar.xz's SITE_BYTES bytes, then ray.tar.xz), three calls instead of four:
@@ -64,6 +65,13 @@ if [ "$1" = launch ]; then  # the SLURM launcher's GPU path, end to end (benchma
     status=0
     PYTHONPATH=$site:$PWD python3 benchmarks/launcher_on_gpu.py "$@" --out "$out/launch${LAUNCH_TAG:-}" || status=$?
     tar -czf "$out/launch${LAUNCH_TAG:-}.tar.gz" -C "$out" "launch${LAUNCH_TAG:-}" && rm -rf "$out/launch${LAUNCH_TAG:-}"
+    exit "$status"
+fi
+if [ "$1" = lessons ]; then  # lessons 11 and 15 on GPUs (benchmarks/lessons_on_gpu.py quant|replicas)
+    shift
+    status=0
+    PYTHONPATH=$site:$PWD python3 benchmarks/lessons_on_gpu.py "$@" --out "$out/lessons" || status=$?
+    tar -czf "$out/lessons-$1.tar.gz" --exclude='*/model' -C "$out/lessons" "$1" || true
     exit "$status"
 fi
 if [ "$1" = proxy ]; then  # the proxy's cost on a GPU node (its proxy subprocess imports llmlab from here)

@@ -361,7 +361,7 @@ def workload(n: int, prompt_ids: list[int], input_len: int, output_len: int, see
 
 
 def _row(summary: dict) -> dict:
-    keys = ("concurrency", "requests", "ok", "errors", "output_tokens_per_s", "ttft_p50", "tpot_p50",
+    keys = ("concurrency", "requests", "ok", "errors", "output_tokens_per_s", "ttft_p50", "ttft_p99", "tpot_p50",
             "latency_p50", "max_outstanding", "max_concurrency_seen", "duration_s")
     return {k: summary.get(k) for k in keys}
 

@@ -171,7 +171,8 @@ def busy(pid: int, fn) -> tuple:
     (fn's result, {process title: mean CPU % over the run}) (100 % = one core kept busy)."""
     import psutil
 
-    procs = {p.pid: p for p in psutil.Process(pid).children(recursive=True)}
+    root = psutil.Process(pid)
+    procs = {p.pid: p for p in [root, *root.children(recursive=True)]}
     for p in procs.values():
         p.cpu_percent(None)
     samples: dict[str, list[float]] = {}

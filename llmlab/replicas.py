@@ -10,7 +10,8 @@ The router is llmlab's own key-checking proxy given several upstreams (:mod:`llm
 ``least-loaded`` sends a request to the replica with the fewest in flight; ``prefix`` sends the same prompt
 beginning to the same replica, so that a system prompt's cached blocks are found where they were computed
 (notebook 13) instead of once per replica.  On the embedded engine a "GPU" is a CPU core:
-``VLLM_CPU_OMP_THREADS_BIND`` gives each replica its own core, and each rank of the TP=2 engine one core.
+``VLLM_CPU_OMP_THREADS_BIND`` gives each replica its own core, and each rank of the TP=2 engine one core.  What
+two GPUs do is read from the committed runs on two H200s (:func:`gpu_runs`, :func:`gpu_table`, :func:`gpu_memory`).
 """
 
 from __future__ import annotations
@@ -28,15 +29,18 @@ import pandas as pd
 
 from llmlab import kvcache, loadtest, prefixcache
 from llmlab.connection import connect
+from llmlab.rehearse import RESULTS_DIR
 from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.info import ServerError, llmlab_home, read_key, write_private
 from llmlab.serve.metrics import fetch_metrics
 from llmlab.serve.proc import terminate
 from llmlab.serve.proxy import BALANCE, PREFIX_CHARS, ROUTES, home_replica, prefix_key, proxy_command, wait_bound
 
+# benchmarks/lessons_on_gpu.py replicas, twice, on one host with 2 x H200 (2026-11-26): run1.json, run2.json.
+GPU_RESULTS = RESULTS_DIR / "h200x2-llama3.1-8b-replicas-vs-tp2"
 BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM-CPU: the cores of each rank, "0-3|4-7" for two ranks
 __all__ = ["BIND", "ROUTES", "Router", "Replicas", "split_cores", "tp_engine", "measure", "layout_table", "homes",
-           "counted", "course_prompts", "run_room", "room_table"]
+           "counted", "course_prompts", "run_room", "room_table", "gpu_runs", "gpu_table", "gpu_memory"]
 
 
 def split_cores(parts: int, cores: list[int] | None = None) -> list[str]:
@@ -247,3 +251,44 @@ def room_table(rooms: list[dict]) -> pd.DataFrame:
                                "TTFT p50 (ms)": round(1000 * s["ttft_p50"]),
                                "TTFT p99 (ms)": round(1000 * s["ttft_p99"])}
     return pd.DataFrame(rows).T.rename_axis("route")
+
+
+def gpu_runs(folder: Path | str = GPU_RESULTS) -> dict[str, dict]:
+    """The committed GPU runs of ``benchmarks/lessons_on_gpu.py replicas``: ``{"run1": {"2 replicas": ...,
+    "TP=2": ...}, ...}``, each layout's rehearsal sweep (``llmlab.ops.rehearsal.benchmark``) and memory lines."""
+    runs = {p.stem: json.loads(p.read_text()) for p in sorted(Path(folder).glob("run*.json"))}
+    if not runs:
+        raise FileNotFoundError(f"no run*.json in {folder}: run benchmarks/lessons_on_gpu.py replicas there.")
+    return runs
+
+
+def gpu_table(runs: dict[str, dict] | None = None) -> pd.DataFrame:
+    """Per total requests in flight: output tok/s, TPOT p50 and TTFT p50 of two TP=1 replicas behind the router
+    and of one TP=2 engine, one column per run (the same load for both: 2c requests at c in flight)."""
+    runs = runs if runs is not None else gpu_runs()
+    figures = {"output tok/s": ("output_tokens_per_s", 1, 0), "TPOT p50 ms": ("tpot_p50", 1000, 2),
+               "TTFT p50 ms": ("ttft_p50", 1000, 0)}
+    cols = {}
+    for label, (key, scale, digits) in figures.items():
+        for layout in ("2 replicas", "TP=2"):
+            for run, layouts in runs.items():
+                cols[(label, layout, run)] = {s["concurrency"]: round(scale * s[key], digits)
+                                              for s in layouts[layout]["sweep"]}
+    table = pd.DataFrame(cols).rename_axis("in flight")
+    return table.astype({c: int for c in table.columns if figures[c[0]][2] == 0})
+
+
+def gpu_memory(runs: dict[str, dict] | None = None) -> pd.DataFrame:
+    """Per layout (the first run): weights per GPU and KV tokens per engine as vLLM logged them, the KV tokens in
+    all, and the most one request could use (one engine's pool)."""
+    first = next(iter((runs if runs is not None else gpu_runs()).values()))
+    rows = {}
+    for layout in ("2 replicas", "TP=2"):
+        mem = first[layout]["memory"]
+        mem = mem if isinstance(mem, list) else [mem]
+        tokens = [m["kv_tokens"] for m in mem]
+        rows[layout] = {"engines": len(mem), "weights GiB per GPU": mem[0]["weights_gib"],
+                        "KV tokens per engine": tokens[0], "KV tokens in all": sum(tokens),
+                        "one request's pool": max(tokens)}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("on 2 x H200")
+

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from llmlab import check, cluster, memory, offline, rehearse
+from llmlab import check, cluster, memory, offline, quantization, rehearse
 
 SPEC_405B = memory.model_spec("llama3.1-405b")
 MESSAGE_405B = SPEC_405B.hidden_size * 2  # one token's hidden state in bf16
@@ -466,6 +466,18 @@ def test_h100s_for_405b_fp8_check_names_each_mistake(capsys):
     assert right(capsys, check.h100s_for_405b_fp8, params, 6).startswith("Right: 405.9 GB on 6 H100s")
 
 
+def test_step_overhead_check_names_each_mistake(capsys):
+    table = quantization.gpu_table()
+    step, reading = 1000 / table["batch 1 tok/s"], 1000 / table["ceiling tok/s"]
+    extra = step - reading
+    b, f = extra["bf16"], extra["fp8 weights"]
+    for answer, hint in (((step["bf16"], f), "is the whole step"), ((b, reading["fp8 weights"]), "reading time alone"),
+                         ((-b, f), "is negative"), ((b / 1000, f), "looks like seconds"), ((b, f + 0.3), "from the")):
+        not_yet(check.step_overhead, *answer, hint=hint)
+    out = right(capsys, check.step_overhead, b, f)
+    assert out.startswith("Right: 1.32 ms in bf16 and 1.49 ms with fp8 weights"), out
+
+
 # --- notebook 12: speculative decoding ---------------------------------------------------------------------------
 
 def test_speculative_decoding_checks_name_what_is_wrong(capsys):
@@ -549,6 +561,7 @@ def test_replica_checks_name_what_is_wrong(capsys):
     not_yet(check.replica_kv, one, two, one // 8192, two // 8192, hint="counts both replicas")
     not_yet(check.replica_kv, one, two, 2 * (one // 8192), two // 8192 + 1, hint=f"hold {two // 8192} requests")
 
+
     courses = ["A", "B", "C", "D"]
     prompts = replicas.course_prompts(courses, 6)
     homes = replicas.homes(prompts, ["workshop-salt"] * len(prompts), 2)
@@ -558,3 +571,11 @@ def test_replica_checks_name_what_is_wrong(capsys):
     not_yet(check.cold_prefills, 4, 8, split, hint="computed once there")
     not_yet(check.cold_prefills, 4, 4, split[::-1] if split[0] != split[1] else [0, 24], hint="replica 0 first")
     not_yet(check.cold_prefills, 4, 4, 24, hint="a list of two counts")
+
+
+def test_replica_crossover_check_names_each_mistake(capsys):
+    for answer, hint in (((100, 14870.5, 8011), "one of the measured levels"), ((128, 14870.5, 8011), "still ahead"),
+                         ((256, 29741, 16022), "divide by 2"), ((256, 14640.5, 8011), "replicas_per_gpu"),
+                         ((256, 14870.5, 8568), "tp2_per_gpu")):
+        not_yet(check.replica_crossover, *answer, hint=hint)
+    assert right(capsys, check.replica_crossover, 256, 14870.5, 8011).startswith("Right: from 256 in flight: 14,870")

@@ -1,6 +1,9 @@
 """Quantization (notebook 11, ``llmlab.quantization``): the arithmetic of fp8 weights and an fp8 KV cache, the checks'
 hints, and the real CPU engine with an fp8 KV cache -- its logged KV tokens and its logprobs."""
 
+import json
+import re
+
 import pytest
 
 import llmlab
@@ -26,6 +29,31 @@ def test_an_fp8_kv_cache_holds_four_times_the_float32_tokens_and_two_times_bf16(
     assert list(table["KV tokens"]) == [524_288, 1_048_576, 2_097_152]  # 1 GiB / bytes per token
     with pytest.raises(memory.UnknownName, match="Unknown KV cache dtype 'int4'.*--kv-cache-dtype takes"):
         quantization.kv_table(("int4",))
+
+
+def test_the_committed_h200_fp8_runs_hold_the_arithmetic():
+    """benchmarks/results/h200x2-llama3.1-8b-fp8 (notebook 11, section 7): each setting's logged KV tokens are its
+    log excerpt's, the fp8 cache holds twice the tokens in the same memory, the weights fp8 freed became KV tokens
+    (to 2 %), and each ceiling is the bandwidth over the logged weights less one bf16 embedding."""
+    from llmlab.rehearse import LOG_EXCERPT, parse_memory_log
+
+    table = quantization.gpu_table()
+    assert list(table.index) == ["bf16", "fp8 weights", "fp8 weights + fp8 KV"]
+    folder = quantization.GPU_RESULTS.parent
+    for name, row in table.iterrows():
+        excerpt = folder / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") / LOG_EXCERPT
+        mem = parse_memory_log(excerpt.read_text())
+        assert (mem.kv_tokens, mem.weights_gib) == (row["KV tokens"], row["weights GiB"]), name
+        assert 0.5 < row["of ceiling"] < 0.8, name  # a decode below its bandwidth ceiling, as in notebook 09
+    kv = table["KV tokens"]
+    assert abs(kv["fp8 weights + fp8 KV"] / kv["fp8 weights"] - 2) < 1e-3
+    freed = (table.loc["bf16", "weights GiB"] - table.loc["fp8 weights", "weights GiB"]) * memory.GiB
+    assert freed / memory.kv_bytes_per_token("llama3.1-8b") == pytest.approx(kv["fp8 weights"] - kv["bf16"], rel=0.02)
+    runs = json.loads(quantization.GPU_RESULTS.read_text())
+    embedding = 128_256 * 4096 * 2
+    assert table.loc["bf16", "ceiling tok/s"] == round(runs["machine"]["bandwidth_tb_s"] * 1e12
+                                                       / (15.0 * memory.GiB - embedding))
+    assert table.loc["fp8 weights", "batch 1 tok/s"] > 1.3 * table.loc["bf16", "batch 1 tok/s"]
 
 
 def test_the_405b_in_fp8_fits_one_node_where_bf16_needs_two():

@@ -64,6 +64,32 @@ def request(body: dict | None = None) -> proxy.Request:
     return r
 
 
+def test_the_committed_h200_runs_compare_the_same_load_and_count_every_request():
+    """benchmarks/results/h200x2-llama3.1-8b-replicas-vs-tp2 (notebook 15, section 5): both runs measured both layouts
+    at the same levels, every request of the benchmark reached a replica (dealt evenly), and the logged KV tokens
+    are the log excerpts'."""
+    from llmlab.rehearse import LOG_EXCERPT, parse_memory_log
+
+    runs = replicas.gpu_runs()
+    assert list(runs) == ["run1", "run2"]
+    table = replicas.gpu_table(runs)
+    assert list(table.index) == [1, 8, 64, 128, 256]
+    assert table.notna().all().all() and (table["output tok/s"] > 0).all().all()
+    for run, layouts in runs.items():
+        sweep = layouts["2 replicas"]["sweep"]
+        # rehearsal.benchmark: 2 warm-ups, 5 at batch 1, then per level 1 warm-up and the level's requests
+        sent = 2 + 5 + sum(1 + s["requests"] for s in sweep)
+        assert all(s["ok"] == s["requests"] for s in sweep)
+        dealt = layouts["2 replicas"]["requests_per_replica"]
+        assert sum(dealt) == sent and abs(dealt[0] - dealt[1]) <= 1, (run, dealt)
+        for folder, mem in (("replica-0", layouts["2 replicas"]["memory"][0]), ("tp-2", layouts["TP=2"]["memory"])):
+            excerpt = replicas.GPU_RESULTS / run / folder / LOG_EXCERPT
+            assert parse_memory_log(excerpt.read_text()).kv_tokens == mem["kv_tokens"], (run, folder)
+    memory = replicas.gpu_memory(runs)
+    assert memory.loc["TP=2", "KV tokens in all"] > memory.loc["2 replicas", "KV tokens in all"]
+    assert memory.loc["2 replicas", "one request's pool"] * 2 == memory.loc["2 replicas", "KV tokens in all"]
+
+
 def test_least_loaded_takes_the_idlest_and_takes_turns_when_idle(key_ring):
     p = proxy.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring)
     a, b = p.replicas

@@ -36,9 +36,9 @@ from llmlab.check.memory import (  # noqa: F401
 from llmlab.check.offline import chat_prompt_ids, offline_batch, offline_sampling  # noqa: F401
 from llmlab.check.online import ended_by_model, first_completion, stopped_at  # noqa: F401
 from llmlab.check.prefixcache import room_blocks, room_hit_rate  # noqa: F401
-from llmlab.check.quantization import fp8_kv_tokens, h100s_for_405b_fp8  # noqa: F401
+from llmlab.check.quantization import fp8_kv_tokens, h100s_for_405b_fp8, step_overhead  # noqa: F401
 from llmlab.check.rehearse import rehearsal_kv_tokens, rehearsal_roofline, rehearsal_tp_per_gpu  # noqa: F401
-from llmlab.check.replicas import cold_prefills, replica_kv  # noqa: F401
+from llmlab.check.replicas import cold_prefills, replica_crossover, replica_kv  # noqa: F401
 from llmlab.check.sampling import same_text, survivors  # noqa: F401
 from llmlab.check.speculative import draft_length, spec_rates  # noqa: F401
 from llmlab.check.structured import parsed, verse_regex  # noqa: F401

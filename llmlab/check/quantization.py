@@ -1,11 +1,13 @@
-"""Checks of notebook 11, quantization (``llmlab.quantization``): an fp8 KV cache's tokens, the 405B in fp8.
+"""Checks of notebook 11, quantization (``llmlab.quantization``): an fp8 KV cache's tokens, the 405B in fp8, and
+what a measured decode step spends beside reading the weights.
 
-Every expected figure comes from ``llmlab.memory``; the first one the lesson also read in vLLM's own log.
+The expected figures come from ``llmlab.memory`` (the first one the lesson also read in vLLM's own log) and from
+the committed H200 runs (``quantization.gpu_table``).
 """
 
 from __future__ import annotations
 
-from llmlab.check.verdict import _whole, require, right
+from llmlab.check.verdict import _number, _whole, require, right
 
 
 def fp8_kv_tokens(tokens) -> None:
@@ -47,3 +49,27 @@ def h100s_for_405b_fp8(nbytes, count) -> None:
             "- 3 GiB (in bytes), then round up.")
     right(f"{n / 1e9:.1f} GB on {k} H100s ({found.weights:.2f} cards' worth), half of bf16's {bf16}: one node of 8 "
           "holds the weights and leaves room for the KV cache, where bf16 needs two nodes.")
+
+
+def step_overhead(extra_bf16, extra_fp8) -> None:
+    """11: milliseconds of a measured batch-1 step (the 8B on an H200, ``quantization.gpu_table``) beyond the time to
+    read the weights once, in bf16 and with fp8 weights."""
+    from llmlab import quantization
+
+    table = quantization.gpu_table()
+    step = 1000 / table["batch 1 tok/s"]
+    reading = 1000 / table["ceiling tok/s"]
+    for name, value, what in (("bf16", extra_bf16, "extra_bf16"), ("fp8 weights", extra_fp8, "extra_fp8")):
+        x = _number(value, what)
+        require(abs(x - step[name]) > 0.05, f"{what} is the whole step (1000 / its batch 1 tok/s); subtract the time "
+                "to read the weights once, 1000 / its ceiling tok/s.")
+        require(abs(x - reading[name]) > 0.05, f"{what} is the reading time alone; the question is the rest of the "
+                "step: the measured step minus it.")
+        require(abs(x + step[name] - reading[name]) > 0.05, f"{what} is negative: the measured step is the longer "
+                "one, so subtract the ceiling's step from it.")
+        require(abs(x * 1000 - (step[name] - reading[name])) > 0.05, f"{what} looks like seconds; give milliseconds.")
+        require(abs(x - (step[name] - reading[name])) <= 0.05, f"{what}: 1000 / batch 1 tok/s - 1000 / ceiling tok/s, "
+                f"from the '{name}' row.")
+    right(f"{extra_bf16:.2f} ms in bf16 and {extra_fp8:.2f} ms with fp8 weights: the part of a step that is not "
+          "reading weights did not shrink (fp8 even adds the quantizing of each activation), so halving the bytes "
+          f"took the step from {step['bf16']:.2f} to {step['fp8 weights']:.2f} ms, not to half.")

@@ -1,9 +1,10 @@
 """Checks of notebook 15, replicas behind a router (``llmlab.replicas``): the KV room of two TP=1 replicas against
-one TP=2 engine, and the cold prefills of a room under least-loaded and prefix-aware routing."""
+one TP=2 engine, the cold prefills of a room under least-loaded and prefix-aware routing, and where the replicas
+overtook TP=2 on two H200s (``replicas.gpu_table``)."""
 
 from __future__ import annotations
 
-from llmlab.check.verdict import _whole, require, right
+from llmlab.check.verdict import _number, _whole, require, right
 
 # Exercise 1: Llama 3.1 8B in bf16 on two H100s of 80 GB, requests of 8,192 tokens.
 CONTEXT = 8192
@@ -74,3 +75,25 @@ def cold_prefills(least_loaded, prefix, prefix_requests) -> None:
     right(f"{least_loaded} cold prefills dealt in turn, {prefix} by prefix, requests {want_requests}: with an even "
           "number of courses, taking turns happens to keep each course on one replica too. Real rooms do not "
           "arrive in such order, and prefix routing does not depend on it.")
+
+
+def replica_crossover(crossover, replicas_per_gpu, tp2_per_gpu) -> None:
+    """15: the fewest requests in flight at which two replicas out-served the TP=2 engine in both H200 runs, and
+    each layout's output tokens/s per GPU there, in run 1."""
+    from llmlab import replicas
+
+    tok = replicas.gpu_table()["output tok/s"]
+    ahead = (tok["2 replicas"].min(axis=1) > tok["TP=2"].max(axis=1))
+    level = int(ahead[ahead].index.min())
+    c = _whole(crossover, "crossover")
+    require(c in tok.index, f"crossover is one of the measured levels: {', '.join(map(str, tok.index))}.")
+    require(not (c < level), f"at {c} in flight the TP=2 engine was still ahead in at least one run: compare "
+            "tok['2 replicas'] with tok['TP=2'] row by row.")
+    require(c == level, f"the replicas were ahead in both runs already at fewer than {c} in flight.")
+    rep, tp2 = tok.loc[level, ("2 replicas", "run1")], tok.loc[level, ("TP=2", "run1")]
+    r, t = _number(replicas_per_gpu, "replicas_per_gpu"), _number(tp2_per_gpu, "tp2_per_gpu")
+    require(abs(r - rep) > 1 and abs(t - tp2) > 1, "those are each layout's total; both use two GPUs, so divide by 2.")
+    require(abs(r - rep / 2) <= 1, f"replicas_per_gpu: run 1's '2 replicas' output tok/s at {level}, over 2 GPUs.")
+    require(abs(t - tp2 / 2) <= 1, f"tp2_per_gpu: run 1's 'TP=2' output tok/s at {level}, over its 2 GPUs.")
+    right(f"from {level} in flight: {r:,.0f} against {t:,.0f} tokens/s per GPU. Below that one TP=2 engine served "
+          "more; a replica given half the requests runs half a batch, which costs a GPU almost a whole step.")

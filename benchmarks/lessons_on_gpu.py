@@ -4,6 +4,8 @@
                                                              #   fp8 KV cache, one GPU each, as many at once as fit
     python benchmarks/lessons_on_gpu.py replicas --out DIR   # lesson 15: two TP=1 replicas behind llmlab's router,
                                                              #   then one TP=2 engine, on the same two GPUs
+    python benchmarks/lessons_on_gpu.py determinism --out DIR  # lesson 14: one GPU, default kernels against
+                                                             #   VLLM_BATCH_INVARIANT=1, a request alone and amid 63
 
 On the course's lent machines, which download nothing: ``benchmarks/rehearse_on_device.sh lessons quant ...``.
 
@@ -50,14 +52,15 @@ class Engine:
     """One vLLM of the ``llama3.1-8b`` job on ``gpus``, with ``extra`` flags, behind its own proxy (started, not
     waited for: several start side by side)."""
 
-    def __init__(self, name: str, gpus: list[int], out: Path, extra=(), tp: int = 1):
+    def __init__(self, name: str, gpus: list[int], out: Path, extra=(), tp: int = 1, env=None, **job):
         self.name, self.gpus, self.dir = name, gpus, out / slug(name)
-        job = rehearsal.rehearsal_job(MODEL, tp=tp)
+        job = rehearsal.rehearsal_job(MODEL, tp=tp, **job)
         self.job = dataclasses.replace(job, extra_args=(*job.extra_args, *extra))
         self.tokens = rehearsal.make_dummy_model(MODEL, self.dir / "model")["prompt_ids"]
         self.run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))
-        argv, env, self.line = rehearsal.serve_argv(self.job, self.dir / "model", 0, uds=self.socket)
-        env = {**os.environ, **env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
+        argv, serve_env, line = rehearsal.serve_argv(self.job, self.dir / "model", 0, uds=self.socket)
+        self.line = " ".join([*(f"{k}={v}" for k, v in (env or {}).items()), line])  # the setting's own variables
+        env = {**os.environ, **serve_env, **(env or {}), "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
                "PYTHONPATH": os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)}
         self.srv = rehearsal.server(argv, env, self.dir / "server.log", self.run_dir)
         self.t0 = time.monotonic()
@@ -166,6 +169,68 @@ def tp2(out: Path, timeout: float, concurrency=CONCURRENCY, extra=()) -> None:
         tp.stop()
 
 
+def determinism(out: Path, timeout: float, others: int = 63, rounds: int = 3) -> None:
+    """Notebook 14 on a GPU: the ``llama3.1-8b`` job on GPU 0 with vLLM's default kernels, then with
+    ``VLLM_BATCH_INVARIANT=1``.  On each, one greedy request (64 prompt tokens, 48 out, with logprobs) alone
+    ``rounds`` times, then ``rounds`` times amid ``others`` requests: the same tokens, the same bits?  Then what the
+    mode costs: batch 1 and 64 in flight.  An engine that does not start is recorded with its log's errors."""
+    from llmlab.quantization import error_lines
+
+    for name, env in {"default kernels": {}, "batch-invariant": {"VLLM_BATCH_INVARIANT": "1"}}.items():
+        e = Engine(name, [0], out, env=env)
+        try:
+            try:
+                start_all([e], timeout)
+            except Exception as err:  # noqa: BLE001 -- recorded; the other setting still runs
+                errors = error_lines(e.srv.log_path.read_text(errors="replace"))[:8]
+                save(out, name, {"serve_line": e.line, "failed": str(err)[-1500:], "errors": errors})
+                continue
+            alone, amid = repeat_request(e, others, rounds)
+            bench = rehearsal.benchmark(e.srv, e.job.name, e.tokens, concurrency=(64,), batch1_requests=3,
+                                        progress=False)
+            save(out, name, {"serve_line": e.line, "startup_s": round(e.startup_s, 1), "alone": alone,
+                             "amid_others": amid, "others": others, **bench})
+        finally:
+            e.stop()
+
+
+def repeat_request(e: Engine, others: int, rounds: int) -> tuple[list, list]:
+    """One greedy request ``rounds`` times alone and ``rounds`` times sent while ``others`` are running, each
+    compared with its first answer (:func:`compare`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    client = openai.OpenAI(base_url=e.srv.base_url, api_key=e.srv.api_key, max_retries=0, timeout=300)
+    jobs = rehearsal.workload(others + 1, e.tokens, 64, 48, seed=3)
+
+    def ask(prompt):
+        r = client.completions.create(model=e.job.name, prompt=prompt, max_tokens=48, temperature=0, logprobs=1)
+        return r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs
+
+    reference = ask(jobs[0].prompt)
+    alone = [compare(reference, ask(jobs[0].prompt)) for _ in range(rounds)]
+    amid = []
+    with ThreadPoolExecutor(others) as pool:
+        for _ in range(rounds):
+            crowd = [pool.submit(ask, j.prompt) for j in jobs[1:]]
+            time.sleep(0.2)  # the others are running: the request joins their batch
+            amid.append(compare(reference, ask(jobs[0].prompt)))
+            for f in crowd:
+                f.result()
+    return alone, amid
+
+
+def compare(reference: tuple, answer: tuple) -> dict:
+    """Two (tokens, logprobs) answers to one greedy request: the same tokens?  Where they part, and the largest
+    logprob difference before that (0.0: the same bits)."""
+    (t0, l0), (t1, l1) = reference, answer
+    parted = next((i for i, (a, b) in enumerate(zip(t0, t1, strict=False)) if a != b), None)
+    upto = parted if parted is not None else min(len(l0), len(l1))
+    diffs = [abs(a - b) for a, b in zip(l0[:upto], l1[:upto], strict=True) if a is not None and b is not None]
+    return {"same_tokens": t0 == t1, "parted_at": parted, "max_logprob_diff": max(diffs, default=0.0)}
+
+
 def busy(pid: int, fn) -> tuple:
     """Run ``fn()`` while sampling, every 0.5 s, the CPU use of process ``pid`` and all its descendants; returns
     (fn's result, {process title: mean CPU % over the run}) (100 % = one core kept busy)."""
@@ -197,14 +262,14 @@ def busy(pid: int, fn) -> tuple:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("phase", choices=["quant", "replicas", "tp2"])
+    ap.add_argument("phase", choices=["quant", "replicas", "tp2", "determinism"])
     ap.add_argument("--vllm-args", default="", help="tp2: extra vllm serve flags, e.g. '--api-server-count 2'")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--timeout", type=float, default=400.0, help="seconds for each engine's /health")
     args = ap.parse_args()
     facts = rehearsal.gpu_facts()
-    if facts.get("count", 0) < 2:
-        sys.exit(f"{facts.get('count', 0)} GPU(s) here: this benchmark needs 2 (replicas and TP=2 share them).")
+    if facts.get("count", 0) < (1 if args.phase == "determinism" else 2):
+        sys.exit(f"{facts.get('count', 0)} GPU(s) here: this phase needs 2 (replicas and TP=2 share them).")
     out = args.out / args.phase
     out.mkdir(parents=True, exist_ok=True)
     save(out, "machine", {"gpu": facts["name"], "gpus": facts["count"], "bandwidth_tb_s": facts["bandwidth_bytes_s"]
@@ -213,6 +278,8 @@ def main() -> None:
         quant(out, facts["count"], args.timeout)
     elif args.phase == "replicas":
         replicas(out, args.timeout)
+    elif args.phase == "determinism":
+        determinism(out, args.timeout)
     else:
         tp2(out, args.timeout, (64, 128, 256), tuple(args.vllm_args.split()))
 

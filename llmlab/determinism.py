@@ -12,18 +12,25 @@ This module measures each source: :func:`answer` asks a live server greedily for
 (``quantization.ask``, under a fresh ``cache_salt`` unless the prefix cache is wanted), :func:`under_load` asks
 while other requests keep the server's batches full, and notebook 11's :func:`~llmlab.quantization.drift` says
 how far two answers are apart.  Without a server, :func:`batch_rows` shows the cause in one matrix product, and
-:func:`batched_logits` in the tiny model itself, run by PyTorch alone and in a batch.
+:func:`batched_logits` in the tiny model itself, run by PyTorch alone and in a batch.  What vLLM's batch-invariant
+mode costs on a GPU, which the CPU build cannot run, comes from a committed H200 run (:func:`gpu_table`).
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
+from pathlib import Path
 
 import pandas as pd
 
 from llmlab import loadtest
 from llmlab.quantization import ask, drift  # noqa: F401  (drift: re-exported for the notebook)
+from llmlab.rehearse import RESULTS_DIR
+
+# benchmarks/lessons_on_gpu.py determinism on one H200 (2026-11-26): default kernels, then VLLM_BATCH_INVARIANT=1.
+GPU_RESULTS = RESULTS_DIR / "h200-llama3.1-8b-determinism" / "determinism.json"
 
 
 def answer(client, model: str, prompt: str, max_tokens: int = 32, fresh: bool = True):
@@ -125,3 +132,25 @@ def first_varying_batch(rows: int = 16, inner: int = 512, outer: int = 512, seed
     x, w = _operands(rows, inner, outer, seed)
     alone = (x[:1] @ w)[0]
     return next((n for n in range(1, rows + 1) if not torch.equal((x[:n] @ w)[0], alone)), None)
+
+
+def gpu_table(path: Path | str = GPU_RESULTS) -> pd.DataFrame:
+    """The GPU run of ``benchmarks/lessons_on_gpu.py determinism``, one row per setting: how many repetitions of one
+    greedy request gave its first answer's tokens and logprobs to the bit, alone and amid the other requests, and
+    the speed (batch 1, and 64 requests in flight)."""
+    runs = json.loads(Path(path).read_text())
+    runs.pop("machine")
+    rows = {}
+    for name, r in runs.items():
+        c64 = next(s for s in r["sweep"] if s["concurrency"] == 64)
+        rows[name] = {"alone: same bits": _same_bits(r["alone"]), f"amid {r['others']} others: same bits":
+                      _same_bits(r["amid_others"]), "batch 1 tok/s": round(1 / r["batch1"]["tpot_p50"]),
+                      "c=64 tok/s": round(c64["output_tokens_per_s"]), "c=64 TPOT ms": round(1000 * c64["tpot_p50"], 2)}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("Llama 3.1 8B on one H200")
+
+
+def _same_bits(repeats: list[dict]) -> str:
+    """'k of n': the repetitions whose tokens and logprobs equal the first answer's to the bit."""
+    same = sum(r["same_tokens"] and r["max_logprob_diff"] == 0 for r in repeats)
+    return f"{same} of {len(repeats)}"
+

@@ -64,3 +64,25 @@ def test_a_seed_repeats_a_sampled_answer(conn):
 def test_torch_sums_depend_on_their_order():
     values = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
     assert values.sum().item() != values.flip(0).sum().item()  # the lesson's section 2, as it prints
+
+
+def test_the_committed_h200_run_of_batch_invariant_mode():
+    """benchmarks/results/h200-llama3.1-8b-determinism (notebook 14, section 7): both settings ran, the table counts
+    each repetition that matched its first answer to the bit, and the mode's speed is read from its own sweep."""
+    import json
+
+    from llmlab.rehearse import LOG_EXCERPT, parse_memory_log
+
+    table = determinism.gpu_table()
+    assert list(table.index) == ["default kernels", "batch-invariant"]
+    runs = json.loads(determinism.GPU_RESULTS.read_text())
+    for name, row in table.iterrows():
+        run = runs[name]
+        same = sum(r["same_tokens"] and r["max_logprob_diff"] == 0 for r in run["alone"])
+        assert row["alone: same bits"] == f"{same} of {len(run['alone'])}"
+        assert row["batch 1 tok/s"] == round(1 / run["batch1"]["tpot_p50"])
+        excerpt = (determinism.GPU_RESULTS.parent / name.replace(" ", "-") / LOG_EXCERPT).read_text()
+        assert parse_memory_log(excerpt).kv_tokens > 0
+        assert ("VLLM_BATCH_INVARIANT=1" in run["serve_line"]) == (name == "batch-invariant")
+    assert table.loc["batch-invariant", "c=64 tok/s"] < table.loc["default kernels", "c=64 tok/s"]
+

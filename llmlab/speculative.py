@@ -7,42 +7,63 @@ answer is exactly the model's own; with sampling, vLLM's rejection sampler keeps
 simplest drafter needs no second model: **n-gram (prompt-lookup) drafting** finds the last few tokens earlier in
 the prompt or the answer and proposes what followed them there.
 
-The server's ``--speculative-config`` takes the method and ``k``; :func:`ngram_args` builds it and refuses a bad one
-before vLLM does.  vLLM counts drafts, drafted and accepted tokens on ``/metrics``; :func:`spec_snapshot` reads them,
-:func:`spec_delta` turns two snapshots into the acceptance rate and tokens per step, and
-:func:`expected_tokens_per_step` is the textbook prediction to hold them against.
+A **draft model** guesses from the language instead: a smaller model of the same vocabulary (the course ships
+``llmlab-tiny-draft``) runs ``k`` cheap passes per step.  The server's ``--speculative-config`` takes the method and
+``k``; :func:`ngram_args` and :func:`draft_args` build it and refuse a bad one before vLLM does.  vLLM counts
+drafts, drafted and accepted tokens on ``/metrics``; :func:`spec_snapshot` reads them, :func:`spec_delta` turns two
+snapshots into the acceptance rate and tokens per step, and :func:`expected_tokens_per_step` is the textbook
+prediction to hold them against.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 
 from llmlab import loadtest
 from llmlab.kvcache import FINISHED, GENERATED, wait_for_request
+from llmlab.serve.embedded import TINY_MODEL
 from llmlab.serve.metrics import Metrics, fetch_metrics
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"                 # steps in which a draft was proposed
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"     # tokens proposed (k per draft)
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"      # of those, accepted by the model
 ACCEPTED_AT = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # accepted at draft position 0, 1, ...
+DRAFT_MODEL = TINY_MODEL.parent / "llmlab-tiny-draft"  # python -m llmlab.ops.tinymodel --draft
+
+
+def _check_tokens(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r}: give a whole number of tokens, at least 1.")
+    if values["k"] > 16:
+        raise ValueError(f"k={values['k']}: a draft that long is almost never accepted whole and every rejected token "
+                         "costs compute; vLLM's examples use 2 to 8.")
 
 
 def ngram_args(k: int = 4, lookup_min: int = 2, lookup_max: int = 4) -> list[str]:
     """``vllm serve`` flags for n-gram drafting: propose ``k`` tokens after the longest match of the last
     ``lookup_min``..``lookup_max`` tokens found earlier in the sequence."""
-    for name, value in (("k", k), ("lookup_min", lookup_min), ("lookup_max", lookup_max)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r}: give a whole number of tokens, at least 1.")
+    _check_tokens(k=k, lookup_min=lookup_min, lookup_max=lookup_max)
     if lookup_min > lookup_max:
         raise ValueError(f"lookup_min={lookup_min} > lookup_max={lookup_max}: the shortest n-gram to look up "
                          "cannot be longer than the longest.")
-    if k > 16:
-        raise ValueError(f"k={k}: a draft that long is almost never accepted whole and every rejected token costs "
-                         "compute; vLLM's examples use 2 to 8.")
     config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": lookup_min,
               "prompt_lookup_max": lookup_max}
+    return ["--speculative-config", json.dumps(config)]
+
+
+def draft_args(k: int = 4, model: str | Path = DRAFT_MODEL) -> list[str]:
+    """``vllm serve`` flags for drafting with a small model (default: the course's ``llmlab-tiny-draft``): it runs
+    ``k`` passes of its own to propose ``k`` tokens.  It must share the served model's vocabulary: the same token
+    ids, or its guesses mean other words."""
+    _check_tokens(k=k)
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"{model}: no config.json there. Give the folder of a draft model with the served "
+                                "model's tokenizer (the course ships llmlab/models/llmlab-tiny-draft).")
+    config = {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
     return ["--speculative-config", json.dumps(config)]
 
 

@@ -1,9 +1,11 @@
 """Speculative decoding (notebook 12, ``llmlab.speculative``): flags refused before vLLM sees them, the textbook
-formula, the counters' arithmetic, and a plain engine taking one pass per token.
+formula, the counters' arithmetic, the shipped draft model's vocabulary, and a plain engine taking one pass per
+token.
 
-The drafting engine itself is asserted by notebook 12's cells, which ``make test`` runs under nbval in the same
-session: the same greedy text and logprobs (within 1e-4) as the plain engine, drafts of k tokens, a loop drafted
-whole (acceptance > 0.9, more than 3 tokens per pass), acceptance that falls with the position.  A second
+The drafting engines themselves are asserted by notebook 12's cells, which ``make test`` runs under nbval in the
+same session: the same greedy text and logprobs (within 1e-4) as the plain engine, drafts of k tokens, a loop
+drafted whole (acceptance > 0.9, more than 3 tokens per pass), acceptance that falls with the position, and the
+draft model's engine giving the plain engine's text with drafts of k tokens.  A second
 drafting engine here only started the same engine again (56 s of CI's `make test`, issue 23)."""
 
 import json
@@ -27,6 +29,23 @@ def test_ngram_flags_and_the_mistakes_refused_before_vllm_sees_them():
                             ({"k": 40}, "vLLM's examples use 2 to 8")):
         with pytest.raises(ValueError, match=message):
             speculative.ngram_args(**kwargs)
+
+
+def test_draft_model_flags_name_the_shipped_draft_and_refuse_a_folder_without_a_model(tmp_path):
+    flag, config = speculative.draft_args(k=3)
+    assert flag == "--speculative-config"
+    assert json.loads(config) == {"method": "draft_model", "model": str(speculative.DRAFT_MODEL),
+                                  "num_speculative_tokens": 3}
+    draft = json.loads((speculative.DRAFT_MODEL / "config.json").read_text())
+    tiny = json.loads((speculative.TINY_MODEL / "config.json").read_text())
+    assert draft["vocab_size"] == tiny["vocab_size"]  # the same token ids, or its guesses mean other words
+    assert (speculative.DRAFT_MODEL / "tokenizer.json").read_text() == (speculative.TINY_MODEL
+                                                                        / "tokenizer.json").read_text()
+    assert draft["num_hidden_layers"] * draft["hidden_size"] < tiny["num_hidden_layers"] * tiny["hidden_size"]
+    with pytest.raises(FileNotFoundError, match="no config.json there"):
+        speculative.draft_args(model=tmp_path)
+    with pytest.raises(ValueError, match="k=0: give a whole number"):
+        speculative.draft_args(k=0)
 
 
 def test_expected_tokens_per_step_is_the_geometric_sum():

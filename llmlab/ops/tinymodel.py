@@ -43,6 +43,11 @@ ARCH = dict(
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
 )
+# The draft model of notebook 12 (speculative decoding): the same tokenizer and text, a quarter of the work per
+# token (2 layers, hidden 128; the head size stays 32), so that drafting 4 tokens costs less than one pass of the
+# tiny model.  A drafter must share the target's vocabulary: its tokenizer is copied, not trained again.
+DRAFT_ARCH = dict(ARCH, hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4)
+DRAFT_DIR = MODEL_DIR.parent / "llmlab-tiny-draft"
 TRAIN = dict(seed=1234, steps=1400, batch=8, context=512, lr=3e-3, warmup=100, weight_decay=0.1,
              clip=1.0, val_fraction=0.02, threads=2)
 SPECIALS = ["<s>", "</s>", "<pad>"]
@@ -174,9 +179,12 @@ def evaluate(model, data, n_batches: int = 20) -> float:
     return float(sum(losses) / len(losses))
 
 
-def train(out_dir: Path, sword_dir: Path | None, steps: int | None = None) -> dict:
+def train(out_dir: Path, sword_dir: Path | None, steps: int | None = None, arch: dict | None = None,
+          tokenizer_from: Path | None = None) -> dict:
+    """Train a model of ``arch`` (default: the tiny model's) on the corpus; with ``tokenizer_from``, reuse that
+    model's tokenizer (a draft model must share its target's token ids) instead of training one."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     if steps:
         TRAIN["steps"] = steps
@@ -185,14 +193,19 @@ def train(out_dir: Path, sword_dir: Path | None, steps: int | None = None) -> di
     t0 = time.time()
     paras = load_corpus(sword_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fast = train_tokenizer(paras, out_dir)
+    if tokenizer_from is not None:  # the files as they are: the same ids, the same template
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy2(tokenizer_from / name, out_dir / name)
+        fast = AutoTokenizer.from_pretrained(out_dir)
+    else:
+        fast = train_tokenizer(paras, out_dir)
     data = encode(fast, paras)
     n_val = int(len(data) * TRAIN["val_fraction"])
     train_data, val_data = data[:-n_val], data[-n_val:]
     print(f"corpus: {len(paras)} paragraphs, {sum(map(len, paras)) / 1e6:.1f} M characters, "
           f"{len(data) / 1e6:.2f} M tokens ({time.time() - t0:.0f} s)", flush=True)
 
-    config = LlamaConfig(**ARCH, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+    config = LlamaConfig(**(arch or ARCH), bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
                          pad_token_id=fast.pad_token_id)
     model = LlamaForCausalLM(config)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -259,10 +272,14 @@ def samples(model_dir: Path, prompt: str = "In the beginning", max_new_tokens: i
     return out
 
 
-README = """# llmlab-tiny
+PURPOSE = {"llmlab-tiny": "so that the real vLLM engine has a\nreal model to serve on a laptop or in CI, with no "
+                          "download.",
+           "llmlab-tiny-draft": "as the draft model of notebook 12\n(speculative decoding): the tiny model's "
+                                "tokenizer, trained on the same text, at a quarter of the\nwork per token."}
+README = """# {name}
 
-A {params:,}-parameter `LlamaForCausalLM` trained for the llmlab course, so that the real vLLM engine has a
-real model to serve on a laptop or in CI, with no download.  Not useful for anything but teaching.
+A {params:,}-parameter `LlamaForCausalLM` trained for the llmlab course, {purpose}
+Not useful for anything but teaching.
 
 - architecture: {layers} layers, hidden {hidden}, MLP {inter}, {heads} query heads sharing {kv} KV heads
   (grouped-query attention), context {ctx} tokens, tied input/output embeddings
@@ -271,7 +288,7 @@ real model to serve on a laptop or in CI, with no download.  Not useful for anyt
 - weights: float32 safetensors (serve with `--dtype float32` to match transformers exactly)
 - corpus: the World English Bible, 2015 revision (public domain), from Debian's `sword-text-web`
   package: {paras:,} paragraphs, {corpus_tokens:,} tokens, the last 2 % held out
-- training: `python -m llmlab.ops.tinymodel` (seed {seed}): {steps} steps of {batch} x {context} tokens
+- training: `{command}` (seed {seed}): {steps} steps of {batch} x {context} tokens
   ({tokens_seen:,} tokens, {epochs:.1f} epochs), AdamW, peak lr {lr} with warm-up and cosine decay
 - time: {minutes} minutes on 2 CPU cores
 - final loss (cross-entropy, nats per token): train {train_loss}, held-out {val_loss}
@@ -297,6 +314,8 @@ def write_readme(out_dir: Path, paras: int, sample: dict) -> None:
     config = json.loads((out_dir / "config.json").read_text())
     recipe = stats["recipe"]
     text = README.format(
+        name=out_dir.name, purpose=PURPOSE.get(out_dir.name, ""),
+        command="python -m llmlab.ops.tinymodel" + (" --draft" if out_dir.name == DRAFT_DIR.name else ""),
         params=stats["parameters"], layers=config["num_hidden_layers"], hidden=config["hidden_size"],
         inter=config["intermediate_size"], heads=config["num_attention_heads"], kv=config["num_key_value_heads"],
         ctx=config["max_position_embeddings"], vocab=config["vocab_size"], paras=paras,
@@ -313,9 +332,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=MODEL_DIR)
     parser.add_argument("--sword-dir", type=Path, help="an unpacked engWEB2015eb module (default: apt-get download)")
     parser.add_argument("--steps", type=int, help=f"training steps (default {TRAIN['steps']})")
+    parser.add_argument("--draft", action="store_true", help=f"train notebook 12's draft model into {DRAFT_DIR.name}")
     args = parser.parse_args(argv)
+    if args.draft and args.out == MODEL_DIR:
+        args.out = DRAFT_DIR
     tmp_out = Path(tempfile.mkdtemp(prefix="llmlab-tiny-"))
-    train(tmp_out, args.sword_dir, args.steps)
+    train(tmp_out, args.sword_dir, args.steps, arch=DRAFT_ARCH if args.draft else None,
+          tokenizer_from=MODEL_DIR if args.draft else None)
     for name in ("training.json", "config.json", "generation_config.json", "model.safetensors",
                  "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
         if (tmp_out / name).exists():

@@ -1,9 +1,12 @@
-"""Lessons 11 and 15 on real GPUs: what the CPU build cannot run, measured with vLLM's CUDA build and dummy weights.
+"""Lessons 11, 14 and 15 on real GPUs: what the CPU build cannot run, measured with vLLM's CUDA build and dummy
+weights.
 
     python benchmarks/lessons_on_gpu.py quant --out DIR      # lesson 11: bf16, --quantization fp8, and fp8 + an
                                                              #   fp8 KV cache, one GPU each, as many at once as fit
     python benchmarks/lessons_on_gpu.py replicas --out DIR   # lesson 15: two TP=1 replicas behind llmlab's router,
                                                              #   then one TP=2 engine, on the same two GPUs
+    python benchmarks/lessons_on_gpu.py tp2 --vllm-args "--api-server-count 2" --out DIR  # TP=2 alone, with flags,
+                                                             #   and the CPU of its processes at 256 in flight
     python benchmarks/lessons_on_gpu.py determinism --out DIR  # lesson 14: one GPU, default kernels against
                                                              #   VLLM_BATCH_INVARIANT=1, a request alone and amid 63
 

@@ -24,14 +24,13 @@ import pandas as pd
 
 from llmlab import loadtest
 from llmlab.kvcache import FINISHED, GENERATED, wait_for_request
-from llmlab.serve.embedded import TINY_MODEL
+from llmlab.serve.embedded import DRAFT_MODEL
 from llmlab.serve.metrics import Metrics, fetch_metrics
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"                 # steps in which a draft was proposed
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"     # tokens proposed (k per draft)
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"      # of those, accepted by the model
 ACCEPTED_AT = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # accepted at draft position 0, 1, ...
-DRAFT_MODEL = TINY_MODEL.parent / "llmlab-tiny-draft"  # python -m llmlab.ops.tinymodel --draft
 
 
 def _check_tokens(**values: int) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 import llmlab
 from llmlab import speculative
+from llmlab.serve.embedded import TINY_MODEL
 
 OPENERS = ["The LORD is my shepherd", "In the beginning", "And the king said unto", "Now there was a man"]
 
@@ -37,10 +38,9 @@ def test_draft_model_flags_name_the_shipped_draft_and_refuse_a_folder_without_a_
     assert json.loads(config) == {"method": "draft_model", "model": str(speculative.DRAFT_MODEL),
                                   "num_speculative_tokens": 3}
     draft = json.loads((speculative.DRAFT_MODEL / "config.json").read_text())
-    tiny = json.loads((speculative.TINY_MODEL / "config.json").read_text())
+    tiny = json.loads((TINY_MODEL / "config.json").read_text())
     assert draft["vocab_size"] == tiny["vocab_size"]  # the same token ids, or its guesses mean other words
-    assert (speculative.DRAFT_MODEL / "tokenizer.json").read_text() == (speculative.TINY_MODEL
-                                                                        / "tokenizer.json").read_text()
+    assert (speculative.DRAFT_MODEL / "tokenizer.json").read_text() == (TINY_MODEL / "tokenizer.json").read_text()
     assert draft["num_hidden_layers"] * draft["hidden_size"] < tiny["num_hidden_layers"] * tiny["hidden_size"]
     with pytest.raises(FileNotFoundError, match="no config.json there"):
         speculative.draft_args(model=tmp_path)

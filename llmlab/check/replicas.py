@@ -87,7 +87,7 @@ def replica_crossover(crossover, replicas_per_gpu, tp2_per_gpu) -> None:
     level = int(ahead[ahead].index.min())
     c = _whole(crossover, "crossover")
     require(c in tok.index, f"crossover is one of the measured levels: {', '.join(map(str, tok.index))}.")
-    require(not (c < level), f"at {c} in flight the TP=2 engine was still ahead in at least one run: compare "
+    require(c >= level, f"at {c} in flight the TP=2 engine was still ahead in at least one run: compare "
             "tok['2 replicas'] with tok['TP=2'] row by row.")
     require(c == level, f"the replicas were ahead in both runs already at fewer than {c} in flight.")
     rep, tp2 = tok.loc[level, ("2 replicas", "run1")], tok.loc[level, ("TP=2", "run1")]

@@ -24,7 +24,7 @@ import time
 import zlib
 from pathlib import Path
 
-from llmlab.serve.embedded import TINY_MODEL
+from llmlab.serve.embedded import DRAFT_MODEL, TINY_MODEL
 
 MODEL_DIR = TINY_MODEL
 SWORD_MODULE = "usr/share/sword/modules/texts/ztext/engWEB2015eb"
@@ -47,7 +47,7 @@ ARCH = dict(
 # token (2 layers, hidden 128; the head size stays 32), so that drafting 4 tokens costs less than one pass of the
 # tiny model.  A drafter must share the target's vocabulary: its tokenizer is copied, not trained again.
 DRAFT_ARCH = dict(ARCH, hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4)
-DRAFT_DIR = MODEL_DIR.parent / "llmlab-tiny-draft"
+DRAFT_DIR = DRAFT_MODEL
 TRAIN = dict(seed=1234, steps=1400, batch=8, context=512, lr=3e-3, warmup=100, weight_decay=0.1,
              clip=1.0, val_fraction=0.02, threads=2)
 SPECIALS = ["<s>", "</s>", "<pad>"]

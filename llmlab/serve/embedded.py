@@ -29,6 +29,9 @@ from llmlab.serve.vllm import VLLMProcess, engine_command, engine_env
 
 TINY_MODEL = Path(__file__).resolve().parent.parent / "models" / "llmlab-tiny"
 TINY_NAME = "llmlab-tiny"
+# Notebook 12's draft model: the tiny model's tokenizer, a quarter of its work per token
+# (python -m llmlab.ops.tinymodel --draft).
+DRAFT_MODEL = TINY_MODEL.parent / "llmlab-tiny-draft"
 DEFAULT_TIMEOUT = 300.0
 
 

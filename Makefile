@@ -40,6 +40,7 @@ exercises: install
 test: install lint
 	$(BIN)/shellcheck slurm/*.sh
 	$(BIN)/llmlab exercises --check
+	$(BIN)/llmlab course --check
 	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env -m "not versions and not cluster" --durations=40
 
 # The notebooks and solutions again, against a server that is not the tiny model: the launcher's CPU job serves

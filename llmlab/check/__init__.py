@@ -14,6 +14,8 @@ its lesson module inside the function, so ``import llmlab`` stays light.
 
 # The parts, one per topic; every check stays reachable as llmlab.check.<name>.
 from llmlab.check import progress
+
+# course:checks (rendered from llmlab/course.toml by `llmlab course`)
 from llmlab.check.cluster import load_eta_minutes, pp_boundary, tp8_allreduce_bytes, tp_link_times  # noqa: F401
 from llmlab.check.determinism import first_varying_batch, seeded_answers  # noqa: F401
 from llmlab.check.kvcache import (  # noqa: F401
@@ -42,6 +44,8 @@ from llmlab.check.replicas import cold_prefills, replica_crossover, replica_kv  
 from llmlab.check.sampling import same_text, survivors  # noqa: F401
 from llmlab.check.speculative import draft_length, spec_rates  # noqa: F401
 from llmlab.check.structured import parsed, verse_regex  # noqa: F401
+
+# /course:checks
 from llmlab.check.verdict import NotYet, _number, _whole, require, right  # noqa: F401
 
 # Each exercise check, as notebooks call it (llmlab.check.<name>), records its verdict.

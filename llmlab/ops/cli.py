@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmlab.ops import cli_jobs, doctor, exercises, jobs
+from llmlab.ops import cli_jobs, course, doctor, exercises, jobs
 from llmlab.serve import embedded
 from llmlab.serve.info import ServerError
 
@@ -122,6 +122,21 @@ def cmd_exercises(args) -> int:
         return 1
     print(f"{'checked' if args.check else 'wrote'}: {', '.join(changed) or 'nothing changed'}")
     return 0
+
+
+def cmd_course(args) -> int:
+    """Render (or, with --check, compare) the lists made from llmlab/course.toml; see ``llmlab.ops.course``."""
+    try:
+        found = course.sync(Path(args.root), check=args.check)
+    except course.ManifestError as e:
+        print(e, file=sys.stderr)
+        return 2
+    for line in found:
+        print(line, file=sys.stderr)
+    if not found:
+        print("the course's lists agree with llmlab/course.toml" if args.check else
+              "rendered the course's lists from llmlab/course.toml")
+    return 1 if found else 0
 
 
 def cmd_progress(args) -> int:
@@ -308,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solutions", default="solutions")
     p.add_argument("--exercises", default="exercises")
     p.set_defaults(func=cmd_exercises)
+
+    p = sub.add_parser("course", help="render the home page's map, the README's outline, the architecture's rows "
+                                      "and llmlab.check's list from llmlab/course.toml")
+    p.add_argument("--check", action="store_true", help="fail if any of them differs from the manifest")
+    p.add_argument("--root", default=str(course.ROOT), help="the course's repository (default: this checkout)")
+    p.set_defaults(func=cmd_course)
 
     p = sub.add_parser("progress", help="the exercises you have passed, lesson by lesson (from every check cell)")
     p.add_argument("--json", action="store_true")

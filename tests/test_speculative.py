@@ -9,6 +9,7 @@ draft model's engine giving the plain engine's text with drafts of k tokens.  A 
 drafting engine here only started the same engine again (56 s of CI's `make test`, issue 23)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,23 @@ def test_a_plain_server_takes_one_pass_per_token(embedded):
     row = speculative.measure(client, model, OPENERS, concurrency=2, max_tokens=16)
     assert (row["acceptance"], row["tokens per step"]) == (0.0, 1.0)
     assert row["tokens/s"] > 0 and row["latency p50 (ms)"] > 0
+
+
+def test_lesson_12s_cluster_line_reaches_vllms_argument_parser_intact():
+    """The line notebook 12 gives for a cluster, as bash hands it to the launcher, rendered into the job's
+    ``vllm serve`` flags and parsed by vLLM's own argument parser: the same config the lesson's engine ran."""
+    import re
+    import shlex
+
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from llmlab.ops import launcher
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "12_speculative_decoding.ipynb").read_text())
+    source = "".join(line for cell in nb["cells"] for line in cell["source"])
+    line = re.search(r"`(LLMLAB_EXTRA_VLLM_ARGS='[^']+')`", source)[1]
+    name, _, value = shlex.split(line)[0].partition("=")  # what bash puts in the environment
+    job = launcher.render("llmlab-tiny-cpu", env={name: value})
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", job.model_path, *job.flags])
+    assert args.speculative_config == json.loads(speculative.ngram_args(k=4, lookup_min=2, lookup_max=4)[1])

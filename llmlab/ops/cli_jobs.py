@@ -14,7 +14,7 @@ import time
 
 from llmlab import memory
 from llmlab.ops import jobs
-from llmlab.serve.vllm import installed_vllm, vllm_outside_range
+from llmlab.serve.vllm import installed_vllm, split_args, vllm_outside_range
 
 
 def _json(obj) -> None:
@@ -22,10 +22,14 @@ def _json(obj) -> None:
 
 
 def cmd_launch(a) -> int:
+    try:
+        extra = split_args(a.extra_vllm_args) if a.extra_vllm_args else None
+    except ValueError as e:
+        raise jobs.JobError(f"--extra-vllm-args: {e}") from None
     overrides = dict(nodes=a.nodes, gpus_per_node=a.gpus_per_node, gpu=a.gpu_type, tp=a.tp, pp=a.pp,
                      dtype=a.dtype, max_model_len=a.max_model_len, backend=a.backend,
                      expert_parallel=a.expert_parallel or None,
-                     extra_args=shlex.split(a.extra_vllm_args) if a.extra_vllm_args else None)
+                     extra_args=extra)
     plan = jobs.prepare(a.model, account=a.account, partition=a.partition, time_limit=a.time,
                         extra_sbatch=a.sbatch or [], command=shlex.join(sys.argv[2:]), share=a.share,
                         share_dir=a.share_dir, rehearse=a.rehearse, **overrides)

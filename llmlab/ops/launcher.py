@@ -39,6 +39,7 @@ from llmlab.cluster import (
     vllm_flags,
 )
 from llmlab.serve.info import Address, ServerError, ServerInfo, read_key
+from llmlab.serve.vllm import split_args
 
 
 def model_path(job: JobSettings, env: dict) -> str:
@@ -321,7 +322,10 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     run_dir = env.get("LLMLAB_RUN_DIR") or f"{env.get('TMPDIR') or '/tmp'}/llmlab-run-{job_id}"
     uds = f"{run_dir}/vllm.sock"
     flags = vllm_flags(job) + ["--served-model-name", job.name, "--uds", uds]
-    flags += list(job.extra_args) + shlex.split(env.get("LLMLAB_EXTRA_VLLM_ARGS", ""))
+    try:
+        flags += list(job.extra_args) + split_args(env.get("LLMLAB_EXTRA_VLLM_ARGS", ""))
+    except ValueError as e:
+        raise SettingsError(f"LLMLAB_EXTRA_VLLM_ARGS: {e}") from None
     run_env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_RPC_BASE_PATH": run_dir}
     if job.engine == "cpu":
         run_env.update(VLLM_CPU_KVCACHE_SPACE=str(job.kv_cache_gib), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

@@ -33,6 +33,36 @@ def vllm_serve(python: str, model: Path | str, flags: list[str]) -> list[str]:
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *flags]
 
 
+def split_args(line: str) -> list[str]:
+    """Extra ``vllm serve`` arguments written on one line (``LLMLAB_EXTRA_VLLM_ARGS``, ``--extra-vllm-args``) as an
+    argv, the way a shell would split them -- except that a JSON object or array stays one argument, quotes and all.
+
+    Why: vLLM takes JSON values (``--speculative-config {"method":"ngram",...}``); a shell-style split alone
+    (``shlex.split``) drops the JSON's double quotes, and vLLM then refuses ``{method:ngram,...}``.  Shell-quoted
+    JSON (``'{"method": "ngram"}'``) is kept too, as shlex gives it."""
+    import shlex
+
+    out, rest = [], line.strip()
+    while rest:
+        if rest[0] in "{[":
+            try:
+                value, end = json.JSONDecoder().raw_decode(rest)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{rest[:60]!r} starts like JSON but is not ({e.msg} at character {e.pos}): write "
+                                 "it as vLLM's documentation does, e.g. {\"method\": \"ngram\"}.") from None
+            if end < len(rest) and not rest[end].isspace():
+                raise ValueError(f"{rest[:end + 1]!r}: a JSON value must be followed by a space or the end.")
+            out.append(rest[:end])
+            rest = rest[end:].lstrip()
+            continue
+        lexer = shlex.shlex(rest, posix=True, punctuation_chars=False)
+        lexer.whitespace_split = True
+        token = lexer.get_token()
+        out.append(token)
+        rest = lexer.instream.read().lstrip()  # what the lexer has not read yet
+    return out
+
+
 def engine_command(model: Path, name: str, uds: Path, max_model_len: int | None,
                    extra_args: list[str]) -> list[str]:
     """The embedded server's ``vllm serve`` line, listening on the Unix socket ``uds``.  float32 keeps vLLM's

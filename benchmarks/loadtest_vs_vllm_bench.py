@@ -41,7 +41,8 @@ from pathlib import Path
 
 import llmlab
 from llmlab import loadtest
-from llmlab.serve.embedded import TINY_MODEL, EmbeddedServer
+from llmlab.serve.embedded import EmbeddedServer
+from llmlab.serve.paths import TINY_MODEL
 
 METRICS = [  # (label, llmlab summary key, vllm bench result key); times in ms
     ("requests/s", "requests_per_s", "request_throughput"),

@@ -27,7 +27,7 @@ import pandas as pd
 
 from llmlab import loadtest
 from llmlab.quantization import ask, drift  # noqa: F401  (drift: re-exported for the notebook)
-from llmlab.rehearse import RESULTS_DIR
+from llmlab.serve.paths import RESULTS_DIR
 
 # benchmarks/lessons_on_gpu.py determinism on one H200 (2026-11-26): default kernels, then VLLM_BATCH_INVARIANT=1.
 GPU_RESULTS = RESULTS_DIR / "h200-llama3.1-8b-determinism" / "determinism.json"

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmlab.memory import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE
-from llmlab.serve.embedded import TINY_MODEL
 from llmlab.serve.metrics import Metrics, Sample, fetch_metrics, metrics_url, parse_prometheus
+from llmlab.serve.paths import TINY_MODEL
 
 # The metrics vLLM 0.32 exports that concern the KV cache (vllm/v1/metrics/loggers.py).  Counters are
 # exported with a ``_total`` suffix (prometheus_client's rule), histograms as ``_sum``/``_count``/``_bucket``.

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from llmlab import sampling
-from llmlab.serve.embedded import TINY_MODEL
+from llmlab.serve.paths import TINY_MODEL
 from llmlab.serve.proc import pid_alive
 
 WARMUP_PROMPT = "Hello"

@@ -24,8 +24,8 @@ import pandas as pd
 
 from llmlab import memory
 from llmlab.logprobs import prompt_table, token_records
-from llmlab.rehearse import RESULTS_DIR
 from llmlab.serve.embedded import EmbeddedServer
+from llmlab.serve.paths import RESULTS_DIR
 
 FP8_KV = ("--kv-cache-dtype", "fp8")
 # A device-to-device copy on the course's H100 (80GB HBM3), read + write: the bandwidth a decode step can use

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmlab import memory
+from llmlab.serve.paths import RESULTS_DIR
 
 GiB = memory.GiB
 PROBE_TAG = "llmlab-rehearse-probe "
 DEFAULT_CONCURRENCY = (1, 8, 64)
 READY_TIMEOUT = 1800.0
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 LOG_EXCERPT = "server-log-excerpt.txt"
 
 

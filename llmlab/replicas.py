@@ -29,10 +29,10 @@ import pandas as pd
 
 from llmlab import kvcache, loadtest, prefixcache
 from llmlab.connection import connect
-from llmlab.rehearse import RESULTS_DIR
 from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.info import ServerError, llmlab_home, read_key, write_private
 from llmlab.serve.metrics import fetch_metrics
+from llmlab.serve.paths import RESULTS_DIR
 from llmlab.serve.proc import terminate
 from llmlab.serve.proxy import BALANCE, PREFIX_CHARS, ROUTES, home_replica, prefix_key, proxy_command, wait_bound
 

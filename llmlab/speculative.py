@@ -24,8 +24,8 @@ import pandas as pd
 
 from llmlab import loadtest
 from llmlab.kvcache import FINISHED, GENERATED, wait_for_request
-from llmlab.serve.embedded import DRAFT_MODEL
 from llmlab.serve.metrics import Metrics, fetch_metrics
+from llmlab.serve.paths import DRAFT_MODEL
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"                 # steps in which a draft was proposed
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"     # tokens proposed (k per draft)

@@ -102,3 +102,44 @@ def test_the_walk_sees_a_circle_and_an_upward_arrow():
 def test_serve_imports_no_lesson(module):
     lessons = [t for t in GRAPH[module] if floor(t) == FLOOR["lesson"]]
     assert not lessons, f"{module} imports the lesson module(s) {lessons}"
+
+
+# --- the notebooks: a learner who follows an import lands in a lesson module -------------------------------------
+
+NOTEBOOK_ROOT = PACKAGE.parent
+# Lessons 08 and 09 still drive SLURM jobs and rehearsals through llmlab.ops (the cluster package of issue #35 is
+# to take their pure part); every other notebook and solution imports lesson modules only.
+NOT_YET = {"notebooks/08_distributed_serving.ipynb": {"llmlab.ops.launcher", "llmlab.ops.jobs", "llmlab.serve.vllm"},
+           "notebooks/09_real_gpus.ipynb": {"llmlab.ops.rehearsal"},
+           "solutions/08_distributed_serving.ipynb": {"llmlab.serve.info"}}
+
+
+def notebook_imports(path: Path) -> set[str]:
+    """The llmlab modules a notebook's code cells import (shell and magic lines left out)."""
+    import json
+
+    found = set()
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        src = "".join(cell["source"])
+        code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in src.splitlines())
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("llmlab")}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("llmlab"):
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                          for a in node.names}
+    return found
+
+
+NOTEBOOKS = sorted(str(p.relative_to(NOTEBOOK_ROOT)) for part in ("notebooks", "solutions", "exercises")
+                   for p in (NOTEBOOK_ROOT / part).glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_notebooks_import_lessons_not_the_machinery(notebook):
+    machinery = {m for m in notebook_imports(NOTEBOOK_ROOT / notebook)
+                 if m.split(".")[1:2] in (["ops"], ["serve"])}
+    allowed = NOT_YET.get(notebook.replace("exercises/", "solutions/"), set())
+    assert machinery <= allowed, f"{notebook} imports {sorted(machinery - allowed)}: reach it through a lesson module"

@@ -16,7 +16,7 @@ import pytest
 from llmlab import memory, offline, sampling
 from llmlab.ops import cli, engine
 from llmlab.ops import generate as offline_engine
-from llmlab.serve.embedded import TINY_MODEL
+from llmlab.serve.paths import TINY_MODEL
 from llmlab.serve.proc import terminate
 
 TINY = str(TINY_MODEL)

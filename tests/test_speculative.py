@@ -15,7 +15,7 @@ import pytest
 
 import llmlab
 from llmlab import speculative
-from llmlab.serve.embedded import TINY_MODEL
+from llmlab.serve.paths import TINY_MODEL
 
 OPENERS = ["The LORD is my shepherd", "In the beginning", "And the king said unto", "Now there was a man"]
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmlab.ops import tinymodel
-from llmlab.serve.embedded import TINY_MODEL
+from llmlab.serve.paths import TINY_MODEL
 
 
 @pytest.fixture(scope="module")

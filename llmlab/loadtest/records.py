@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
-from llmlab.serve.embedded import TINY_MODEL
+from llmlab.serve.paths import TINY_MODEL
 
 STATUSES = ("ok", "error", "timeout")
 PERCENTILES = (50, 90, 99)

@@ -11,12 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmlab.serve.paths import MODELS_DIR, TINY_NAME
+
 GB = 10**9
 GiB = 2**30
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 CONFIGS_DIR = MODELS_DIR / "configs"
-TINY_NAME = "llmlab-tiny"
 
 # The Hugging Face repository behind each shipped config, for the `vllm serve` line.
 HF_IDS = {

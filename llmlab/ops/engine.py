@@ -28,7 +28,7 @@ from pathlib import Path
 
 from llmlab import memory
 from llmlab.offline import WARMUP_PROMPT, Completion, chat_token_ids, engine_build
-from llmlab.serve.embedded import TINY_MODEL
+from llmlab.serve.paths import TINY_MODEL
 
 DEFAULT_START_TIMEOUT = 600.0
 """Seconds for the engine to load: ~1 min for the tiny model on 2 idle cores, 2-3 min on a busy CI machine."""

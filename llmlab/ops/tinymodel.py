@@ -24,7 +24,7 @@ import time
 import zlib
 from pathlib import Path
 
-from llmlab.serve.embedded import DRAFT_MODEL, TINY_MODEL
+from llmlab.serve.paths import DRAFT_MODEL, TINY_MODEL
 
 MODEL_DIR = TINY_MODEL
 SWORD_MODULE = "usr/share/sword/modules/texts/ztext/engWEB2015eb"

@@ -23,15 +23,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from llmlab.serve.info import ServerError, ServerInfo, llmlab_home, read_key, write_private
+from llmlab.serve.paths import TINY_MODEL, TINY_NAME
 from llmlab.serve.proc import free_port, health, pid_alive
 from llmlab.serve.proxy import pair_command, proxy_command, proxy_cpus, wait_bound
 from llmlab.serve.vllm import VLLMProcess, engine_command, engine_env
 
-TINY_MODEL = Path(__file__).resolve().parent.parent / "models" / "llmlab-tiny"
-TINY_NAME = "llmlab-tiny"
-# Notebook 12's draft model: the tiny model's tokenizer, a quarter of its work per token
-# (python -m llmlab.ops.tinymodel --draft).
-DRAFT_MODEL = TINY_MODEL.parent / "llmlab-tiny-draft"
 DEFAULT_TIMEOUT = 300.0
 
 

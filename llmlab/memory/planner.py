@@ -112,8 +112,20 @@ def plan(model, dtype: str | None = None, kv_dtype: str = "auto", gpu_name="H100
 def serve_command(model, tp: int = 1, pp: int = 1, max_model_len: int | None = None, dtype: str | None = None,
                   kv_dtype: str = "auto", gpu_memory_utilization: float = DEFAULT_UTILIZATION,
                   model_id: str | None = None, expert_parallel: bool = False) -> tuple[str, list[str]]:
-    """The ``vllm serve`` line for a layout, and notes on what it assumes.  Only flags that differ from
-    vLLM's defaults are written, except the parallel sizes, context and utilization, which are the plan."""
+    """The ``vllm serve`` line for a layout (:func:`serve_args`, joined for reading), and notes on what it
+    assumes."""
+    args, notes = serve_args(model, tp, pp, max_model_len, dtype, kv_dtype, gpu_memory_utilization, model_id,
+                             expert_parallel)
+    return " ".join(args), notes
+
+
+def serve_args(model, tp: int = 1, pp: int = 1, max_model_len: int | None = None, dtype: str | None = None,
+               kv_dtype: str = "auto", gpu_memory_utilization: float = DEFAULT_UTILIZATION,
+               model_id: str | None = None, expert_parallel: bool = False) -> tuple[list[str], list[str]]:
+    """The ``vllm serve`` argv for a layout, and notes on what it assumes.  Only flags that differ from
+    vLLM's defaults are written, except the parallel sizes, context and utilization, which are the plan.
+    An argv, not a line: the SLURM launcher runs these flags (``llmlab.cluster.vllm_flags``) without splitting
+    a string back into a list."""
     s = model_spec(model)
     notes: list[str] = []
     local = str(Path(s.source).parent) if s.source.endswith(".json") else s.name
@@ -147,7 +159,7 @@ def serve_command(model, tp: int = 1, pp: int = 1, max_model_len: int | None = N
     if max_model_len:
         args += ["--max-model-len", str(max_model_len)]
     args += ["--gpu-memory-utilization", f"{gpu_memory_utilization:g}"]
-    return " ".join(args), notes
+    return args, notes
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -42,7 +43,9 @@ from llmlab.ops.engine import (
 )
 from llmlab.serve.info import llmlab_home
 from llmlab.serve.proc import last_lines
-from llmlab.serve.vllm import VLLMProcess
+from llmlab.serve.vllm import PHASES as VLLM_PHASES
+from llmlab.serve.vllm import VLLMProcess, cpu_kv_space, local_env
+from llmlab.serve.vllm import phase as vllm_phase
 
 
 def _check_prompt(p, where: str):
@@ -125,29 +128,22 @@ def write_outputs(path: str | os.PathLike, batch: BatchResult, ids: list | None 
                            "another --output, and run it again.") from e
 
 
-PHASES = [  # log markers of the engine's start-up, in order, and what a learner should read for each
-    ("llmlab: importing vLLM", "importing vLLM"),
-    ("non-default args", "reading the model config"),
-    ("Resolved architecture", "starting the engine"),
-    ("Loading weights took", "weights loaded, profiling"),
-    ("KV cache size", "KV cache allocated"),
-    ("llmlab: pre-warm", "pre-warming"),
-]
+# The offline engine's start-up: vLLM's own phases (llmlab.serve.vllm.PHASES) between the two lines that
+# llmlab.ops.engine's worker prints itself, before it imports vLLM and before it pre-warms the loaded engine.
+PHASES = [(re.compile(r"llmlab: importing vLLM"), "importing vLLM"), *VLLM_PHASES,
+          (re.compile(r"llmlab: pre-warm"), "pre-warming")]
 
 
 def phase(log_path: Path) -> str:
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return "starting Python"
-    done = [label for marker, label in PHASES if marker in text]
-    return done[-1] if done else "starting Python"
+    """The offline engine's latest start-up phase (``starting Python`` until its worker prints a line)."""
+    return vllm_phase(log_path, PHASES, before="starting Python")
 
 
 def engine_env(kv_cache_gib: int = 1, build: str = "cpu") -> dict[str, str]:
-    """The engine process's environment: this one's, with :func:`llmlab.offline.engine_environment`'s settings
-    (nothing downloaded; on the CPU build the KV space and the engine core in the engine process)."""
-    return {**os.environ, **engine_environment(kv_cache_gib, build), "PYTHONUNBUFFERED": "1"}
+    """The engine process's environment: this one's (:func:`llmlab.serve.vllm.local_env`), with
+    :func:`llmlab.offline.engine_environment`'s settings (nothing downloaded; on the CPU build the KV space and the
+    engine core in the engine process), its output unbuffered so that the phases reach the log as they happen."""
+    return {**local_env(engine_environment(kv_cache_gib, build)), "PYTHONUNBUFFERED": "1"}
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -178,7 +174,7 @@ class OfflineEngine:
                  dtype: str | None = None, enforce_eager: bool = False, kv_cache_gib: int = 1,
                  distributed_executor_backend: str | None = None, seed: int | None = None, gpu=None,
                  warmup: bool = True, log_path: str | os.PathLike | None = None, extra: Mapping | None = None):
-        engine_environment(kv_cache_gib, "cpu")  # a KV space that is not whole GiB fails here, before anything
+        cpu_kv_space(kv_cache_gib)  # a KV space that is not whole GiB fails here, before anything
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: a share of memory, in (0, 1].")
         self.model = model

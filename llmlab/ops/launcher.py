@@ -39,7 +39,7 @@ from llmlab.cluster import (
     vllm_flags,
 )
 from llmlab.serve.info import Address, ServerError, ServerInfo, read_key
-from llmlab.serve.vllm import split_args
+from llmlab.serve.vllm import drop_flag, serve_line, set_flag, split_args, vllm_env, vllm_serve
 
 
 def model_path(job: JobSettings, env: dict) -> str:
@@ -221,24 +221,18 @@ class RenderedJob(Address):
 
         Through vLLM's CLI (``vllm.entrypoints.cli.main serve``), not the OpenAI server module the head runs:
         only the CLI knows ``--headless`` (workers, no API server).  The CUDA build has the metadata it needs."""
-        flags = list(self.flags)
-        if "--uds" in flags:  # a headless node serves no API: only the head listens (behind the proxy)
-            i = flags.index("--uds")
-            del flags[i:i + 2]
-        i = flags.index("--node-rank")
-        flags[i + 1] = str(rank)
+        flags = drop_flag(self.flags, "--uds")  # a headless node serves no API: only the head listens, behind the proxy
+        flags = set_flag(flags, "--node-rank", str(rank))
         return [self.python, "-m", "vllm.entrypoints.cli.main", "serve", self.model_path, *flags, "--headless"]
 
     @property
     def serve_line(self) -> str:
         """The command as ``vllm serve`` reads (the launcher runs the same through ``python -m``)."""
-        return shlex.join(["vllm", "serve", self.model_path, *self.flags])
+        return serve_line(self.model_path, self.flags)
 
     @property
     def argv(self) -> list[str]:
         """What the launcher executes: ``serve_line`` through :func:`llmlab.serve.vllm.vllm_serve`."""
-        from llmlab.serve.vllm import vllm_serve
-
         return vllm_serve(self.python, self.model_path, self.flags)
 
     def summary(self) -> str:
@@ -326,9 +320,8 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
         flags += list(job.extra_args) + split_args(env.get("LLMLAB_EXTRA_VLLM_ARGS", ""))
     except ValueError as e:
         raise SettingsError(f"LLMLAB_EXTRA_VLLM_ARGS: {e}") from None
-    run_env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_RPC_BASE_PATH": run_dir}
-    if job.engine == "cpu":
-        run_env.update(VLLM_CPU_KVCACHE_SPACE=str(job.kv_cache_gib), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # The CPU test job serves a model on disk; a GPU job may load from (or download into) $HF_HOME.
+    run_env = vllm_env(job.engine, kv_cache_gib=job.kv_cache_gib, run_dir=run_dir, offline=job.engine == "cpu")
     if env.get("LLMLAB_CACHE_DIR"):
         cache = Path(env["LLMLAB_CACHE_DIR"])
         run_env.update(HF_HOME=str(cache / "huggingface"), VLLM_CACHE_ROOT=str(cache / "vllm"))

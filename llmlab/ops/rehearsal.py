@@ -25,7 +25,6 @@ import json
 import os
 import re
 import secrets
-import shlex
 import shutil
 import signal
 import statistics
@@ -58,7 +57,7 @@ from llmlab.rehearse import (
 )
 from llmlab.serve.info import write_private
 from llmlab.serve.proxy import pair_command, proxy_command, wait_bound
-from llmlab.serve.vllm import VLLMProcess
+from llmlab.serve.vllm import VLLMProcess, serve_line, set_flag, vllm_env, vllm_serve
 
 _LLAMA3_SPECIAL = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128008: "<|eom_id|>",
                    128009: "<|eot_id|>"}
@@ -285,25 +284,20 @@ def serve_argv(job, model_dir: Path, port: int, uds: Path | None = None) -> tupl
 
     One change for a rehearsal on one node: PP uses vLLM's own processes (``mp``) instead of Ray, which the
     launcher needs only to span nodes.  Returns (argv, extra environment, the ``vllm serve`` line); the
-    environment is offline (dummy weights need no download) and, on a GPU without FlashInfer, turns off its
-    sampler (else the engine dies at start: No module named 'flashinfer')."""
+    environment is :func:`llmlab.serve.vllm.vllm_env`'s: offline (dummy weights need no download), the engine's
+    sockets beside ``uds``, and on a GPU without FlashInfer its sampler off."""
     import importlib.util
 
     from llmlab import cluster
-    from llmlab.serve.vllm import vllm_serve
 
     flags = cluster.vllm_flags(job)
-    if "--distributed-executor-backend" in flags:
-        flags[flags.index("--distributed-executor-backend") + 1] = "mp"
+    if "--distributed-executor-backend" in flags:  # the planner's Ray for PP: on one node, vLLM's own processes
+        flags = set_flag(flags, "--distributed-executor-backend", "mp")
     listen = ["--uds", str(uds)] if uds else ["--host", "127.0.0.1", "--port", str(port)]
     flags += ["--served-model-name", job.name, *listen, *job.extra_args, "--load-format", "dummy"]
-    argv = vllm_serve(sys.executable, model_dir, flags)
-    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if job.engine == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(job.kv_cache_gib)
-    elif importlib.util.find_spec("flashinfer") is None:
-        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
-    return argv, env, shlex.join(["vllm", "serve", str(model_dir), *flags])
+    env = vllm_env(job.engine, kv_cache_gib=job.kv_cache_gib, run_dir=uds.parent if uds else None,
+                   flashinfer=importlib.util.find_spec("flashinfer") is not None)
+    return vllm_serve(sys.executable, model_dir, flags), env, serve_line(model_dir, flags)
 
 
 def server(argv: list[str], env: dict[str, str], log_path: Path, run_dir: Path) -> VLLMProcess:
@@ -318,7 +312,7 @@ def server(argv: list[str], env: dict[str, str], log_path: Path, run_dir: Path) 
     key_file = write_private(run_dir / "key", key + "\n")
     proxy = proxy_command("127.0.0.1:0", run_dir / "vllm.sock", key_file, ready_file=run_dir / "proxy.ready")
     return VLLMProcess(pair_command(proxy, argv, log_path.with_name("proxy.log"), run_dir / "proxy.ready"),
-                       {**env, "VLLM_RPC_BASE_PATH": str(run_dir)}, log_path, host="127.0.0.1", api_key=key,
+                       env, log_path, host="127.0.0.1", api_key=key,
                        header=f"$ {' '.join(argv)}\n$ {' '.join(proxy)}")
 
 

@@ -26,7 +26,7 @@ from llmlab.serve.info import ServerError, ServerInfo, llmlab_home, read_key, wr
 from llmlab.serve.paths import TINY_MODEL, TINY_NAME
 from llmlab.serve.proc import free_port, health, pid_alive
 from llmlab.serve.proxy import pair_command, proxy_command, proxy_cpus, wait_bound
-from llmlab.serve.vllm import VLLMProcess, engine_command, engine_env
+from llmlab.serve.vllm import VLLMProcess, cpu_kv_space, engine_command, engine_env
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -46,9 +46,7 @@ class EmbeddedServer:
                  host: str = "127.0.0.1", kv_cache_gib: float = 1.0, max_model_len: int | None = None,
                  extra_args: list[str] = (), log_path: Path | None = None, publish: bool = False,
                  env: Mapping[str, str] | None = None):
-        if kv_cache_gib != int(kv_cache_gib) or kv_cache_gib < 1:
-            raise ValueError(f"kv_cache_gib={kv_cache_gib}: vLLM's CPU engine takes its KV space "
-                             "(VLLM_CPU_KVCACHE_SPACE) in whole GiB; use 1, 2, ...")
+        cpu_kv_space(kv_cache_gib)  # a KV space vLLM cannot read fails here, not minutes into the start
         self.model, self.name, self.host = Path(model), name, host
         self.port = port or free_port(host)
         self.kv_cache_gib, self.max_model_len, self.extra_args = kv_cache_gib, max_model_len, list(extra_args)

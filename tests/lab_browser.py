@@ -2,7 +2,7 @@
 
 Why: nbval proves that a notebook's cells run, not that its widgets respond in a browser.  This module
 starts a private JupyterLab on temporary copies of notebooks, opens one in chromium, runs all cells and
-gives the tests (tests/test_browser.py) and ``make screenshots`` the same handles on the widgets.
+gives the tests (tests/engine/test_browser.py) and ``make screenshots`` the same handles on the widgets.
 
 The browser is the system's (``apt-get install chromium``; .ci/run does it): Playwright's own browser
 download is never used.  From a shell, ``python tests/lab_browser.py docs/img`` writes the README's

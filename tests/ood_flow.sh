@@ -1,5 +1,5 @@
 #!/bin/bash
-# Open OnDemand's job flow for a batch-connect app with the "basic" template, for tests/test_ood.py: the
+# Open OnDemand's job flow for a batch-connect app with the "basic" template, for tests/cluster/test_ood.py: the
 # steps OnDemand's generated job script takes, in its order, written here without OnDemand.
 #   sbatch ... tests/ood_flow.sh WORK_DIR     (WORK_DIR holds the rendered before.sh, script.sh, after.sh)
 # cd WORK_DIR -> helper functions -> host -> source before.sh (sets port, password) -> script.sh & ->

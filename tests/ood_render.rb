@@ -1,4 +1,4 @@
-# Renders an Open OnDemand batch-connect app the way OnDemand does, without OnDemand (tests/test_ood.py):
+# Renders an Open OnDemand batch-connect app the way OnDemand does, without OnDemand (tests/cluster/test_ood.py):
 # ERB with trim_mode "-", form values as strings, reachable as bare names (submit.yml.erb, view.html.erb) and as
 # `context.NAME` (template/*.erb).  An exception raised by a template is what OnDemand shows above the form:
 # it is printed as "ERROR: message" and the exit status is 3.

@@ -3,7 +3,7 @@
 
 Why one module: the embedded server, the SLURM launcher and rehearsals all start the same program; building its
 argv, environment and progress, and starting, waiting for and stopping it, in one place keeps them from drifting
-apart (and from vLLM's own renames: tests/test_vllm_versions.py starts every release of the tested range).
+apart (and from vLLM's own renames: tests/*/test_vllm_versions.py starts every release of the tested range).
 """
 
 from __future__ import annotations
@@ -333,8 +333,8 @@ class VLLMProcess(Address):
 
 
 # The vLLM releases llmlab has run, and how: the log lines, flags and /metrics names that `llmlab status`, `metrics`
-# and the launcher read were checked against each (tests/fixtures/vllm/<version>/, tests/test_vllm_versions.py).
-# pyproject's `gpu` extra and environment.yml bound vLLM to VLLM_RANGE; tests/test_packaging.py keeps them in step.
+# and the launcher read were checked against each (tests/fixtures/vllm/<version>/, tests/*/test_vllm_versions.py).
+# pyproject's `gpu` extra and environment.yml bound vLLM to VLLM_RANGE; tests/unit/test_packaging.py keeps them in step.
 VLLM_TESTED = {
     "0.26.0": ("CUDA build: the launcher's one-node jobs and its two-node Ray job (PP=2), and rehearsals, on an "
                "H100 and 2 x H200 (benchmarks/results)"),

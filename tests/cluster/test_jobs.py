@@ -5,6 +5,8 @@ every shipped GPU model) need no SLURM.  The rest run every command against the 
 of tests/slurm_testbed.py with the CPU engine and the tiny model: launch -> the states in order -> a request
 -> metrics -> logs -> stop -> STOPPED with nothing left; and a job whose model path is wrong -> FAILED with
 that reason.
+
+This file holds the tests under the SLURM test bed; the rest are in tests/unit/test_jobs.py (the pure tests).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ def llmlab_cli(*args: str, env: dict | None = None, timeout: float = 900) -> sub
 
 # --------------------------------------------------------------------------------------------------
 # Settings, plan and job script (no SLURM)
-# --------------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ Two kinds of tests:
   that comes up over Ray on 2 nodes, answers with its key, refuses without it, and leaves nothing behind
   after scancel; and a job whose Ray worker cannot start, which must fail fast with the reason.
   They are skipped, with the reason, only where the SLURM binaries (or root, for slurmd) are missing.
+
+This file holds the tests under the SLURM test bed; the rest are in tests/unit/test_slurm.py (the pure tests).
 """
 
 from __future__ import annotations
@@ -43,12 +45,10 @@ from llmlab.serve.proc import free_port
 
 # --------------------------------------------------------------------------------------------------
 # Settings and job scripts: one source
-# --------------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------------
 # Parsing: ray status, vLLM's load progress
-# --------------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""connect()'s search order and its errors, without a server where none is needed."""
+"""connect()'s search order and its errors, without a server where none is needed.
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_connection.py
+(the pure tests).
+"""
 
 
 import pytest
@@ -46,5 +50,3 @@ def test_server_still_loading_is_one_sentence(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(path))
     with pytest.raises(llmlab.ServerUnavailable, match=r"SLURM job 77 is still loading the model \(Loading safe"):
         llmlab.connect()
-
-

@@ -1,5 +1,9 @@
 """Determinism (notebook 14, ``llmlab.determinism``): the kernel-level cause without a server, and the live
-engine's answers repeated -- idle, under load, from the prefix cache -- and sampled with a seed."""
+engine's answers repeated -- idle, under load, from the prefix cache -- and sampled with a seed.
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_determinism.py
+(the pure tests).
+"""
 
 import pytest
 
@@ -38,5 +42,3 @@ def test_a_seed_repeats_a_sampled_answer(conn):
         return client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=1.0,
                                          seed=seed).choices[0].text
     assert sample(7) == sample(7) != sample(8)
-
-

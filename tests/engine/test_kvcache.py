@@ -3,6 +3,9 @@ with and without transformers' cache, and vLLM's prefix cache seen through the l
 
 Pure tests take a second; the transformers tests use a randomly initialised Llama of the tiny model's shape
 (and the shipped weights when they are there); the ``server`` tests use the session's embedded vLLM server.
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_kvcache.py (the
+pure tests).
 """
 
 import secrets
@@ -11,18 +14,6 @@ import pytest
 
 from llmlab import kvcache as kc
 from llmlab import memory
-
-# --- numpy attention ---------------------------------------------------------------------------------
-
-
-# --- blocks ------------------------------------------------------------------------------------------
-
-
-# --- Prometheus text ---------------------------------------------------------------------------------
-
-
-# --- transformers: greedy decoding with and without the cache ----------------------------------------
-
 
 # --- live: the embedded vLLM server ------------------------------------------------------------------
 

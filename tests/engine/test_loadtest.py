@@ -3,6 +3,9 @@
 Every failure here is a real one, from the embedded vLLM server or from the network: a prompt longer than the
 context (HTTP 400), a request past its time-out, a port where nothing listens, a private server killed in the
 middle of a run, Ctrl-C, a full disk.
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_loadtest.py
+(the pure tests).
 """
 
 import asyncio
@@ -25,9 +28,6 @@ from llmlab.serve.proc import free_port
 def nowhere():
     """A client for a port where nothing listens."""
     return openai.OpenAI(base_url=f"http://127.0.0.1:{free_port()}/v1", api_key="none")
-
-
-# --- statistics against timings computed by hand ---------------------------------------------------------
 
 
 # --- against the embedded vLLM server ------------------------------------------------------------------
@@ -302,5 +302,3 @@ def test_saving_over_a_file_on_a_full_disk_keeps_the_old_file(conn, tiny_disk):
         res = lt.run(client, model, SIXTY, concurrency=3, max_tokens=40, progress=False, ignore_eos=True,
                      save=tiny_disk / "run.csv")
     assert len(res.ok) == 60 and list(tiny_disk.iterdir()) == []
-
-

@@ -1,4 +1,8 @@
-"""llmlab.logprobs: parsing responses shaped like vLLM's (built by hand, by the openai client and by vLLM itself)."""
+"""llmlab.logprobs: parsing responses shaped like vLLM's (built by hand, by the openai client and by vLLM itself).
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_logprobs.py
+(the pure tests).
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,9 @@
 The checks that need no engine (model lookup, layout, sampling mapping, prompt files) run in milliseconds;
 the error paths of the CLI must fail *before* anything is loaded, so they are fast too.  One test runs the
 real CLI end to end with the tiny model, next to the embedded server, as CI does.
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_offline.py (the
+pure tests).
 """
 
 import json
@@ -24,18 +27,6 @@ def generate(*args, capsys):
     code = cli.main(["generate", *args])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-# --- sampling parameters: online and offline are the same fields -----------------------------------------------
-
-
-# --- finding the model ---------------------------------------------------------------------------------------
-
-
-# --- the layout, from the config alone --------------------------------------------------------------------------
-
-
-# --- prompts -----------------------------------------------------------------------------------------------
 
 
 # --- the CLI's error paths: each exits 2 before loading anything -----------------------------------------------

@@ -2,7 +2,11 @@
 hits and blocks, and a real engine whose counters match it -- one salt for the room shares, a salt per learner
 never does.  The second engine, whose token budget cuts a long prompt into chunks, is asserted by notebook 13's
 cells, which `make test` runs under nbval in the same session (every decoder's 384 tokens, every gap counted once,
-the long prompts' 449 tokens): starting it here again cost 51 s of CI (issue 23)."""
+the long prompts' 449 tokens): starting it here again cost 51 s of CI (issue 23).
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_prefixcache.py
+(the pure tests).
+"""
 
 import openai
 import pytest

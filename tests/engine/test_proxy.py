@@ -80,8 +80,6 @@ def test_bad_listen_address_is_one_sentence(tmp_path):
     assert out.returncode == 2 and "give HOST:PORT" in out.stderr and "Traceback" not in out.stderr
 
 
-
-
 def metric(port: int, key: str, name: str, label: str = "") -> float:
     """A counter or gauge of vLLM's /metrics (through the proxy), summed over the lines that carry ``label``."""
     status, body = _get(f"http://127.0.0.1:{port}/metrics", key)
@@ -281,11 +279,6 @@ def test_upstream_that_does_not_answer_is_503_with_the_reason(tmp_path):
 
 
 # -- issue 26: a proxy of the test's own in front of a stand-in for vLLM (no engine needed) ---------------------
-
-
-
-
-
 
 
 def test_a_large_body_sent_in_one_write_is_not_taken_for_a_large_head(tmp_path):

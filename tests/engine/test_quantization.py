@@ -1,5 +1,9 @@
 """Quantization (notebook 11, ``llmlab.quantization``): the arithmetic of fp8 weights and an fp8 KV cache, the checks'
-hints, and the real CPU engine with an fp8 KV cache -- its logged KV tokens and its logprobs."""
+hints, and the real CPU engine with an fp8 KV cache -- its logged KV tokens and its logprobs.
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_quantization.py
+(the pure tests).
+"""
 
 
 import pytest

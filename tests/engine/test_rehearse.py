@@ -1,5 +1,9 @@
 """llmlab rehearse: the log parser on lines quoted from real GPU runs, the KV and roofline arithmetic, the
-dummy model directory, the serve line, and one real rehearsal end to end on vLLM's CPU engine."""
+dummy model directory, the serve line, and one real rehearsal end to end on vLLM's CPU engine.
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_rehearse.py
+(the pure tests).
+"""
 
 from __future__ import annotations
 
@@ -15,15 +19,6 @@ import pytest
 
 from llmlab import memory, rehearse
 from llmlab.ops import rehearsal
-
-# --- the log parser ---------------------------------------------------------------------------------------
-
-
-# --- the arithmetic -------------------------------------------------------------------------------------------
-
-
-# --- the dummy model directory ------------------------------------------------------------------------------
-
 
 # --- the serve line and the layout ----------------------------------------------------------------------------
 
@@ -90,7 +85,3 @@ def test_sigterm_during_start_up_stops_the_server(tmp_path):
     time.sleep(1)
     assert _engine_processes(str(tmp_path / "model")) == [], err[-2000:]
     assert not (tmp_path / "rehearsal.json").exists()
-
-
-# --- the committed GPU results (benchmarks/results, shown in notebook 09) ---------------------------------------
-

@@ -4,6 +4,9 @@ real embedded engine.
 Two engines of their own (``Replicas``) and the TP=2 engine are started by the notebook itself, under nbval; here
 the router fronts the embedded engine's socket and a socket nobody listens on, which shows every routing decision
 in the answers (200 or 503) without starting a second engine.
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_replicas.py
+(the pure tests).
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
-"""llmlab.sampling: hand-computed examples, properties, and a cross-check against vLLM's own sampler code."""
+"""llmlab.sampling: hand-computed examples, properties, and a cross-check against vLLM's own sampler code.
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_sampling.py
+(the pure tests).
+"""
 
 from __future__ import annotations
 
 from llmlab import sampling as S
-
-# --------------------------------------------------------------------------------------------- hand examples
-
-
-# --------------------------------------------------------------------------------------------- properties
-
-
-# --------------------------------------------------------------------------------------------- order matters
-
-
-# --------------------------------------------------------------------------------------------- validation
-
-
-# --------------------------------------------------------------------------------------------- server data
-
-
-# --------------------------------------------------------------------------------------------- vLLM itself
-
 
 # --------------------------------------------------------------------------------------------- the live server
 
@@ -44,5 +30,3 @@ def test_server_draws_follow_the_predicted_distribution(embedded):
     # ...and the test can fail: the same draws are far from the distribution at another temperature.
     wrong = S.predicted(top, S.SamplingParams(temperature=2.0, top_k=5))
     assert S.total_variation(counts, wrong) > S.total_variation(counts, expected)
-
-

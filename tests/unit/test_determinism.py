@@ -1,5 +1,9 @@
 """Determinism (notebook 14, ``llmlab.determinism``): the kernel-level cause without a server, and the live
-engine's answers repeated -- idle, under load, from the prefix cache -- and sampled with a seed."""
+engine's answers repeated -- idle, under load, from the prefix cache -- and sampled with a seed.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_determinism.py (the tests that start the real engine).
+"""
 
 import pytest
 import torch
@@ -51,4 +55,3 @@ def test_the_committed_h200_run_of_batch_invariant_mode():
         assert parse_memory_log(excerpt).kv_tokens > 0
         assert ("VLLM_BATCH_INVARIANT=1" in run["serve_line"]) == (name == "batch-invariant")
     assert table.loc["batch-invariant", "c=64 tok/s"] < table.loc["default kernels", "c=64 tok/s"]
-

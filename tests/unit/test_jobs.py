@@ -5,6 +5,9 @@ every shipped GPU model) need no SLURM.  The rest run every command against the 
 of tests/slurm_testbed.py with the CPU engine and the tiny model: launch -> the states in order -> a request
 -> metrics -> logs -> stop -> STOPPED with nothing left; and a job whose model path is wrong -> FAILED with
 that reason.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/cluster/test_jobs.py (the tests under the SLURM test bed).
 """
 
 from __future__ import annotations
@@ -246,5 +249,3 @@ def test_a_ray_attempt_that_is_retried_is_not_a_failed_job(tmp_path, monkeypatch
     gave_up = RETRYING + "[llmlab 12:55:40] FAILED: Ray did not start on every node in 3 attempt(s) (see above)\n"
     st = jobs.status(job_files(tmp_path, monkeypatch, gave_up))
     assert st.state == "FAILED" and st.reason.startswith("Ray did not come up on every node"), str(st)
-
-

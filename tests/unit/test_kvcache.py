@@ -3,6 +3,9 @@ with and without transformers' cache, and vLLM's prefix cache seen through the l
 
 Pure tests take a second; the transformers tests use a randomly initialised Llama of the tiny model's shape
 (and the shipped weights when they are there); the ``server`` tests use the session's embedded vLLM server.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_kvcache.py (the tests that start the real engine).
 """
 
 import math
@@ -255,8 +258,3 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
 
     with pytest.raises(ServerError, match="No model at"):
         kc.load_model(tmp_path)
-
-
-# --- live: the embedded vLLM server ------------------------------------------------------------------
-
-

@@ -3,6 +3,9 @@
 Every failure here is a real one, from the embedded vLLM server or from the network: a prompt longer than the
 context (HTTP 400), a request past its time-out, a port where nothing listens, a private server killed in the
 middle of a run, Ctrl-C, a full disk.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_loadtest.py (the tests that start the real engine).
 """
 
 import json
@@ -111,9 +114,6 @@ def test_synthetic_workload_has_exact_lengths_and_a_seed():
     varied = lt.synthetic_workload(50, 40, 20, seed=0, range_ratio=0.5)
     assert all(20 <= j.input_len <= 60 and 10 <= j.max_tokens <= 30 for j in varied)
     assert len({j.input_len for j in varied}) > 10
-
-
-# --- against the embedded vLLM server ------------------------------------------------------------------
 
 
 # --- a full disk (issue 26): what was measured stays measured ------------------------------------------------

@@ -1,4 +1,8 @@
-"""llmlab.logprobs: parsing responses shaped like vLLM's (built by hand, by the openai client and by vLLM itself)."""
+"""llmlab.logprobs: parsing responses shaped like vLLM's (built by hand, by the openai client and by vLLM itself).
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_logprobs.py (the tests that start the real engine).
+"""
 
 from __future__ import annotations
 
@@ -179,8 +183,3 @@ def test_vllms_own_objects_and_wire_format():
                                                   prompt_logprobs=prompt).model_dump_json())
     assert L.logprob_table(ChatCompletion.model_validate(chat_wire)).equals(L.logprob_table(CHAT))
     assert L.top1_guesses(ChatCompletion.model_validate(chat_wire)) == [None, False, True]
-
-
-# --------------------------------------------------------------------------------------------- the live server
-
-

@@ -2,6 +2,9 @@
 
 Pure tests run in a second.  The two tests marked ``server`` start the real embedded vLLM server
 (``-m "not server"`` leaves them out).
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_memory.py (the tests that start the real engine).
 """
 
 import json
@@ -496,9 +499,6 @@ def test_cli_memory_text_and_errors(capsys, tmp_path):
     assert "Unknown KV cache dtype" in capsys.readouterr().err
 
 
-# --- live: the real embedded server -----------------------------------------------------------------
-
-
 # --- every family: transformers referees the parameters, the engine referees the KV cache ------------
 
 FAMILIES = Path(__file__).parents[1] / "fixtures" / "families"  # small random models, one config per architecture
@@ -642,6 +642,14 @@ def test_an_architecture_transformers_does_not_know_is_one_sentence():
 # which rewrites these logs with LLMLAB_UPDATE_FIXTURES=1); its start-up log is committed, one per family and KV dtype.
 FAMILY_LOGS = FAMILIES / "logs"
 LOGGED = sorted(p.stem.rsplit("-", 1) for p in FAMILY_LOGS.glob("*.log"))
+
+
+def test_a_second_budget_and_an_odd_context_are_what_the_engine_logged():
+    """2 GiB of KV and a context (500) that is not a multiple of the 128-token block, as the real engine logged it
+    (tests/engine/test_memory.py starts it in make test-versions)."""
+    logged = m.parse_kv_log((FAMILIES.parent / "kv" / "llmlab-tiny-2gib-500.log").read_text(errors="replace"))
+    predicted = m.embedded_kv_capacity(2, "llmlab-tiny", max_model_len=500)
+    assert logged["line"] == predicted.log_line("CPU") and logged["tokens"] == 1_024_000
 
 
 def test_every_family_and_the_fp8_cases_have_a_committed_engine_log():

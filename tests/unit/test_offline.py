@@ -3,6 +3,9 @@
 The checks that need no engine (model lookup, layout, sampling mapping, prompt files) run in milliseconds;
 the error paths of the CLI must fail *before* anything is loaded, so they are fast too.  One test runs the
 real CLI end to end with the tiny model, next to the embedded server, as CI does.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_offline.py (the tests that start the real engine).
 """
 
 import subprocess
@@ -195,8 +198,3 @@ def test_cli_no_engine_installed_exit_status():
             "from llmlab.ops.cli import main; sys.exit(main(['generate', '--prompt', 'Hi']))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "vLLM is not installed" in result.stderr, result.stderr
-
-
-# --- the real engine -----------------------------------------------------------------------------------------
-
-

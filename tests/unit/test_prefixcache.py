@@ -2,7 +2,11 @@
 hits and blocks, and a real engine whose counters match it -- one salt for the room shares, a salt per learner
 never does.  The second engine, whose token budget cuts a long prompt into chunks, is asserted by notebook 13's
 cells, which `make test` runs under nbval in the same session (every decoder's 384 tokens, every gap counted once,
-the long prompts' 449 tokens): starting it here again cost 51 s of CI (issue 23)."""
+the long prompts' 449 tokens): starting it here again cost 51 s of CI (issue 23).
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_prefixcache.py (the tests that start the real engine).
+"""
 
 import pytest
 
@@ -44,5 +48,3 @@ def test_gaps_are_split_by_the_prefill_windows():
     during, other = prefixcache.gaps_during(loadtest.LoadResult([decoder]), loadtest.LoadResult([arrival]))
     assert during == pytest.approx([0.3]) and other == pytest.approx([0.1, 0.1])
     assert prefixcache.token_times(decoder) == pytest.approx([10.1, 10.2, 10.5, 10.6])
-
-

@@ -1,5 +1,9 @@
 """Quantization (notebook 11, ``llmlab.quantization``): the arithmetic of fp8 weights and an fp8 KV cache, the checks'
-hints, and the real CPU engine with an fp8 KV cache -- its logged KV tokens and its logprobs."""
+hints, and the real CPU engine with an fp8 KV cache -- its logged KV tokens and its logprobs.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_quantization.py (the tests that start the real engine).
+"""
 
 import json
 import re
@@ -89,5 +93,3 @@ def test_error_lines_read_the_root_cause_first_without_colours_or_prefixes():
         "Exception: WorkerProc initialization failed.",
         "RuntimeError: Engine core initialization failed. See root cause above."]
     assert quantization.error_lines("INFO all good") == []
-
-

@@ -1,5 +1,9 @@
 """llmlab rehearse: the log parser on lines quoted from real GPU runs, the KV and roofline arithmetic, the
-dummy model directory, the serve line, and one real rehearsal end to end on vLLM's CPU engine."""
+dummy model directory, the serve line, and one real rehearsal end to end on vLLM's CPU engine.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_rehearse.py (the tests that start the real engine).
+"""
 
 from __future__ import annotations
 
@@ -167,9 +171,6 @@ def test_bad_layouts_fail_with_a_sentence():
         rehearsal.rehearsal_job("llama3.1-8b", tp=3)
     with pytest.raises(memory.UnknownName, match="neither a shipped model"):
         rehearsal.rehearsal_job("no-such-model")
-
-
-# --- end to end on the CPU engine -------------------------------------------------------------------------------
 
 
 # --- the committed GPU results (benchmarks/results, shown in notebook 09) ---------------------------------------

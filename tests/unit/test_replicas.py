@@ -4,6 +4,9 @@ real embedded engine.
 Two engines of their own (``Replicas``) and the TP=2 engine are started by the notebook itself, under nbval; here
 the router fronts the embedded engine's socket and a socket nobody listens on, which shows every routing decision
 in the answers (200 or 503) without starting a second engine.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_replicas.py (the tests that start the real engine).
 """
 
 from __future__ import annotations
@@ -124,5 +127,3 @@ def test_the_router_refuses_metrics_that_would_be_one_replicas(key_ring):
     assert proxy.Proxy("unix:/a.sock", key_ring).judge(r) is None
     answer = proxy.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring).judge(r)
     assert answer.startswith(b"HTTP/1.1 404") and b"read /metrics from each server" in answer
-
-

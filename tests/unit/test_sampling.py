@@ -1,4 +1,8 @@
-"""llmlab.sampling: hand-computed examples, properties, and a cross-check against vLLM's own sampler code."""
+"""llmlab.sampling: hand-computed examples, properties, and a cross-check against vLLM's own sampler code.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_sampling.py (the tests that start the real engine).
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ Two kinds of tests:
   that comes up over Ray on 2 nodes, answers with its key, refuses without it, and leaves nothing behind
   after scancel; and a job whose Ray worker cannot start, which must fail fast with the reason.
   They are skipped, with the reason, only where the SLURM binaries (or root, for slurmd) are missing.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/cluster/test_slurm.py (the tests under the SLURM test bed).
 """
 
 from __future__ import annotations
@@ -438,5 +441,3 @@ def test_the_readiness_check_sends_the_key_only_to_the_jobs_own_proxy(tmp_path, 
         squatter.server_close()
         if proxy.poll() is None:
             proxy.kill()
-
-

@@ -6,7 +6,11 @@ The drafting engines themselves are asserted by notebook 12's cells, which ``mak
 same session: the same greedy text and logprobs (within 1e-4) as the plain engine, drafts of k tokens, a loop
 drafted whole (acceptance > 0.9, more than 3 tokens per pass), acceptance that falls with the position, and the
 draft model's engine giving the plain engine's text with drafts of k tokens.  A second
-drafting engine here only started the same engine again (56 s of CI's `make test`, issue 23)."""
+drafting engine here only started the same engine again (56 s of CI's `make test`, issue 23).
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_speculative.py (the tests that start the real engine).
+"""
 
 import json
 from pathlib import Path

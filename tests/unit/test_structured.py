@@ -1,5 +1,9 @@
 """Structured output (notebook 10, ``llmlab.structured``): constraints built and refused locally, and obeyed by the
-real engine -- its mask visible in the logprobs."""
+real engine -- its mask visible in the logprobs.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_structured.py (the tests that start the real engine).
+"""
 
 
 import pytest
@@ -15,5 +19,3 @@ def test_a_malformed_constraint_is_refused_before_anything_is_sent():
                             ({"regex": "[A-Z"}, "does not compile"), ({"json": "{}"}, "not str")):
         with pytest.raises(ValueError, match=message):
             structured.constraint(**kwargs)
-
-

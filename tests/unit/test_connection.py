@@ -13,18 +13,6 @@ import pytest
 import llmlab
 from llmlab import connection
 from llmlab.serve import info as files
-from llmlab.serve.proc import free_port
-
-
-@pytest.fixture
-def slurm_file(tmp_path):
-    """A SLURM job's connection file pointing at a closed port; removed afterwards, as the job's trap does."""
-    key = files.write_private(tmp_path / "job.key", "secret-key\n")
-    path = files.servers_dir() / "4242.json"
-    files.write_connection_file(path, kind="slurm", host="127.0.0.1", port=free_port(), model="llama3.1-70b",
-                                     api_key_file=key, job_id="4242", nodes=2)
-    yield path
-    path.unlink(missing_ok=True)
 
 
 def test_connection_file_roundtrip_is_private(slurm_file):

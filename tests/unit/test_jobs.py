@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 from slurm_helpers import (
     GPU_JOBS,
+    RETRYING,
     dry_run,
+    job_files,
 )
 
 from llmlab import cluster, kvcache, memory
@@ -226,20 +228,8 @@ def test_status_names_the_out_of_memory_of_a_real_gpu_start(tmp_path, monkeypatc
 
 
 # The launcher's output while Ray is retried (seen in CI on a loaded machine: the first attempt's head timed out).
-RETRYING = ("[llmlab 12:54:17] Ray on node1 exited before the cluster was complete. Last lines of r.log:\n"
-            "Exception: The current node timed out during startup.\n"
-            "[llmlab 12:54:18] Ray did not start on every node (attempt 1 of 3); starting it again in 10 s\n")
 
 
-def job_files(tmp_path, monkeypatch, output: str, vllm_log: str = "", job_id: str = "4242") -> str:
-    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path))
-    out = tmp_path / "job.out"
-    out.write_text(output)
-    cluster.job_log_dir(job_id).mkdir(parents=True, exist_ok=True)
-    (cluster.job_log_dir(job_id) / "vllm.log").write_text(vllm_log)
-    running = {"JobState": "RUNNING", "JobName": "llmlab-m", "StdOut": str(out)}
-    monkeypatch.setattr(jobs, "scontrol_job", lambda _: running)
-    return job_id
 
 
 def test_a_ray_attempt_that_is_retried_is_not_a_failed_job(tmp_path, monkeypatch):

@@ -20,49 +20,11 @@ tests/engine/test_vllm_versions.py (the tests that start the real engine).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from vllm_logs import FIXTURES, check_log, check_metrics
 
-from llmlab import cluster, kvcache, rehearse
+from llmlab import rehearse
 from llmlab.serve import vllm
-from llmlab.serve.vllm import PHASES
-
-FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm"
-GPU_ONLY = {"compiling the model (torch.compile)", "capturing CUDA graphs"}  # the CPU build logs neither
-# Every /metrics name llmlab reads (llmlab.ops.jobs.metrics, notebook 02's prefix-cache cells, llmlab.kvcache).
-METRICS = [kvcache.PREFIX_QUERIES, kvcache.PREFIX_HITS, kvcache.KV_USAGE, kvcache.PROMPT_TOKENS, kvcache.TTFT,
-           kvcache.FINISHED, kvcache.CACHE_CONFIG, "vllm:generation_tokens_total", "vllm:num_requests_running",
-           "vllm:num_requests_waiting", "vllm:e2e_request_latency_seconds"]
-
-
-def check_log(log: str) -> list[str]:
-    """What llmlab reads of one start-up log; returns the phases ``llmlab status`` showed, in order."""
-    for marker, label in PHASES:
-        if label not in GPU_ONLY or "CUDA graph" in log:
-            assert marker.search(log), f"no {marker.pattern!r} line: `llmlab status` would never show {label!r}"
-    shown, text = [], ""
-    for line in log.splitlines(keepends=True):
-        text += line
-        phase = str(cluster.load_progress(text))
-        if not shown or shown[-1] != phase:
-            shown.append(phase)
-    assert not any(p.startswith("phase unknown") for p in shown), shown
-    labels = [label for _, label in PHASES]
-    order = [labels.index(p) for p in shown if p in labels]
-    assert order == sorted(order), f"phases out of order: {shown}"
-    assert shown[-1] == "ready", shown
-    mem = rehearse.parse_memory_log(log)
-    assert rehearse.require_kv(mem) > 0 and mem.max_concurrency and mem.max_model_len
-    assert mem.vllm_version, "no version line"
-    return shown
-
-
-def check_metrics(text: str) -> None:
-    m = kvcache.parse_prometheus(text)
-    missing = [name for name in METRICS if name + "_bucket" not in m and name not in m]
-    assert not missing, f"/metrics lacks {missing}"
-    assert m.value(kvcache.PROMPT_TOKENS, default=0.0) > 0, "the request was not counted"
 
 
 def fixture_versions() -> list[str]:
@@ -99,6 +61,3 @@ def test_the_checks_catch_a_renamed_line_and_a_renamed_metric():
 # Live: every model family the course's memory arithmetic covers, served by the installed release
 # --------------------------------------------------------------------------------------------------
 
-FAMILIES = Path(__file__).parents[1] / "fixtures" / "families"  # one small config per architecture
-FAMILY_LIVE = [(p.stem, "auto") for p in sorted(FAMILIES.glob("*.json"))]
-FAMILY_LIVE += [("qwen3", "fp8"), ("deepseek_v2", "fp8"), ("gpt_oss", "fp8")]  # grouped-query, latent, windowed

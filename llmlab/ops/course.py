@@ -17,6 +17,7 @@ import inspect
 import json
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
@@ -221,7 +222,7 @@ class Region:
     """A rendered list inside a file, between ``<begin>`` and ``<end>`` lines (in a notebook: inside one cell)."""
     path: str
     name: str
-    render: object  # Course, root -> str
+    render: Callable[[Course, Path], str]
     comment: str = "<!-- {} -->"
 
     @property
@@ -242,11 +243,15 @@ REGIONS = [
 ]
 
 
+def _no_markers(region: Region) -> ManifestError:
+    return ManifestError(f"{region.path} has no {region.begin!r} ... {region.end!r} lines: put them back around "
+                         f"the {region.name} list (or restore the file from git), then run `llmlab course`.")
+
+
 def _replace(text: str, region: Region, body: str) -> str:
     start, stop = text.find(region.begin), text.find(region.end)
     if start < 0 or stop < start:
-        raise ManifestError(f"{region.path} has no {region.begin!r} ... {region.end!r} lines: put them back around "
-                            f"the {region.name} list (or restore the file from git), then run `llmlab course`.")
+        raise _no_markers(region)
     return text[:start] + region.begin + "\n" + body + "\n" + text[stop:]
 
 
@@ -261,7 +266,7 @@ def _render_file(path: Path, regions: list[Region], course: Course, root: Path) 
     for region in regions:
         cells = [c for c in nb["cells"] if region.begin in source_text(c)]
         if not cells:
-            _replace("", region, "")  # raises the sentence above
+            raise _no_markers(region)
         cells[0]["source"] = _replace(source_text(cells[0]), region, region.render(course, root)).splitlines(True)
     return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
 

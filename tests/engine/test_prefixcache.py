@@ -19,11 +19,13 @@ from llmlab import kvcache, prefixcache
 def test_one_salt_shares_the_system_prompt_a_salt_each_never(embedded):
     client, model = llmlab.connect(quiet=True)
     block = kvcache.kv_snapshot(kvcache.fetch_metrics(client.base_url, client.api_key))["block_size"]
-    prompts = prefixcache.room_prompts(prefixcache.SYSTEM, learners=12)
-    # 64 answer tokens keep the room running for many /metrics scrapes: with 16, a busy CI machine once finished
-    # the whole room between two scrapes and the watch saw no block held
-    rooms = {shared: (salts := prefixcache.room_salts(12, shared),
-                      prefixcache.run_room(client, model, prompts, salts, max_tokens=64, progress=False))
+    # the peak is a sample of /metrics taken while the room runs: the room must outlast a slow scrape. 12 learners
+    # x 64 tokens took 0.5 s here, and one of CI's runs saw no block held; 30 x 96 (prompt and answer fill the
+    # 512-token context) keeps the engine busy several times longer
+    learners, answer = 30, 96
+    prompts = prefixcache.room_prompts(prefixcache.SYSTEM, learners=learners)
+    rooms = {shared: (salts := prefixcache.room_salts(learners, shared),
+                      prefixcache.run_room(client, model, prompts, salts, max_tokens=answer, progress=False))
              for shared in (True, False)}
     lengths, shared_tokens = prefixcache.server_lengths(client, model, prompts)
     for salts, room in rooms.values():
@@ -31,9 +33,9 @@ def test_one_salt_shares_the_system_prompt_a_salt_each_never(embedded):
         assert d["prefix_cache_hits"] == prefixcache.expected_hits(lengths, shared_tokens, block, salts)
         assert d["prefix_cache_queries"] == d["prompt_tokens"] == sum(lengths)
         assert d["prefill_computed_sum"] == sum(lengths) - d["prefix_cache_hits"]
-        assert 0 < room["peak_blocks"] <= prefixcache.expected_blocks(lengths, shared_tokens, block, salts, 64)
-        assert [r.output_tokens for r in room["result"].records] == [64] * 12
-    assert rooms[True][1]["delta"]["prefix_cache_hits"] == 11 * (shared_tokens // block * block) > 0
+        assert 0 < room["peak_blocks"] <= prefixcache.expected_blocks(lengths, shared_tokens, block, salts, answer)
+        assert [r.output_tokens for r in room["result"].records] == [answer] * learners
+    assert rooms[True][1]["delta"]["prefix_cache_hits"] == (learners - 1) * (shared_tokens // block * block) > 0
     assert rooms[False][1]["delta"]["prefix_cache_hits"] == 0
 
 

@@ -153,27 +153,32 @@ def test_registered_key_works_and_revocation_needs_no_restart(embedded, tmp_path
 
 
 def test_stream_is_not_buffered_and_a_client_that_leaves_aborts_the_generation(embedded, api_key):
-    """The first tokens arrive while vLLM still runs the request; closing the connection then ends the request
-    in vLLM (it would otherwise generate all 400 tokens for nobody)."""
+    """The first tokens reach the client while vLLM still generates: a client that reads three of them and leaves
+    ends the request in vLLM, which generated far fewer tokens than asked.  A proxy that buffered the answer would
+    send the first token only after the last one: every token would have been generated.
+
+    Eight choices of 500 tokens (the context's worth) keep the engine busy for seconds; the request's end is read
+    from counters, never from the running gauge at one moment (CI once read 0 there: the request had ended before
+    a slow scrape)."""
     port = embedded["port"]
+    asked = 8 * 500
     tokens, finished = (metric(port, api_key, "vllm:generation_tokens_total"),
                         metric(port, api_key, "vllm:request_success_total"))
-    body = ('{"model": "llmlab-tiny", "prompt": "Once", "max_tokens": 400, "stream": true, "ignore_eos": true}')
+    body = ('{"model": "llmlab-tiny", "prompt": "Once", "max_tokens": 500, "n": 8, "stream": true, '
+            '"ignore_eos": true}')
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\n"
                   f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
         received = b""
         while received.count(b"data: ") < 3:
             received += s.recv(65536)
-        assert received.startswith(b"HTTP/1.1 200")
-        # the first tokens are here while vLLM still generates the request: streamed, not buffered
-        assert metric(port, api_key, "vllm:num_requests_running") == 1
+        assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
     deadline = time.monotonic() + 30
     while metric(port, api_key, "vllm:num_requests_running") != 0:
         assert time.monotonic() < deadline, "vLLM still runs the request 30 s after the client left"
         time.sleep(0.2)
-    # aborted: fewer than the 400 tokens asked for, and not counted as finished (vLLM 0.32 counts no aborts)
-    assert metric(port, api_key, "vllm:generation_tokens_total") - tokens < 400
+    # aborted: fewer tokens than asked for, and no choice counted as finished (vLLM 0.32 counts no aborts)
+    assert metric(port, api_key, "vllm:generation_tokens_total") - tokens < asked
     assert metric(port, api_key, "vllm:request_success_total") == finished
 
 

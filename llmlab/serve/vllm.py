@@ -114,15 +114,22 @@ def cpu_flags(max_model_len: int | None = None) -> list[str]:
     (:func:`llmlab.cluster.vllm_flags`); on GPUs the layout's flags are the planner's (``llmlab.memory``).
 
     float32 keeps vLLM's logprobs equal to transformers' (bf16 would shift them at the 2nd decimal); prefix
-    caching is asked for by name, whatever a release's default."""
-    flags = ["--dtype", "float32", "--enable-prefix-caching"]
+    caching is asked for by name, whatever a release's default.  ``--enforce-eager``: the CPU build's
+    torch.compile took 8-11 s of every start (vLLM 0.32 also fails to reload its compile cache, so every start
+    compiles again) and bought the tiny model nothing a learner sees (200 greedy tokens in 0.85 s compiled,
+    0.96 s eager); learners and tests start many engines."""
+    flags = ["--dtype", "float32", "--enable-prefix-caching", "--enforce-eager"]
     return flags + (["--max-model-len", str(max_model_len)] if max_model_len else [])
 
 
 def engine_command(model: Path, name: str, uds: Path, max_model_len: int | None,
                    extra_args: list[str]) -> list[str]:
-    """The embedded server's ``vllm serve`` line, listening on the Unix socket ``uds``: :func:`cpu_flags`."""
-    flags = ["--served-model-name", name, "--uds", str(uds), *cpu_flags(max_model_len), *extra_args]
+    """The embedded server's ``vllm serve`` line, listening on the Unix socket ``uds``: :func:`cpu_flags`, and
+    the engine's one worker inside its engine process (``uni``): on one machine with one worker, vLLM's default
+    (``mp``) spawns one more process that imports vLLM again, 9 s of every start, and pins the worker to one core
+    of two.  ``extra_args`` come last, so a flag there wins."""
+    flags = ["--served-model-name", name, "--uds", str(uds), *cpu_flags(max_model_len),
+             "--distributed-executor-backend", "uni", *extra_args]
     return vllm_serve(sys.executable, model, flags)
 
 

@@ -137,11 +137,13 @@ def test_the_recipe_is_written_in_one_module():
 
 def test_the_cpu_flags_are_one_list_for_the_embedded_server_and_a_cpu_job(tmp_path):
     job = cluster.job_settings(CPU_JOB)
-    assert cluster.vllm_flags(job) == vllm.cpu_flags() == ["--dtype", "float32", "--enable-prefix-caching"]
+    assert cluster.vllm_flags(job) == vllm.cpu_flags() == ["--dtype", "float32", "--enable-prefix-caching",
+                                                           "--enforce-eager"]
     assert cluster.vllm_flags(dataclasses.replace(job, max_model_len=512)) == [*vllm.cpu_flags(), "--max-model-len",
                                                                               "512"]
     argv = vllm.engine_command(tmp_path, "tiny", tmp_path / "s", 512, ["--seed", "1"])
-    assert argv[argv.index("--dtype"):-2] == vllm.cpu_flags(512) and argv[-2:] == ["--seed", "1"]
+    assert argv[argv.index("--dtype"):-4] == vllm.cpu_flags(512)
+    assert argv[-4:] == ["--distributed-executor-backend", "uni", "--seed", "1"]
     line = render(CPU_JOB, LLMLAB_MAX_MODEL_LEN="512").argv
     assert [line.count(f) for f in ("--dtype", "--enable-prefix-caching", "--max-model-len")] == [1, 1, 1]
 

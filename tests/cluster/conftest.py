@@ -3,11 +3,13 @@ under them, the Open OnDemand app, a server shared with a class, a second UNIX u
 The test bed starts once for the whole tier (``slurm_env``); each test is skipped with the reason where the SLURM
 binaries or root are missing (``slurm_helpers.needs_slurm``)."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import slurm_testbed
+from attacker import ATTACKER, system_user
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +20,11 @@ def slurm_env():
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     env["LLMLAB_PYTHON"] = sys.executable
     return env
+
+
+@pytest.fixture(scope="session")
+def attacker() -> tuple[int, int]:
+    """The second UNIX user (uid, gid) of the attacks in test_security.py and test_jobs.py, created once."""
+    entry = system_user(ATTACKER)
+    assert entry.pw_uid != os.geteuid()
+    return entry.pw_uid, entry.pw_gid

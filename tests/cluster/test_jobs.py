@@ -3,8 +3,8 @@
 Pure tests (settings and overrides, the plan check, the rendered job script, the launcher's own dry run for
 every shipped GPU model) need no SLURM.  The rest run every command against the real slurmctld + two slurmd
 of tests/slurm_testbed.py with the CPU engine and the tiny model: launch -> the states in order -> a request
--> metrics -> logs -> stop -> STOPPED with nothing left; and a job whose model path is wrong -> FAILED with
-that reason.
+-> metrics -> logs -> a second UNIX user's attacks on the job (tests/attacker.py) -> stop -> STOPPED with nothing
+left, all on one job (``launched``); a job whose model path is wrong -> FAILED with that reason.
 
 This file holds the tests under the SLURM test bed; the rest are in tests/unit/test_jobs.py (the pure tests).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -20,10 +21,21 @@ import time
 from pathlib import Path
 
 import pytest
+from attacker import (
+    GCS_METHOD,
+    as_attacker,
+    attacker_http,
+    grpc_status,
+    needs_attacker,
+    owner_http,
+    owner_run,
+    ray_folder_is_out_of_reach,
+)
 from slurm_helpers import (
     CPU_JOB,
     job_processes,
     needs_slurm,
+    ray_folder,
     wait_for,
 )
 
@@ -51,29 +63,50 @@ def use_testbed(monkeypatch, env: dict) -> None:
         monkeypatch.setenv(key, env[key])
 
 
+@pytest.fixture(scope="class")
+def launched(slurm_env):
+    """One CPU job launched as a learner launches it (``llmlab launch llmlab-tiny-cpu``) and waited for: what the
+    lifecycle tests read and the second UNIX user attacks.  One job for both: a job takes the test bed's two nodes
+    and more than a minute to start.  The class's last test stops it; this stops it too if that test did not run."""
+    with pytest.MonkeyPatch.context() as mp:
+        use_testbed(mp, slurm_env)
+        t0 = time.monotonic()
+        record = jobs.launch(jobs.prepare(CPU_JOB))
+        job_id, seen = record["job_id"], []
+        try:
+            ready = jobs.wait(job_id, timeout=900, poll=0.5, on_change=seen.append)
+            print(f"\nllmlab launch {CPU_JOB} -> {ready.state} in {time.monotonic() - t0:.1f} s")
+            conn = servers_dir() / f"job-{job_id}.json"
+            info = json.loads(conn.read_text()) if conn.exists() else {}
+            yield {**info, "job_id": job_id, "record": record, "ready": ready, "seen": seen, "connection_file": conn,
+                   "key": read_key(info["api_key_file"]) if info else None, "output": Path(record["output"]),
+                   "token_file": Path(os.environ["LLMLAB_HOME"]) / "keys" / f"ray-job-{job_id}.token"}
+        finally:
+            if jobs.status(job_id).state != "STOPPED":
+                jobs.stop(job_id)
+
+
 @needs_slurm
-def test_launch_to_ready_then_request_metrics_logs_and_stop(slurm_env, monkeypatch, capsys):
-    use_testbed(monkeypatch, slurm_env)
-    t0 = time.monotonic()
-    record = jobs.launch(jobs.prepare(CPU_JOB))
-    job_id = record["job_id"]
-    seen: list[jobs.JobStatus] = []
-    try:
-        ready = jobs.wait(job_id, timeout=900, poll=0.5, on_change=seen.append)
-        with capsys.disabled():  # the figure for the record, shown in CI's log too
-            print(f"\nllmlab launch {CPU_JOB} -> READY in {time.monotonic() - t0:.1f} s")
+class TestALaunchedJob:
+    """launch -> PENDING/STARTING/LOADING/READY -> a request, metrics, status, logs -> the attacker's attempts ->
+    stop -> STOPPED with nothing left, on one job."""
+
+    def test_launch_goes_through_its_states_to_ready(self, launched):
+        ready, record = launched["ready"], launched["record"]
         assert ready.state == "READY", f"{ready}\n{Path(ready.output).read_text() if ready.output else ''}"
-        states = [s.state for s in seen]
+        states = [s.state for s in launched["seen"]]
         order = [s for i, s in enumerate(states) if i == 0 or states[i - 1] != s]
         assert order[-3:] == ["STARTING", "LOADING", "READY"] and set(order[:-3]) <= {"PENDING"}, order
-        print("\n".join(f"llmlab status {job_id}: {s.state} - {s.detail}" for s in seen))
+        print("\n".join(f"llmlab status {launched['job_id']}: {s.state} - {s.detail}" for s in launched["seen"]))
         script = Path(record["script"]).read_text()
         assert "#SBATCH --job-name=llmlab-llmlab-tiny-cpu\n#SBATCH --nodes=2\n" in script
-        assert (cluster.job_log_dir(job_id) / "settings.toml").read_text() in script  # what ran, as it ran
+        assert (cluster.job_log_dir(launched["job_id"]) / "settings.toml").read_text() in script  # what ran, as ran
         assert stat.S_IMODE(Path(record["script"]).stat().st_mode) == 0o600
-        assert "Ray: 2/2 nodes" in Path(record["output"]).read_text()
+        assert "Ray: 2/2 nodes" in launched["output"].read_text()
 
-        monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(servers_dir() / f"job-{job_id}.json"))
+    def test_a_request_then_metrics_status_and_logs(self, launched, monkeypatch):
+        job_id, key = launched["job_id"], launched["key"]
+        monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(launched["connection_file"]))
         client, model = llmlab.connect(quiet=True)
         r = client.completions.create(model=model, prompt="In the beginning", max_tokens=6,
                                       extra_body={"ignore_eos": True})
@@ -89,8 +122,7 @@ def test_launch_to_ready_then_request_metrics_logs_and_stop(slurm_env, monkeypat
 
         out = llmlab_cli("status", job_id, "--json")
         info = json.loads(out.stdout)
-        assert out.returncode == 0 and info["state"] == "READY" and info["url"] == ready.url
-        key = read_key(info["api_key_file"])
+        assert out.returncode == 0 and info["state"] == "READY" and info["url"] == launched["ready"].url
         assert key not in out.stdout and key not in llmlab_cli("status", "--json").stdout
         listed = json.loads(llmlab_cli("status", "--json").stdout)
         assert any(row["job_id"] == job_id and row["state"] == "READY" for row in listed)
@@ -98,14 +130,70 @@ def test_launch_to_ready_then_request_metrics_logs_and_stop(slurm_env, monkeypat
         logs = llmlab_cli("logs", job_id, "-n", "200")
         assert logs.returncode == 0 and "vllm.log <==" in logs.stdout and "READY:" in logs.stdout
         assert key not in logs.stdout
-    finally:
+
+    # -- another user of the cluster against the job (docs/security.md) -----------------------------------------
+
+    @needs_attacker
+    def test_completions_without_or_with_a_wrong_key_are_401(self, attacker, launched):
+        url = f"http://{launched['host']}:{launched['port']}/v1/completions"
+        body = {"model": launched["model"], "prompt": "Hello", "max_tokens": 4}
+        assert attacker_http(attacker, url, method="POST", body=body) == 401
+        assert attacker_http(attacker, url, key="wrong", method="POST", body=body) == 401
+
+    @needs_attacker
+    def test_unguarded_routes_and_traversal_are_refused(self, attacker, launched):
+        base = f"http://{launched['host']}:{launched['port']}"
+        for path in ("/invocations", "/tokenize", "/docs", "/openapi.json"):
+            assert attacker_http(attacker, base + path, method="POST") == 401
+            assert owner_http(base + path, launched["key"], "POST") == 404
+        assert owner_http(base + "/v1/%2e%2e/invocations", launched["key"], "POST",
+                          raw_path="/v1/%2e%2e/invocations") == 400
+
+    @needs_attacker
+    def test_ray_refuses_a_client_without_the_token(self, attacker, launched):
+        ip, port = launched["ray_address"].rsplit(":", 1)
+        attack = grpc_status(lambda *c, stdin=None: as_attacker(attacker, *c, stdin=stdin), ip, int(port),
+                             GCS_METHOD)
+        assert attack == "16"
+        assert grpc_status(owner_run, ip, int(port), GCS_METHOD, read_key(launched["token_file"])) == "0"
+
+    @needs_attacker
+    def test_key_and_token_files_are_unreadable(self, attacker, launched):
+        for path in (launched["api_key_file"], launched["token_file"]):
+            out = as_attacker(attacker, "cat", str(path))
+            assert out.returncode != 0 and not out.stdout
+
+    @needs_attacker
+    def test_secrets_are_in_no_ps_output_nor_job_output(self, attacker, launched):
+        token = read_key(launched["token_file"])
+        args = as_attacker(attacker, "ps", "-eo", "args").stdout.decode()
+        assert "raylet" in args and "llmlab.serve.proxy" in args
+        assert launched["key"] not in args and token not in args
+        text = launched["output"].read_text()
+        assert "READY" in text and launched["key"] not in text and token not in text
+        client, model = llmlab.connect(f"http://{launched['host']}:{launched['port']}/v1", launched["key"],
+                                       quiet=True)
+        assert client.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+
+    @needs_attacker
+    def test_ray_folder_is_private_and_unpredictable(self, attacker, launched):
+        folder = ray_folder(launched["job_id"])
+        # mktemp's six random characters, not the job id (a digit of a short id may occur among them by chance)
+        assert re.fullmatch(r"llmlab-ray\.[A-Za-z0-9]{6}", folder.parent.name) and folder.name == "ray", \
+            f"{folder}: a name another user can guess before the job"
+        ray_folder_is_out_of_reach(attacker, folder)
+
+    # -- last: stop ----------------------------------------------------------------------------------------------
+
+    def test_stop_leaves_nothing_behind(self, launched):
+        job_id = launched["job_id"]
         stopped = jobs.stop(job_id)
-    assert stopped.state == "STOPPED", str(stopped)
-    print(f"llmlab status {job_id}: {stopped.state} - {stopped.detail}")
-    assert not (servers_dir() / f"job-{job_id}.json").exists() and not Path(info["api_key_file"]).exists()
-    wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
-    out = llmlab_cli("status", job_id)
-    assert out.returncode == 0 and "STOPPED" in out.stdout
+        assert stopped.state == "STOPPED", str(stopped)
+        print(f"llmlab status {job_id}: {stopped.state} - {stopped.detail}")
+        assert not launched["connection_file"].exists() and not Path(launched["api_key_file"]).exists()
+        wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
+        out = llmlab_cli("status", job_id)
+        assert out.returncode == 0 and "STOPPED" in out.stdout
 
 
 @needs_slurm

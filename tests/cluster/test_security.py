@@ -9,9 +9,7 @@ Only the attacker's commands drop privileges; the owner's checks run as the test
 
 from __future__ import annotations
 
-import json
 import os
-import pwd
 import re
 import shutil
 import socket
@@ -24,6 +22,18 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from attacker import (
+    ATTACKER,
+    GCS_METHOD,
+    as_attacker,
+    attacker_http,
+    grpc_status,
+    needs_attacker,
+    owner_http,
+    owner_run,
+    ray_folder_is_out_of_reach,
+    system_user,
+)
 
 import llmlab
 from llmlab import cluster
@@ -31,65 +41,7 @@ from llmlab.ops import launcher
 from llmlab.serve.info import read_key, write_private
 from llmlab.serve.proc import pid_alive
 
-ATTACKER = "llmlab-attacker"
-TOOLS = ("useradd", "setpriv", "curl", "ps")
-
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or any(shutil.which(t) is None for t in TOOLS),
-    reason=f"the attacker's suite creates a second UNIX user: it needs root and {', '.join(TOOLS)} (CI has them)")
-
-
-def system_user(name: str) -> pwd.struct_passwd:
-    """A UNIX user without a home or a shell, created once: the second (and third) user of the attacks."""
-    try:
-        return pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                       check=True, capture_output=True)
-        return pwd.getpwnam(name)
-
-
-@pytest.fixture(scope="module")
-def attacker() -> tuple[int, int]:
-    entry = system_user(ATTACKER)
-    assert entry.pw_uid != os.geteuid()
-    return entry.pw_uid, entry.pw_gid
-
-
-def as_attacker(who: tuple[int, int], *cmd: str, stdin: bytes | None = None,
-                timeout: float = 30) -> subprocess.CompletedProcess:
-    """Run ``cmd`` as the other user, with a clean environment (nothing of ours leaks to it)."""
-    uid, gid = who
-    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--", *cmd],
-                          input=stdin, capture_output=True, timeout=timeout,
-                          env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C"})
-
-
-def attacker_http(who, url: str, *, key: str | None = None, method: str = "GET", body: dict | None = None) -> int:
-    """The status code the attacker gets (0: no HTTP answer at all).  ``--path-as-is``: curl sends ``..`` as is."""
-    cmd = ["curl", "-s", "--path-as-is", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "20", "-X", method]
-    if key:
-        cmd += ["-H", f"Authorization: Bearer {key}"]
-    if body is not None:
-        cmd += ["-H", "Content-Type: application/json", "--data-binary", json.dumps(body)]
-    out = as_attacker(who, *cmd, url)
-    return int(out.stdout.decode() or 0)
-
-
-def owner_http(url: str, key: str, method: str = "GET", raw_path: str | None = None) -> int:
-    """The owner's request; ``raw_path`` is sent byte for byte (urllib would keep it too, but say so)."""
-    if raw_path is not None:
-        host, port = url.split("//")[1].split("/")[0].split(":")
-        with socket.create_connection((host, int(port)), timeout=20) as s:
-            s.sendall(f"{method} {raw_path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
-                      f"Content-Length: 0\r\nConnection: close\r\n\r\n".encode())
-            return int(s.recv(100).split()[1])
-    request = urllib.request.Request(url, method=method, headers={"Authorization": f"Bearer {key}"})
-    try:
-        with urllib.request.urlopen(request, timeout=20) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
+pytestmark = needs_attacker
 
 
 def owner_get(url: str, key: str) -> tuple[int, bytes]:
@@ -286,32 +238,11 @@ def ray_head():
     shutil.rmtree(rendered.ray.temp_dir, ignore_errors=True)  # where an older launcher put it
 
 
-EMPTY_GRPC_MESSAGE = b"\0\0\0\0\0"  # a gRPC frame: not compressed, length 0 (an empty protobuf request)
-
-
-def grpc_status(run, ip: str, port: int, method: str, token: str | None = None) -> str:
-    """``grpc-status`` of one unary call over HTTP/2 (curl speaks it), or '' if nothing answered."""
-    cmd = ["curl", "-s", "--http2-prior-knowledge", "--max-time", "15", "-X", "POST", "-D", "-", "-o", "/dev/null",
-           "-H", "content-type: application/grpc", "-H", "te: trailers", "--data-binary", "@-"]
-    if token:
-        cmd += ["-H", f"authorization: Bearer {token}"]
-    out = run(*cmd, f"http://{ip}:{port}/{method}", stdin=EMPTY_GRPC_MESSAGE)
-    m = re.search(rb"grpc-status: *(\d+)", out.stdout)
-    return m[1].decode() if m else ""
-
-
-def _owner(*cmd, stdin=None):
-    return subprocess.run(cmd, input=stdin, capture_output=True, timeout=30)
-
-
-GCS_METHOD = "ray.rpc.NodeInfoGcsService/GetAllNodeInfo"
-
-
 def test_ray_gcs_refuses_a_client_without_the_token(attacker, ray_head):
     attack = grpc_status(lambda *c, stdin=None: as_attacker(attacker, *c, stdin=stdin), ray_head["ip"],
                          ray_head["gcs"], GCS_METHOD)
     assert attack == "16"  # UNAUTHENTICATED
-    assert grpc_status(_owner, ray_head["ip"], ray_head["gcs"], GCS_METHOD, ray_head["token"]) == "0"
+    assert grpc_status(owner_run, ray_head["ip"], ray_head["gcs"], GCS_METHOD, ray_head["token"]) == "0"
 
 
 def test_ray_gcs_refuses_a_wrong_token(attacker, ray_head):
@@ -343,7 +274,7 @@ def test_ray_raylet_refuses_a_client_without_the_token(attacker, ray_head):
     attack = grpc_status(lambda *c, stdin=None: as_attacker(attacker, *c, stdin=stdin), ray_head["ip"],
                          ray_head["raylet"], method)
     assert attack == "16"
-    assert grpc_status(_owner, ray_head["ip"], ray_head["raylet"], method, ray_head["token"]) == "0"
+    assert grpc_status(owner_run, ray_head["ip"], ray_head["raylet"], method, ray_head["token"]) == "0"
 
 
 def test_ray_client_server_refuses_a_client_without_the_token(attacker, ray_head):
@@ -404,78 +335,6 @@ def test_server_still_answers_and_is_not_paused_after_the_suite(embedded, api_ke
     client, model = llmlab.connect(quiet=True)
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
-
-
-# --------------------------------------------------------------------------------------------------
-# A real SLURM job (CPU mode, Ray over 2 nodes) under the CI test bed
-# --------------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def slurm_job(tmp_path_factory):
-    """The CPU job of slurm/, submitted to the test bed, once its connection file is there; cancelled after."""
-    import slurm_testbed
-    from slurm_helpers import job_processes, job_state, submit, wait_for
-
-    if slurm_testbed.skip_reason():
-        pytest.skip(slurm_testbed.skip_reason())
-    env = slurm_testbed.ensure()
-    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", LLMLAB_PYTHON=sys.executable)
-    out = tmp_path_factory.mktemp("slurm-attack")
-    job_id = submit(env, out)
-    conn = Path(os.environ["LLMLAB_HOME"]) / "servers" / f"job-{job_id}.json"
-
-    def ready():
-        state, _ = job_state(env, job_id)
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (out / f"slurm-{job_id}.out").read_text()
-        return conn.exists() and json.loads(conn.read_text()).get("status", "ready") == "ready"  # not "loading"
-
-    try:
-        wait_for(ready, 900, f"job {job_id}'s connection file", poll=2)
-        info = json.loads(conn.read_text())
-        yield {**info, "key": read_key(info["api_key_file"]), "output": out / f"slurm-{job_id}.out",
-               "token_file": Path(os.environ["LLMLAB_HOME"]) / "keys" / f"ray-job-{job_id}.token"}
-    finally:
-        subprocess.run(["scancel", job_id], env=env, check=True)
-        wait_for(lambda: not job_processes(job_id), 90, f"job {job_id}'s processes to end")
-
-
-def test_slurm_job_completions_without_or_with_wrong_key_is_401(attacker, slurm_job):
-    url = f"http://{slurm_job['host']}:{slurm_job['port']}/v1/completions"
-    assert attacker_http(attacker, url, method="POST", body={**COMPLETION, "model": slurm_job["model"]}) == 401
-    assert attacker_http(attacker, url, key="wrong", method="POST", body=COMPLETION) == 401
-
-
-def test_slurm_job_unguarded_routes_and_traversal_are_refused(attacker, slurm_job):
-    base = f"http://{slurm_job['host']}:{slurm_job['port']}"
-    for path in ("/invocations", "/tokenize", "/docs", "/openapi.json"):
-        assert attacker_http(attacker, base + path, method="POST") == 401
-        assert owner_http(base + path, slurm_job["key"], "POST") == 404
-    assert owner_http(base + "/v1/%2e%2e/invocations", slurm_job["key"], "POST",
-                      raw_path="/v1/%2e%2e/invocations") == 400
-
-
-def test_slurm_job_ray_refuses_a_client_without_the_token(attacker, slurm_job):
-    ip, port = slurm_job["ray_address"].rsplit(":", 1)
-    attack = grpc_status(lambda *c, stdin=None: as_attacker(attacker, *c, stdin=stdin), ip, int(port), GCS_METHOD)
-    assert attack == "16"
-    assert grpc_status(_owner, ip, int(port), GCS_METHOD, read_key(slurm_job["token_file"])) == "0"
-
-
-def test_slurm_job_key_and_token_files_are_unreadable(attacker, slurm_job):
-    for path in (slurm_job["api_key_file"], slurm_job["token_file"]):
-        out = as_attacker(attacker, "cat", str(path))
-        assert out.returncode != 0 and not out.stdout
-
-
-def test_slurm_job_secrets_are_in_no_ps_output_nor_job_output(attacker, slurm_job):
-    token = read_key(slurm_job["token_file"])
-    args = as_attacker(attacker, "ps", "-eo", "args").stdout.decode()
-    assert "raylet" in args and "llmlab.serve.proxy" in args
-    assert slurm_job["key"] not in args and token not in args
-    text = slurm_job["output"].read_text()
-    assert "READY" in text and slurm_job["key"] not in text and token not in text
-    client, model = llmlab.connect(f"http://{slurm_job['host']}:{slurm_job['port']}/v1", slurm_job["key"], quiet=True)
-    assert client.completions.create(model=model, prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -861,34 +720,9 @@ def test_proxy_port_held_by_another_user_fails_the_start_and_sends_no_key(attack
 # also be made by another user before the job.  The launcher's unpredictable 0700 folder around it keeps them out.
 # --------------------------------------------------------------------------------------------------
 
-def _ray_folder_is_out_of_reach(who, folder: Path) -> None:
-    import stat
-
-    sockets = folder / "session_latest" / "sockets"
-    assert stat.S_IMODE(sockets.stat().st_mode) == 0o777  # Ray's own doing: why the folder around it matters
-    found = sorted(sockets.iterdir())
-    assert found, f"Ray's sockets should be in {sockets}"
-    planted = sockets / "attacker-was-here"
-    touched = as_attacker(who, "touch", str(planted))
-    assert touched.returncode != 0 and not planted.exists(), "another user can write into Ray's sockets folder"
-    for path in found:  # not even their names: they cannot be replaced
-        assert as_attacker(who, "stat", str(path)).returncode != 0, path
-    assert as_attacker(who, "ls", str(folder.parent)).returncode != 0
-    st = folder.parent.lstat()
-    assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid() and folder.parent.name != "tmp"
-
-
 def test_ray_session_folder_is_out_of_the_attackers_reach(attacker, ray_head):
-    _ray_folder_is_out_of_reach(attacker, ray_head["temp_dir"])
+    ray_folder_is_out_of_reach(attacker, ray_head["temp_dir"])
     method = "ray.rpc.NodeManagerService/GetNodeStats"  # and Ray itself still works, for its owner
-    assert grpc_status(_owner, ray_head["ip"], ray_head["raylet"], method, ray_head["token"]) == "0"
+    assert grpc_status(owner_run, ray_head["ip"], ray_head["raylet"], method, ray_head["token"]) == "0"
 
 
-def test_slurm_job_ray_folder_is_private_and_unpredictable(attacker, slurm_job):
-    from slurm_helpers import ray_folder
-
-    folder = ray_folder(slurm_job["job_id"])
-    # mktemp's six random characters, not the job id (a digit of a short id may occur among them by chance)
-    assert re.fullmatch(r"llmlab-ray\.[A-Za-z0-9]{6}", folder.parent.name) and folder.name == "ray", \
-        f"{folder}: a name another user can guess before the job"
-    _ray_folder_is_out_of_reach(attacker, folder)

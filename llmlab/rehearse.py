@@ -12,8 +12,8 @@ against the hardware.  This module holds what a learner reads of that:
   own weights and allowance (:func:`predict_kv_before_start`) is reported with its error;
 - **bandwidth and roofline**: a batch-1 decode step reads every weight once, so bandwidth / bytes per step
   (:func:`bytes_per_decode_step`, :func:`roofline_tok_s`) is the ceiling on tokens/s;
-- **the committed results** (``benchmarks/results/``): :func:`load_results`, :func:`results_table`,
-  :func:`plot_rehearsal`, :func:`check_math`.
+- **the committed results** (``benchmarks/results/``) and your own: :func:`load_results`, :func:`load_result`,
+  :func:`results_table`, :func:`plot_rehearsal`, :func:`check_math`.
 """
 
 from __future__ import annotations
@@ -314,18 +314,24 @@ def roofline_tok_s(layout: Layout, bandwidth_bytes_s: float) -> float:
 # Results for notebook 09
 # --------------------------------------------------------------------------------------------------
 
+def load_result(folder: str | Path) -> dict:
+    """The ``rehearsal.json`` of one rehearsal's folder (``llmlab rehearse --out FOLDER``), with its ``folder``."""
+    path = Path(folder) / "rehearsal.json"
+    if not path.is_file():
+        raise RehearseError(f"No {path}: the rehearsal did not finish (its output says why), or ran with another "
+                            "--out.")
+    r = json.loads(path.read_text())
+    r["folder"] = path.parent.name
+    probe = [q for q in r.get("memory_probe") or [] if "weights" in q]
+    if probe:  # from the bytes, not from the probe's flag (see graph_estimate_subtracted)
+        r["cuda_graph_estimate_subtracted"] = graph_estimate_subtracted(probe[0])
+    return r
+
+
 def load_results(root: str | Path | None = None) -> list[dict]:
     """Every committed ``rehearsal.json`` under ``benchmarks/results`` (or ``root``), each with its ``folder``."""
     root = Path(root or RESULTS_DIR)
-    out = []
-    for p in sorted(root.glob("*/rehearsal.json")):
-        r = json.loads(p.read_text())
-        r["folder"] = p.parent.name
-        probe = [q for q in r.get("memory_probe") or [] if "weights" in q]
-        if probe:  # from the bytes, not from the probe's flag (see graph_estimate_subtracted)
-            r["cuda_graph_estimate_subtracted"] = graph_estimate_subtracted(probe[0])
-        out.append(r)
-    return out
+    return [load_result(p.parent) for p in sorted(root.glob("*/rehearsal.json"))]
 
 
 def results_table(results: list[dict] | None = None):

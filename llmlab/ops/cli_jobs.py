@@ -1,8 +1,9 @@
 """``llmlab launch | status | metrics | logs | stop | list``: argument parsing and printing over ``llmlab.ops.jobs``.
 
-Kept apart from ``cli.py`` because these commands only make sense on a SLURM login node; the logic, which a
-notebook can call too, is in ``llmlab.ops.jobs``.  Every command takes ``--json`` where a script or a grader may
-read it; errors are one sentence and exit code 2 (1 for a job that FAILED).
+Kept apart from ``cli.py`` because these commands only make sense on a SLURM login node; the logic is in
+``llmlab.ops.jobs``, the plan it submits in ``llmlab.cluster.plan`` (pure: notebook 08 calls it).  A notebook runs
+these commands in ``!`` lines, the way a learner types them.  Every command takes ``--json`` where a script or a
+grader may read it; errors are one sentence and exit code 2 (1 for a job that FAILED).
 """
 
 from __future__ import annotations

@@ -235,8 +235,8 @@ def test_a_queued_job_is_announced_as_loading_and_forgotten_when_cancelled(slurm
         with pytest.raises(llmlab.ServerUnavailable) as err:
             llmlab.connect(quiet=True)  # the newest file: the second job's
         assert f"SLURM job {held[1]} is still loading the model ({jobs.QUEUED}" in str(err.value)
-        row = next(r for r in cluster.servers(embedded=False) if r["job_id"] == held[1])
-        assert row["status"] == "loading" and row["url"] is None and row["alive"] is False
+        row = next(r for r in cluster.servers(embedded=False) if r.job_id == held[1])
+        assert row.status == "loading" and row.url is None and row.alive is False
 
         assert jobs.stop(held[1]).state == "STOPPED" and not conn[1].exists()
         subprocess.run(["scancel", held[0]], check=True)  # behind llmlab's back

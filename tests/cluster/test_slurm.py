@@ -136,7 +136,7 @@ def test_cpu_job_loads_serves_with_its_key_and_cleans_up_within_killwait_after_s
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"http://127.0.0.1:{info['port']}/v1/models", timeout=10)
         assert err.value.code == 401
-        assert [s for s in cluster.servers() if s.get("job_id") == job_id][0]["alive"]
+        assert [s for s in cluster.servers() if s.job_id == job_id][0].alive
         logs = [output, *cluster.job_log_dir(job_id).glob("*")]  # the key is in no log, no process's arguments
         assert all(key not in p.read_text(errors="replace") for p in logs)
         for pid in filter(str.isdigit, os.listdir("/proc")):

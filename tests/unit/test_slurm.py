@@ -339,10 +339,12 @@ def test_servers_lists_connection_files_without_keys(tmp_path, monkeypatch):
                           model="llama3.1-70b", api_key_file=key, job_id="7", nodes=["gpu01"], tp=4, pp=1)
     (servers_dir() / "job-8.json").write_text("{not json")
     rows = cluster.servers()
-    good = next(r for r in rows if r.get("job_id") == "7")
-    assert good["alive"] is False and good["url"] == f"http://127.0.0.1:{port}/v1" and good["tp"] == 4
-    assert "s3cret" not in json.dumps(rows)
-    assert any("not valid JSON" in r.get("error", "") for r in rows)
+    good = next(r for r in rows if r.job_id == "7")
+    assert good.alive is False and good.url == f"http://127.0.0.1:{port}/v1" and good.tp == 4
+    assert good.key() == "s3cret"  # read from its file when asked, never kept in the entry
+    assert "s3cret" not in json.dumps([r.as_dict() for r in rows])
+    assert any("not valid JSON" in (r.error or "") for r in rows)
+    assert "alive" not in cluster.servers(check=False)[0].as_dict()  # not asked, not claimed
     assert cluster.connection_file_of("7") == servers_dir() / "job-7.json"
     assert cluster.job_progress("7").phase == "waiting for the job to start vLLM"
 

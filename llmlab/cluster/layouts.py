@@ -1,31 +1,22 @@
-"""Distributed serving, the lesson of notebook 08: the layouts of the SLURM servers and the servers running now.
-
-Why this module: the workshop this course grew from started its 70B/405B servers with hand-edited sbatch
-scripts, and learners copied IP addresses out of logs.  The course's launcher does that work from settings a
-learner can read, and this module holds what a learner reads of it:
+"""The settings of the SLURM servers and their layouts, checked: the first half of notebook 08.
 
 - **Settings** (:func:`job_settings`): one machine-readable file, ``slurm/models.toml``, says per model how
   many nodes and GPUs, TP and PP, dtype and context.  The job scripts and ``llmlab launch`` both read it;
   :func:`vllm_flags` is the ``vllm serve`` line's layout part.
 - **The TP-vs-PP arithmetic** (:func:`layout_report`, :func:`layouts_table`, :func:`tp_vs_pp`).
-- **A server's start-up and the servers running** (:func:`load_progress`, :func:`servers`, :func:`is_alive`).
-
-What the launcher runs (rendering, Ray, the readiness wait) is ``llmlab.ops.launcher``.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llmlab import memory
-from llmlab.serve.info import llmlab_home, read_connection_file, servers_dir
 from llmlab.serve.vllm import cpu_flags, cpu_kv_space, set_flag
 
-SLURM_DIR = Path(__file__).resolve().parent.parent / "slurm"
+SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
 
 # Link speeds of the course's reference cluster (H100 nodes), per GPU and per direction.  NVLink 4 between the
 # GPUs of a node: the "900 GB/s" of the datasheet and the workshop's slides counts both directions together, and
@@ -304,126 +295,3 @@ def tp_vs_pp(model="llama3.1-405b", layouts=((8, 2), (16, 1)), gpus_per_node: in
                      "pp_transfers": pp - 1, "pp_bytes": (pp - 1) * message, "pp_us": pp_s * 1e6,
                      "comm_us": (tp_s + pp_s) * 1e6})
     return rows
-
-
-# --------------------------------------------------------------------------------------------------
-# A server's start-up, read from its log
-# --------------------------------------------------------------------------------------------------
-
-
-SHARDS = re.compile(r"Loading (?:safetensors|pt|bin)? ?checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+) "
-                    r"\[([\d:]+)<([\d:?]+)")
-
-
-# One record of vLLM's log ("(EngineCore pid=7) INFO 11-22 21:02:38 [model_runner.py:305] ...").  vLLM prints a
-# handful while it imports; many more with none of the phase markers that llmlab knows means a release whose
-# lines changed: `llmlab status` then says the phase is unknown, never a stale or wrong one.
-VLLM_RECORD = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:INFO|WARNING|DEBUG|ERROR) \d", re.M)
-UNKNOWN_AFTER = 12
-PHASE_UNKNOWN = "phase unknown (vLLM's log has no start-up line llmlab knows: `llmlab logs` shows it)"
-
-
-@dataclass
-class LoadProgress:
-    """Where a vLLM server is in its start-up, from its log."""
-
-    phase: str
-    shards_done: int | None = None
-    shards_total: int | None = None
-    elapsed: str | None = None
-    eta: str | None = None
-    ready: bool = False
-
-    def __str__(self) -> str:
-        if self.ready:
-            return "ready"
-        if self.shards_total and self.phase == "loading weights":
-            return (f"loading weights: {self.shards_done}/{self.shards_total} shards "
-                    f"({100 * self.shards_done // self.shards_total}%), elapsed {self.elapsed}, ETA {self.eta}")
-        return self.phase
-
-
-def load_progress(log: str | Path) -> LoadProgress:
-    """Parse a vLLM log into the start-up phase and the weight-shard progress: a ``Path`` is read, a ``str``
-    is the log's text.  vLLM redraws its shard progress bar with carriage returns; the last one counts.
-    """
-    from llmlab.serve.vllm import WEIGHTS_LOADED, phases_seen
-
-    if isinstance(log, Path):
-        try:
-            text = log.read_text(errors="replace")
-        except OSError:
-            return LoadProgress("waiting for the job to start vLLM")
-    else:
-        text = log
-    done = phases_seen(text)
-    phase_name = done[-1] if done else "importing vLLM"
-    if not done and len(VLLM_RECORD.findall(text)) > UNKNOWN_AFTER:
-        phase_name = PHASE_UNKNOWN  # a vLLM whose lines llmlab does not know: say so rather than guess
-    shards = list(SHARDS.finditer(text))
-    if shards and not WEIGHTS_LOADED.search(text):
-        phase_name = "loading weights"
-    ready = "Application startup complete" in text
-    if not shards:
-        return LoadProgress(phase_name, ready=ready)
-    m = shards[-1]
-    return LoadProgress(phase_name, int(m[2]), int(m[3]), m[4], m[5], ready)
-
-
-# --------------------------------------------------------------------------------------------------
-# Finding servers
-# --------------------------------------------------------------------------------------------------
-
-def is_alive(info: dict, timeout: float = 2.0) -> bool:
-    """Does the server of a connection file answer ``/health``?  Asked with the server's key (its proxy wants
-    the key on every request), read from the connection file's key file."""
-    from llmlab.serve.embedded import key_of
-    from llmlab.serve.proc import health
-
-    return health(info["host"], info["port"], timeout, api_key=key_of(info))
-
-
-def servers(check: bool = True, embedded: bool = True) -> list[dict]:
-    """Every llmlab server this user has published: SLURM jobs' connection files, newest first, then the
-    embedded server.  ``alive`` says whether it answers now.  The key never appears, only its file."""
-    from llmlab.serve.embedded import state_file
-
-    files = sorted(servers_dir().glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    if embedded and state_file().exists():
-        files.append(state_file())
-    out = []
-    for path in files:
-        try:
-            info = read_connection_file(path)
-        except Exception as e:  # a broken file is listed, not fatal: the table says what is wrong
-            out.append({"file": str(path), "error": str(e).split(". ")[0]})
-            continue
-        row = {"kind": info.get("kind"), "model": info["model"], "url": info.base_url if info.port else None,
-               "job_id": info.get("job_id"), "started": info.get("started"), "nodes": info.get("nodes"),
-               "tp": info.get("tp"), "pp": info.get("pp"), "api_key_file": info["api_key_file"], "file": str(path),
-               "status": info.status or "ready"}
-        if check:  # a job still in SLURM's queue has no address yet
-            row["alive"] = bool(info.port) and is_alive(info)
-        out.append(row)
-    return out
-
-
-def servers_table(check: bool = True):
-    """:func:`servers` as a pandas table."""
-    import pandas as pd
-
-    return pd.DataFrame(servers(check))
-
-
-def job_log_dir(job_id: str) -> Path:
-    """Where the launcher keeps a job's vLLM and Ray logs (private to the user)."""
-    return llmlab_home() / "logs" / f"job-{job_id}"
-
-
-def job_progress(job_id: str) -> LoadProgress:
-    """The load progress of a SLURM job's server, from the vLLM log the launcher writes."""
-    return load_progress(job_log_dir(job_id) / "vllm.log")
-
-
-def connection_file_of(job_id: str) -> Path:
-    return servers_dir() / f"job-{job_id}.json"

@@ -1,4 +1,5 @@
 # llmlab: `make lab` runs the course, `make test` runs the whole suite.  Both install what is missing.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.llmlab-installed
 NOTEBOOKS := notebooks solutions
 
-.PHONY: install lab test lint unit exercises screenshots book executed clean-venv versions test-versions test-cluster
+.PHONY: install lab test test-servers test-notebooks lint unit exercises screenshots book executed clean-venv versions test-versions test-cluster
 
 install: $(STAMP)
 
@@ -38,13 +39,25 @@ unit: install
 exercises: install
 	$(BIN)/llmlab exercises
 
-# One pytest session: the three tiers (tests/unit, tests/engine, tests/cluster) + every notebook and solution under
-# nbval, against one embedded server; the notebooks' executed copies land in build/executed/ (make book reads them).
+# The three tiers (tests/unit, tests/engine, tests/cluster) + every notebook and solution under nbval, in two
+# pytest sessions at once, each with its own LLMLAB_HOME and embedded server: most of one session's time a core
+# waits (an engine's start imports vLLM on one core; a SLURM job sleeps in the test bed), so two lanes use the
+# machine's two (27.7 min in one session, 20.3 in two, on CI's kind of machine).  Each line says its lane; each
+# lane prints its own summary and durations.  The executed notebooks land in build/executed/ (make book reads them).
 test: install lint
 	$(BIN)/shellcheck slurm/*.sh
 	$(BIN)/llmlab exercises --check
 	$(BIN)/llmlab course --check
-	$(BIN)/pytest tests $(NOTEBOOKS) --nbval-lax --nbval-current-env -m "not versions and not cluster" --durations=40
+	$(MAKE) --no-print-directory -j2 test-servers test-notebooks
+
+PYTEST_ALL = --nbval-lax --nbval-current-env -m "not versions and not cluster" --durations=25
+# The lanes, balanced by their measured durations: browser and rehearsal tests ride with the notebooks.
+LANE_NOTEBOOKS := tests/unit tests/engine/test_browser.py tests/engine/test_rehearse.py $(NOTEBOOKS)
+LANE_SERVERS := tests/cluster $(filter-out $(LANE_NOTEBOOKS),$(wildcard tests/engine/test_*.py))
+test-servers: install
+	set -o pipefail; $(BIN)/pytest $(LANE_SERVERS) $(PYTEST_ALL) 2>&1 | sed -u 's/^/[servers] /'
+test-notebooks: install
+	set -o pipefail; $(BIN)/pytest $(LANE_NOTEBOOKS) $(PYTEST_ALL) 2>&1 | sed -u 's/^/[notebooks] /'
 
 # The notebooks and solutions that read the server connect() finds (the `room` rows of llmlab/course.toml) again,
 # against a server that is not the tiny model: the launcher's CPU job serves llmlab-wide (the tiny model reshaped:

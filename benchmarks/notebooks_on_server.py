@@ -20,10 +20,29 @@ import inspect
 import io
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
+
+
+def shell_lines(source: str) -> str:
+    """A cell's ``!command {name}`` lines (lessons 08 and 09 run the ``llmlab`` command so) as Python that runs the
+    command in a shell, with ``{name}`` filled from the notebook's names as IPython fills it."""
+    lines = []
+    for line in source.splitlines():
+        command = line.lstrip()
+        if command.startswith("!"):
+            lines.append(f"{line[:len(line) - len(command)]}__shell__(f{command[1:]!r})")
+        else:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def _shell(command: str) -> None:
+    done = subprocess.run(command, shell=True, capture_output=True, text=True)  # noqa: S602 -- the lesson's line
+    print(done.stdout + done.stderr, end="")
 
 
 def run_notebook(path: Path) -> list[dict]:
@@ -31,14 +50,15 @@ def run_notebook(path: Path) -> list[dict]:
     import matplotlib
 
     matplotlib.use("Agg")
-    namespace = {"__name__": "__main__", "display": lambda *args, **kwargs: None}
+    namespace = {"__name__": "__main__", "display": lambda *args, **kwargs: None, "__shell__": _shell}
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     report = []
     for number, cell in enumerate(cells):
         source = "".join(cell["source"])
         start, printed = time.monotonic(), io.StringIO()
         try:
-            code = compile(source, f"{path.name} cell {number}", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+            code = compile(shell_lines(source), f"{path.name} cell {number}", "exec",
+                           flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
             with contextlib.redirect_stdout(printed):
                 result = eval(code, namespace)  # noqa: S307 -- the lesson's own cell, as a kernel runs it
                 if inspect.iscoroutine(result):  # a cell with top-level await, which IPython allows

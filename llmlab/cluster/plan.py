@@ -20,7 +20,7 @@ import os
 import re
 import shlex
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -206,7 +206,6 @@ class Launch:
     sbatch_options: dict[str, str]
     share: tuple[str, Path] | None = None
     rehearse: bool = False
-    submitted: dict = field(default_factory=dict)
 
     @property
     def settings_text(self) -> str:

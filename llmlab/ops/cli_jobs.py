@@ -54,10 +54,10 @@ def cmd_launch(a) -> int:
         return 0
     record = jobs.launch(plan)
     if a.json:
-        _json({"plan": plan.report, **record})
+        _json({"plan": plan.report, **record.as_dict()})
     else:
-        print(f"\nsubmitted job {record['job_id']}; job script saved as {record['script']}")
-        print(f"next: llmlab status {record['job_id']} --wait")
+        print(f"\nsubmitted job {record.job_id}; job script saved as {record.script}")
+        print(f"next: llmlab status {record.job_id} --wait")
     return 0
 
 

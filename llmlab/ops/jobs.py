@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -89,7 +89,27 @@ def jobs_dir() -> Path:
     return path
 
 
-def launch(plan: Launch) -> dict:
+@dataclass(frozen=True)
+class Submitted:
+    """What :func:`launch` submitted: the job's id, where its script and output are, its layout.  Saved as JSON in
+    :func:`jobs_dir` (``llmlab status`` reads it back with :func:`record_of`); ``llmlab launch --json`` prints
+    :meth:`as_dict` beside the plan."""
+
+    job_id: str
+    name: str
+    model: str
+    script: str                  # the job script as submitted (0600), beside the job's logs
+    output: str                  # SLURM's output file of the job
+    submitted: str               # when, ISO 8601 UTC
+    layout: dict                 # nodes, gpus, tp, pp, context
+    share: dict | None = None    # {"group", "dir"} of a workshop server
+    rehearse: bool = False       # a rehearsal (`llmlab launch --rehearse`), not a server
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def launch(plan: Launch) -> Submitted:
     """Submit the rendered script with ``sbatch``; save it, its settings and a record beside the job's logs."""
     logs = llmlab_home() / "logs"
     logs.mkdir(mode=0o700, exist_ok=True)
@@ -106,16 +126,15 @@ def launch(plan: Launch) -> dict:
         os.replace(f.name, script)
     finally:
         Path(f.name).unlink(missing_ok=True)
-    record = {"job_id": job_id, "name": plan.job.name, "model": plan.job.model, "script": str(script),
-              "output": plan.sbatch_options["output"].replace("%j", job_id),
-              "submitted": datetime.now(UTC).isoformat(timespec="seconds"),
-              "layout": {k: plan.report[k] for k in ("nodes", "gpus", "tp", "pp", "context")},
-              "share": {"group": plan.share[0], "dir": str(plan.share[1])} if plan.share else None,
-              "rehearse": plan.rehearse}
-    (jobs_dir() / f"{job_id}.json").write_text(json.dumps(record, indent=1))
+    record = Submitted(job_id, plan.job.name, plan.job.model, str(script),
+                       output=plan.sbatch_options["output"].replace("%j", job_id),
+                       submitted=datetime.now(UTC).isoformat(timespec="seconds"),
+                       layout={k: plan.report[k] for k in ("nodes", "gpus", "tp", "pp", "context")},
+                       share={"group": plan.share[0], "dir": str(plan.share[1])} if plan.share else None,
+                       rehearse=plan.rehearse)
+    (jobs_dir() / f"{job_id}.json").write_text(json.dumps(record.as_dict(), indent=1))
     if not plan.rehearse:
         publish_queued(job_id, plan.job.name, plan.share)
-    plan.submitted = record
     return record
 
 
@@ -141,7 +160,8 @@ def forget(job_id: str) -> None:
     """Remove what a job published, for a job whose launcher cannot do it any more: cancelled while queued, or
     killed before its clean-up ran.  ``connect()`` would otherwise keep saying that its server is loading."""
     cluster.connection_file_of(job_id).unlink(missing_ok=True)
-    shared = (record_of(job_id) or {}).get("share")
+    rec = record_of(job_id)
+    shared = rec.share if rec else None
     if not shared:
         return
     room = Path(shared["dir"]) / "server.json"
@@ -198,11 +218,13 @@ def scontrol_job(job_id: str) -> dict | None:
     return dict(re.findall(r"(\w+)=(\S*)", res.stdout))
 
 
-def record_of(job_id: str) -> dict | None:
+def record_of(job_id: str) -> Submitted | None:
+    """What :func:`launch` saved of ``job_id``; None for a job llmlab did not submit (or an unreadable record)."""
     path = jobs_dir() / f"{job_id}.json"
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        saved = json.loads(path.read_text())
+        return Submitted(**{f.name: saved[f.name] for f in fields(Submitted) if f.name in saved})
+    except (OSError, ValueError, TypeError):
         return None
 
 
@@ -305,16 +327,16 @@ def status(job_id: str) -> JobStatus:
     job_id = str(job_id)
     info, rec = scontrol_job(job_id), record_of(job_id)
     log_dir = cluster.job_log_dir(job_id)
-    name = (rec or {}).get("name") or ((info or {}).get("JobName", "").removeprefix("llmlab-") or None)
+    name = (rec.name if rec else None) or ((info or {}).get("JobName", "").removeprefix("llmlab-") or None)
     if rec is None and not log_dir.exists() and not (info or {}).get("JobName", "").startswith("llmlab-"):
         known = "SLURM knows it as " + repr(info.get("JobName")) if info else "SLURM does not know it"
         raise JobError(f"Job {job_id} is not an llmlab server ({known}, and {llmlab_home()} has no record of it): "
                        "`llmlab status` lists yours.")
-    out_path = (rec or {}).get("output") or (info or {}).get("StdOut")
+    out_path = (rec.output if rec else None) or (info or {}).get("StdOut")
     output, vllm_log = _read(out_path), _read(log_dir / "vllm.log")
     slurm_state = (info or {}).get("JobState")
     st = JobStatus(job_id, "STARTING", "", name=name, slurm_state=slurm_state, output=out_path, log_dir=str(log_dir))
-    if slurm_state != "PENDING" and (rec or {}).get("rehearse"):
+    if slurm_state != "PENDING" and rec and rec.rehearse:
         return _rehearsal_status(st, slurm_state, output, log_dir / "rehearsal" / "rehearsal.json")
     if slurm_state == "PENDING":
         reason = info.get("Reason", "None")
@@ -493,7 +515,7 @@ def metrics_rows(mx: dict) -> list[tuple[str, str]]:
 def log_files(job_id: str) -> list[Path]:
     """The job's SLURM output, then vLLM's log, then each node's Ray log: those that exist."""
     rec, log_dir = record_of(job_id), cluster.job_log_dir(job_id)
-    out = (rec or {}).get("output")
+    out = rec.output if rec else None
     if not out:
         info = scontrol_job(job_id)
         out = (info or {}).get("StdOut")

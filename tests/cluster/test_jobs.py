@@ -72,14 +72,14 @@ def launched(slurm_env):
         use_testbed(mp, slurm_env)
         t0 = time.monotonic()
         record = jobs.launch(jobs.prepare(CPU_JOB))
-        job_id, seen = record["job_id"], []
+        job_id, seen = record.job_id, []
         try:
             ready = jobs.wait(job_id, timeout=900, poll=0.5, on_change=seen.append)
             print(f"\nllmlab launch {CPU_JOB} -> {ready.state} in {time.monotonic() - t0:.1f} s")
             conn = servers_dir() / f"job-{job_id}.json"
             info = json.loads(conn.read_text()) if conn.exists() else {}
             yield {**info, "job_id": job_id, "record": record, "ready": ready, "seen": seen, "connection_file": conn,
-                   "key": read_key(info["api_key_file"]) if info else None, "output": Path(record["output"]),
+                   "key": read_key(info["api_key_file"]) if info else None, "output": Path(record.output),
                    "token_file": Path(os.environ["LLMLAB_HOME"]) / "keys" / f"ray-job-{job_id}.token"}
         finally:
             if jobs.status(job_id).state != "STOPPED":
@@ -98,10 +98,10 @@ class TestALaunchedJob:
         order = [s for i, s in enumerate(states) if i == 0 or states[i - 1] != s]
         assert order[-3:] == ["STARTING", "LOADING", "READY"] and set(order[:-3]) <= {"PENDING"}, order
         print("\n".join(f"llmlab status {launched['job_id']}: {s.state} - {s.detail}" for s in launched["seen"]))
-        script = Path(record["script"]).read_text()
+        script = Path(record.script).read_text()
         assert "#SBATCH --job-name=llmlab-llmlab-tiny-cpu\n#SBATCH --nodes=2\n" in script
         assert (cluster.job_log_dir(launched["job_id"]) / "settings.toml").read_text() in script  # what ran, as ran
-        assert stat.S_IMODE(Path(record["script"]).stat().st_mode) == 0o600
+        assert stat.S_IMODE(Path(record.script).stat().st_mode) == 0o600
         assert "Ray: 2/2 nodes" in launched["output"].read_text()
 
     def test_a_request_then_metrics_status_and_logs(self, launched, monkeypatch):
@@ -201,15 +201,15 @@ def test_a_wrong_model_path_fails_with_that_reason(slurm_env, monkeypatch):
     use_testbed(monkeypatch, slurm_env)
     monkeypatch.setenv("LLMLAB_MODEL_PATH", "/nonexistent/llmlab-model")
     record = jobs.launch(jobs.prepare(CPU_JOB, nodes=1))  # one node: no Ray, so it fails sooner
-    out = llmlab_cli("status", record["job_id"], "--wait", "--timeout", "600", "--poll", "1")
+    out = llmlab_cli("status", record.job_id, "--wait", "--timeout", "600", "--poll", "1")
     assert out.returncode == 1, out.stdout + out.stderr
-    st = jobs.status(record["job_id"])
+    st = jobs.status(record.job_id)
     assert st.state == "FAILED" and st.reason.startswith("the model path does not exist"), str(st)
     assert any("/nonexistent/llmlab-model" in line for line in st.log_lines), st.log_lines
     assert not any("WARNING" in line for line in st.log_lines), st.log_lines
     assert "FAILED" in out.stdout and "the model path does not exist" in out.stdout
     print(f"\nllmlab status {record['job_id']}: {st}")
-    wait_for(lambda: not job_processes(record["job_id"]), 60, "the job's processes to end")
+    wait_for(lambda: not job_processes(record.job_id), 60, "the job's processes to end")
 
 
 @needs_slurm
@@ -225,7 +225,7 @@ def test_a_queued_job_is_announced_as_loading_and_forgotten_when_cancelled(slurm
     use_testbed(monkeypatch, slurm_env)
     monkeypatch.delenv("LLMLAB_CONNECTION_FILE", raising=False)
     monkeypatch.setattr(embedded, "ensure_embedded", no_fallback)
-    held = [jobs.launch(jobs.prepare(CPU_JOB, nodes=1, extra_sbatch=["--hold"]))["job_id"] for _ in range(2)]
+    held = [jobs.launch(jobs.prepare(CPU_JOB, nodes=1, extra_sbatch=["--hold"])).job_id for _ in range(2)]
     try:
         conn = [cluster.connection_file_of(job_id) for job_id in held]
         info = json.loads(conn[1].read_text())
@@ -257,10 +257,10 @@ def test_a_queued_job_is_announced_as_loading_and_forgotten_when_cancelled(slurm
 def test_launch_rehearse_runs_llmlab_rehearse_in_the_allocation(slurm_env, monkeypatch):
     use_testbed(monkeypatch, slurm_env)
     record = jobs.launch(jobs.prepare(CPU_JOB, nodes=1, rehearse=True))
-    done = jobs.wait(record["job_id"], timeout=900, poll=2)
+    done = jobs.wait(record.job_id, timeout=900, poll=2)
     assert done.state == "STOPPED" and done.detail.startswith("rehearsal done"), str(done)
-    result = json.loads((cluster.job_log_dir(record["job_id"]) / "rehearsal" / "rehearsal.json").read_text())
+    result = json.loads((cluster.job_log_dir(record.job_id) / "rehearsal" / "rehearsal.json").read_text())
     assert result["model"] == "llmlab-tiny" and result["kv_tokens_predicted"] == result["kv_tokens_logged"]
-    assert "rehearsing llmlab-tiny" in Path(record["output"]).read_text()
+    assert "rehearsing llmlab-tiny" in Path(record.output).read_text()
     with pytest.raises(jobs.JobError, match="A rehearsal runs on one node"):
         jobs.prepare(CPU_JOB, rehearse=True)  # two nodes

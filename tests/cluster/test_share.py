@@ -235,7 +235,7 @@ def test_launch_share_serves_the_group_through_slurm(slurm_env, monkeypatch):
     parent = Path(tempfile.mkdtemp(prefix="llmlab-share-"))
     os.chmod(parent, 0o755)
     record = jobs.launch(jobs.prepare(CPU_JOB, nodes=1, share=GROUP, share_dir=str(parent / "ws")))
-    job_id, conn = record["job_id"], parent / "ws" / "server.json"
+    job_id, conn = record.job_id, parent / "ws" / "server.json"
     try:
         ready = jobs.wait(job_id, timeout=900, poll=1)
         assert ready.state == "READY" and ready.detail.endswith(f"shared with group {GROUP}: 0 learner(s) registered")

@@ -6,7 +6,7 @@ next to the server everyone shares.  :func:`start` is that one step, the same en
 real vLLM CPU build behind llmlab's key-checking proxy, on a port of its own); notebooks reach it here, not in the
 machinery of ``llmlab.serve``.
 
-    fp8 = engines.start(["--kv-cache-dtype", "fp8"])      # about a minute on two cores
+    fp8 = engines.start(["--kv-cache-dtype", "fp8"])      # about half a minute on two cores
     client, model = llmlab.connect(fp8.base_url, fp8.api_key)
     ...
     fp8.stop()                                             # or: with engines.start(...) as fp8:

@@ -58,7 +58,9 @@ def split_cores(parts: int, cores: list[int] | None = None) -> list[str]:
 def tp_engine(tp: int = 2, extra_args: list[str] = ()) -> EmbeddedServer:
     """An embedded engine of the tiny model with ``--tensor-parallel-size tp``, each rank bound to its own share
     of the cores (not started: use it as a context manager, or ``.start().wait_ready()``)."""
-    return EmbeddedServer(extra_args=["--tensor-parallel-size", str(tp), *extra_args],
+    # mp: a worker process per rank (the embedded server's own "uni" keeps its one worker in the engine process)
+    return EmbeddedServer(extra_args=["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp",
+                                      *extra_args],
                           env={BIND: "|".join(split_cores(tp))})
 
 

@@ -183,7 +183,7 @@ def ensure_embedded(timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> 
                 srv.stop()
                 raise
             info = ServerInfo.read(state_file()).updated(status="loading")
-            print(f"Starting the embedded vLLM server (log: {srv.log_path}); this takes about a minute.")
+            print(f"Starting the embedded vLLM server (log: {srv.log_path}); this takes about half a minute.")
     if info.status != "ready":
         _process(info).wait_ready(timeout, progress)
         info = info.updated(status="ready")

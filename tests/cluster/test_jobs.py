@@ -208,7 +208,7 @@ def test_a_wrong_model_path_fails_with_that_reason(slurm_env, monkeypatch):
     assert any("/nonexistent/llmlab-model" in line for line in st.log_lines), st.log_lines
     assert not any("WARNING" in line for line in st.log_lines), st.log_lines
     assert "FAILED" in out.stdout and "the model path does not exist" in out.stdout
-    print(f"\nllmlab status {record['job_id']}: {st}")
+    print(f"\nllmlab status {record.job_id}: {st}")
     wait_for(lambda: not job_processes(record.job_id), 60, "the job's processes to end")
 
 

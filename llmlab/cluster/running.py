@@ -12,7 +12,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llmlab.serve.info import llmlab_home, read_connection_file, read_key, servers_dir
+from llmlab.serve.info import ServerInfo, llmlab_home, read_connection_file, read_key, servers_dir
 
 SHARDS = re.compile(r"Loading (?:safetensors|pt|bin)? ?checkpoint shards:\s*(\d+)% Completed \|\s*(\d+)/(\d+) "
                     r"\[([\d:]+)<([\d:?]+)")
@@ -77,13 +77,13 @@ def load_progress(log: str | Path) -> LoadProgress:
 # Finding servers
 # --------------------------------------------------------------------------------------------------
 
-def is_alive(info: dict, timeout: float = 2.0) -> bool:
+def is_alive(info: ServerInfo, timeout: float = 2.0) -> bool:
     """Does the server of a connection file answer ``/health``?  Asked with the server's key (its proxy wants
     the key on every request), read from the connection file's key file."""
     from llmlab.serve.embedded import key_of
     from llmlab.serve.proc import health
 
-    return health(info["host"], info["port"], timeout, api_key=key_of(info))
+    return health(info.host, info.port, timeout, api_key=key_of(info))
 
 
 @dataclass(frozen=True)
@@ -139,9 +139,9 @@ def servers(check: bool = True, embedded: bool = True) -> list[RunningServer]:
             out.append(RunningServer(file=str(path), error=str(e).split(". ")[0]))
             continue
         out.append(RunningServer(
-            file=str(path), kind=info.get("kind"), model=info["model"], url=info.base_url if info.port else None,
-            job_id=info.get("job_id"), started=info.get("started"), nodes=info.get("nodes"), tp=info.get("tp"),
-            pp=info.get("pp"), api_key_file=info["api_key_file"], status=info.status or "ready",
+            file=str(path), kind=info.kind, model=info.model, url=info.base_url if info.port else None,
+            job_id=info.job_id, started=info.started, nodes=info.extra.get("nodes"), tp=info.extra.get("tp"),
+            pp=info.extra.get("pp"), api_key_file=info.api_key_file, status=info.status or "ready",
             # a job still in SLURM's queue has no address yet
             alive=(bool(info.port) and is_alive(info)) if check else None))
     return out

@@ -28,9 +28,10 @@ from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.paths import RESULTS_DIR
 
 FP8_KV = ("--kv-cache-dtype", "fp8")
-# A device-to-device copy on the course's H100 (80GB HBM3), read + write: the bandwidth a decode step can use
-# (measured 2026-11-22; notebook 09).  The datasheet says 3.35 TB/s.
-H100_COPY_BYTES_S = 3.03e12
+# A device-to-device copy on the course's H100 (80GB HBM3), read + write: the bandwidth a decode step can use,
+# as benchmarks/results/h100-llama3.1-8b-tp1/rehearsal.json records it (bandwidth_tb_s, 2026-11-22; notebook 09
+# shows it; tests/unit/test_quantization.py compares the two).  The datasheet says 3.35 TB/s.
+H100_COPY_BYTES_S = 3.0116e12
 # benchmarks/lessons_on_gpu.py quant on one host with 2 x H200 (2026-11-26): bf16, fp8 weights, fp8 weights + KV.
 GPU_RESULTS = RESULTS_DIR / "h200x2-llama3.1-8b-fp8" / "quant.json"
 
@@ -96,7 +97,7 @@ def roofline_tok_s(model, dtype: str | None = None, kv_dtype: str = "auto", batc
     :func:`step_bytes` at ``bandwidth_bytes_s`` (one GPU; default: the H100's measured copy bandwidth)."""
     if not bandwidth_bytes_s > 0:
         raise ValueError(f"bandwidth_bytes_s={bandwidth_bytes_s}: give the memory bandwidth in bytes per second, "
-                         "e.g. 3.03e12 for the H100's measured copy.")
+                         "e.g. 3.0116e12 for the H100's measured copy.")
     return batch * bandwidth_bytes_s / step_bytes(model, dtype, kv_dtype, batch, context)
 
 

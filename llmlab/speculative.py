@@ -110,8 +110,14 @@ def spec_delta(before: dict, after: dict) -> dict:
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
-    """Tokens per model step if each drafted token is accepted independently with probability ``alpha``
-    (Leviathan et al., 2023): ``1 + alpha + ... + alpha**k`` = ``(1 - alpha**(k+1)) / (1 - alpha)``."""
+    """Tokens per drafting step if each drafted token is accepted with probability ``alpha`` *given that the
+    ones before it were* (Leviathan et al., 2023), the same at every position: ``1 + alpha + ... + alpha**k`` =
+    ``(1 - alpha**(k+1)) / (1 - alpha)``.
+
+    ``alpha`` is not vLLM's acceptance rate.  vLLM reports ``r`` = accepted / drafted tokens, an average over the
+    draft's positions; tokens per drafting step are exactly ``1 + r * k`` whatever the acceptance looks like.
+    Since ``alpha**i <= alpha``, feeding ``r`` in here always comes out below that: a fact of the definitions,
+    not of the data.  :func:`conditional_acceptance` estimates ``alpha`` from the positions."""
     if not 0 <= alpha <= 1:
         raise ValueError(f"alpha={alpha}: an acceptance rate lies between 0 and 1.")
     if not isinstance(k, int) or k < 0:
@@ -119,13 +125,24 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def conditional_acceptance(delta: dict) -> list[float]:
+    """Per draft position p, the share of drafts accepted at p among those accepted up to p - 1: ``s_p /
+    s_(p-1)`` (``s_0`` at position 0), Leviathan's alpha measured at each position.  Independent acceptance
+    keeps it constant; a rise along the draft means acceptance comes in runs."""
+    shares = delta["accepted_at"]
+    return [s / prev if prev else 0.0 for s, prev in zip(shares, [1.0, *shares[:-1]], strict=True)]
+
+
 def position_table(delta: dict) -> pd.DataFrame:
-    """Per draft position, the share of drafts accepted up to it, beside what independent acceptance at the
-    overall rate would give (``alpha ** (position + 1)``)."""
-    alpha = delta["acceptance_rate"]
-    return pd.DataFrame({"accepted up to here": delta["accepted_at"],
-                         "if independent": [alpha ** (p + 1) for p in range(len(delta["accepted_at"]))]},
-                        index=pd.Index(range(len(delta["accepted_at"])), name="draft position")).round(3)
+    """Per draft position: the share of drafts accepted up to it (``s_p``), the share accepted there among those
+    that got there (:func:`conditional_acceptance`), and what independent acceptance at position 0's rate would
+    give (``s_0 ** (p + 1)``): the test of independence."""
+    shares = delta["accepted_at"]
+    first = shares[0] if shares else 0.0
+    return pd.DataFrame({"accepted up to here": shares,
+                         "given the one before": conditional_acceptance(delta),
+                         "if independent": [first ** (p + 1) for p in range(len(shares))]},
+                        index=pd.Index(range(len(shares)), name="draft position")).round(3)
 
 
 def measure(client, model: str, prompts: list[str], concurrency: int, max_tokens: int = 64) -> dict:

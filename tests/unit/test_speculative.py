@@ -71,7 +71,28 @@ def test_a_delta_without_output_tokens_is_refused():
     assert (d["acceptance_rate"], d["mean_accepted"], d["tokens_per_step"]) == (6 / 8, 3.0, 20 / 14)
     assert d["accepted_at"] == [1.0, 1.0, 0.5, 0.5]
     table = speculative.position_table(d)
-    assert list(table["if independent"]) == [round(0.75 ** n, 3) for n in (1, 2, 3, 4)]
+    assert list(table["if independent"]) == [1.0] * 4  # position 0's share, 1.0 here, to the power p + 1
+    assert list(table["given the one before"]) == [1.0, 1.0, 0.5, 1.0]
+
+
+def test_tokens_per_drafting_step_are_one_plus_r_k_and_the_formula_needs_the_conditional_alpha():
+    """vLLM's rate r (accepted / drafted) makes 1 + r * k exactly; fed to Leviathan's formula it always falls
+    short, even when every token is accepted independently (alpha = 0.6, k = 4: r = 0.33, formula 1.48, truth
+    2.31).  The per-position shares give alpha back, and independence as s_p = s_0 ** (p + 1)."""
+    alpha, k, drafts = 0.6, 4, 1000.0
+    shares = [alpha ** (p + 1) for p in range(k)]  # independent: accepted up to p with probability alpha^(p+1)
+    accepted = drafts * sum(shares)
+    d = speculative.spec_delta({"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "generated": 0.0,
+                                "accepted_at": [0.0] * k},
+                               {"drafts": drafts, "draft_tokens": drafts * k, "accepted": accepted,
+                                "generated": 5000.0, "accepted_at": [drafts * s for s in shares]})
+    r = d["acceptance_rate"]
+    assert r == pytest.approx(0.3264) and 1 + r * k == pytest.approx(1 + d["mean_accepted"])
+    assert 1 + d["mean_accepted"] == pytest.approx(speculative.expected_tokens_per_step(alpha, k))  # 2.31
+    assert speculative.expected_tokens_per_step(r, k) == pytest.approx(1.48, abs=0.01)  # r is not alpha
+    assert speculative.conditional_acceptance(d) == pytest.approx([alpha] * k)
+    table = speculative.position_table(d)
+    assert list(table["if independent"]) == list(table["accepted up to here"])
 
 
 def test_lesson_12s_cluster_line_reaches_vllms_argument_parser_intact():

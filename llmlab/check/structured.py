@@ -18,9 +18,9 @@ def verse_regex(pattern: str, text: str, finish_reason: str) -> None:
             "verse.")
     loose = next((v for v in NOT_VERSES if re.fullmatch(pattern, v)), None)
     require(loose is None, f"it also matches {loose!r}, which is not a reference.")
-    require(not re.search(r"(?<!\\)[+*]", pattern),
-            "bound every repetition ({1,12} rather than + or *): under an unbounded pattern a model can go on "
-            "forever, and a small one does.")
+    require(not re.search(r"(?<!\\)(?:[+*]|\{\d*,\})", pattern),
+            "bound every repetition ({1,12} rather than +, * or {1,}): under an unbounded pattern a model can go "
+            "on forever, and a small one does.")
     require(re.fullmatch(pattern, text) is not None, f"the server's answer {text!r} does not match your pattern: "
             "did you send it as extra_body=llmlab.structured.constraint(regex=pattern)?")
     require(finish_reason == "stop", f"finish_reason is {finish_reason!r}: the answer was cut, not finished; give it "

@@ -439,6 +439,9 @@ def test_structured_output_checks_name_what_is_wrong(capsys):
     not_yet(check.verse_regex, r"[A-Z][a-z]{1,12} [0-9]{1,3}", "Judah 12", "stop", hint="does not match 'John 3:16'")
     not_yet(check.verse_regex, r"[A-Za-z]{1,12} [0-9]{1,3}:[0-9]{1,3}", "Judah 12:4", "stop", hint="'john 3:16'")
     not_yet(check.verse_regex, r"[A-Z][a-z]+ [0-9]+:[0-9]+", "Judah 12:4", "stop", hint="bound every repetition")
+    not_yet(check.verse_regex, r"[A-Z][a-z]{1,} [0-9]{1,3}:[0-9]{1,3}", "Judah 12:4", "stop",
+            hint="bound every repetition")  # {1,} is as open as +
+    right(capsys, check.verse_regex, r"[A-Z][a-z]{1,12} [0-9]{1,3}:[0-9]{1,3}\+?", "Judah 12:4", "stop")  # \+ is a +
     not_yet(check.verse_regex, good, "Judahite", "length", hint="does not match your pattern")
     not_yet(check.verse_regex, good, "Judah 12:4", "length", hint="the answer was cut")
     right(capsys, check.parsed, {"name": "Elijah", "age": 40}, '{"name": "Elijah", "age": 40}')

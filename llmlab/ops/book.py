@@ -45,9 +45,16 @@ def stage(dest: Path, root: Path = ROOT, executed: Path = EXECUTED) -> Path:
     for part in PARTS:
         (dest / part).mkdir()
         for nb in sorted((root / part).glob("*.ipynb")):
-            text = nb.read_text() if part == "exercises" else json.dumps(executed_copy(nb, root, executed), indent=1)
-            (dest / part / nb.name).write_text(text)
+            staged = json.loads(nb.read_text()) if part == "exercises" else executed_copy(nb, root, executed)
+            (dest / part / nb.name).write_text(json.dumps(ipython_cells(staged), indent=1))
     return dest
+
+
+def ipython_cells(nb: dict) -> dict:
+    """Name IPython's lexer for the cells, as Jupyter does when it saves a notebook: lessons 08 and 09 run the
+    ``llmlab`` command in ``!`` lines, which Sphinx's Python lexer cannot read (a warning, so a failed book)."""
+    nb.setdefault("metadata", {}).setdefault("language_info", {})["pygments_lexer"] = "ipython3"
+    return nb
 
 
 def executed_copy(nb: Path, root: Path = ROOT, executed: Path = EXECUTED) -> dict:

@@ -126,6 +126,10 @@ def cmd_exercises(args) -> int:
 
 def cmd_course(args) -> int:
     """Render (or, with --check, compare) the lists made from llmlab/course.toml; see ``llmlab.ops.course``."""
+    if args.path:
+        for file in course.write_path(course.load(), Path(args.path), Path(args.root)):
+            print(file)
+        return 0
     try:
         found = course.sync(Path(args.root), check=args.check)
     except course.ManifestError as e:
@@ -327,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("course", help="render the home page's map, the README's outline, the architecture's rows "
                                       "and llmlab.check's list from llmlab/course.toml")
     p.add_argument("--check", action="store_true", help="fail if any of them differs from the manifest")
+    p.add_argument("--path", metavar="DIR", help="write the workshop path's notebooks (each lesson's setup cells and "
+                                                 "the path's sections) into DIR, and nothing else")
     p.add_argument("--root", default=str(course.ROOT), help="the course's repository (default: this checkout)")
     p.set_defaults(func=cmd_course)
 

@@ -4,7 +4,9 @@ Why: a lesson used to be a row kept by hand in eleven places, four of them lists
 map, the README's outline, ``docs/architecture.md``'s topic rows, ``llmlab.check``'s imports).  Now each of those
 lists sits between two marker lines and is rendered from the manifest; ``llmlab course --check`` (in ``make
 test``) fails when one was edited by hand, and names the file and the line.  The manifest's rows also pick what
-``make test-cluster`` executes (``room``) and name the workshop path's sections, which issue #36's room runs.
+``make test-cluster`` executes (``room``) and name the workshop path's sections: ``--check`` fails when a path's
+cells use a name they never define (``llmlab.ops.paths``), and ``--path DIR`` writes the path's notebooks, which a
+room's learners run.
 
 Adding a lesson: its notebook, solution, module, check module and tests, one ``[[lesson]]`` row, ``llmlab course``.
 """
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+from llmlab.ops import paths
 from llmlab.ops.exercises import source_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -295,7 +298,26 @@ def problems(course: Course, root: Path = ROOT) -> list[str]:
                     if (m := re.match(r"## (\d+)\.", h))}
             out += [f"the workshop step at {st.at}: lesson {st.lesson} has no section {n} (its '## {n}.' heading)."
                     for n in st.section_numbers() if n not in have]
+            cells = paths.path_notebook(root / course.lesson(st.lesson).notebook, st.section_numbers())["cells"]
+            out += [f"the workshop step at {st.at}: lesson {st.lesson}'s sections {st.sections} use {name!r} (cell "
+                    f"{i + 1} of the path) but never define it, so a learner meets a NameError: add the section that "
+                    "defines it to the path, or define it in the lesson's setup cells."
+                    for i, name in paths.undefined_names(cells)]
     return out
+
+
+def write_path(course: Course, out: Path, root: Path = ROOT) -> list[Path]:
+    """The workshop path's notebooks, one per lesson step, under ``out`` (what each learner of a room runs)."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for st in course.workshop:
+        if st.lesson:
+            ls = course.lesson(st.lesson)
+            file = out / Path(ls.notebook).name
+            nb = paths.path_notebook(root / ls.notebook, st.section_numbers())
+            file.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+            written.append(file)
+    return written
 
 
 def sync(root: Path = ROOT, check: bool = False, manifest: Path = MANIFEST) -> list[str]:

@@ -88,3 +88,36 @@ def test_workshop_sections_are_read_as_numbers_and_the_room_set_is_the_lessons_t
         calls = "llmlab.connect(" in (ROOT / ls.notebook).read_text()  # does, even to decide, must run there
         does = "calls" if calls else "never calls"
         assert ls.room == calls, f"lesson {ls.number}: room = {ls.room}, but it {does} connect()"
+
+
+def test_a_path_that_skips_the_section_defining_a_name_is_a_nameerror_named_by_the_check(tmp_path, capsys):
+    """The review's finding: "04 sections 2-4" use ``top`` from section 1.  The check names the step, the name
+    and the fix; the path as committed has no such name."""
+    manifest = tmp_path / "course.toml"
+    manifest.write_text(course.MANIFEST.read_text().replace('lesson = "04"\nsections = "1-4"',
+                                                            'lesson = "04"\nsections = "2-4"', 1))
+    found = course.problems(course.load(manifest))
+    assert [p for p in found if "lesson 04's sections 2-4 use 'top'" in p and "NameError" in p], found
+    assert not [p for p in course.problems(course.load()) if "NameError" in p]
+
+
+def test_the_path_notebooks_hold_the_setup_cells_and_the_listed_sections_only(tmp_path, capsys):
+    assert main(["course", "--path", str(tmp_path)]) == 0
+    c = course.load()
+    written = sorted(p.name for p in tmp_path.glob("*.ipynb"))
+    assert written == sorted(Path(c.lesson(st.lesson).notebook).name for st in c.workshop if st.lesson)
+    nb = json.loads((tmp_path / "02_kv_caching.ipynb").read_text())
+    headings = [line for cell in nb["cells"] if cell["cell_type"] == "markdown"
+                for line in course.source_text(cell).splitlines() if line.startswith("## ")]
+    assert [h.split(".")[0] for h in headings] == ["## 1", "## 4", "## 5"]  # "1, 4, 5"; not "On a real cluster"
+    lesson = json.loads((ROOT / "notebooks" / "02_kv_caching.ipynb").read_text())["cells"]
+    setup = next(i for i, cell in enumerate(lesson) if course.source_text(cell).startswith("## "))
+    assert setup >= 2 and nb["cells"][:setup] == lesson[:setup]  # the title and the set-up cells come first
+
+
+def test_undefined_names_reads_magics_and_knows_what_a_kernel_defines():
+    from llmlab.ops.paths import undefined_names
+
+    cells = [{"cell_type": "code", "source": "import os\nx = [y for y in range(3)]\n!echo {x}\ndisplay(x)"},
+             {"cell_type": "code", "source": "def f(a):\n    return a + x + z\nawait g()\nfor k in x: print(k)"}]
+    assert undefined_names(cells) == [(1, "g"), (1, "z")]

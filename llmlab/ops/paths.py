@@ -1,0 +1,95 @@
+"""The workshop path as notebooks: a lesson's setup cells and the path's sections, and the names they leave undefined.
+
+Why: the home page's 3-hour path says "04 sections 2-4"; a learner who runs only those cells, in a fresh kernel,
+must not meet a NameError because section 1 defined ``top``.  ``path_notebook`` cuts exactly what the path says
+(the cells before the first ``## `` heading -- title, imports, ``connect()`` -- then each listed ``## N.``
+section up to the next ``## `` heading), ``undefined_names`` reads those cells as Python and names what they use
+but never define, and ``llmlab course --check`` fails on any such name.  The room (issue #36) executes these
+very notebooks, one kernel per learner, so the path is both checked statically and run as written.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import copy
+import json
+import re
+from pathlib import Path
+
+from llmlab.ops.exercises import source_text
+
+# Names a Jupyter kernel defines before the first cell runs.
+KERNEL_NAMES = frozenset({"display", "get_ipython", "In", "Out", "exit", "quit", "__file__"}) | set(dir(builtins))
+
+
+def _section(cell: dict) -> int | None | bool:
+    """A markdown cell's ``## `` heading: its number for ``## N.``, None for another ``## `` heading (e.g. "On a
+    real cluster"), False for a cell that opens no section."""
+    if cell["cell_type"] != "markdown":
+        return False
+    for line in source_text(cell).splitlines():
+        if line.startswith("## "):
+            m = re.match(r"## (\d+)\.", line)
+            return int(m[1]) if m else None
+    return False
+
+
+def path_cells(nb: dict, sections: list[int]) -> list[dict]:
+    """The setup cells (before the first ``## `` heading) and the cells of each listed section, in the notebook's
+    order."""
+    out, current = [], "setup"
+    for cell in nb["cells"]:
+        heading = _section(cell)
+        if heading is not False:
+            current = heading
+        if current == "setup" or current in sections:
+            out.append(cell)
+    return out
+
+
+def path_notebook(nb_path: Path, sections: list[int]) -> dict:
+    """A copy of the lesson holding only the path's cells (outputs as the lesson has them: stripped in git)."""
+    nb = json.loads(Path(nb_path).read_text())
+    cut = copy.deepcopy(nb)
+    cut["cells"] = copy.deepcopy(path_cells(nb, sections))
+    return cut
+
+
+def _python(cell: dict) -> str:
+    """The cell as plain Python: IPython's own transformer turns ``!cmd`` and ``%magic`` lines into calls."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    return TransformerManager().transform_cell(source_text(cell))
+
+
+def _bound_and_used(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """Every name the code binds anywhere (assignments, imports, defs, parameters, loop and ``with`` targets,
+    comprehension variables) and every name it reads."""
+    bound, used = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return bound, used
+
+
+def undefined_names(cells: list[dict]) -> list[tuple[int, str]]:
+    """(cell index, name) for each name a code cell reads that neither it nor an earlier cell binds: what would
+    stop a fresh kernel with a NameError.  A name bound only later in the same cell is not flagged (rare in a
+    lesson, and a test of the cell's own order is nbval's)."""
+    known, out = set(KERNEL_NAMES), []
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "code":
+            continue
+        bound, used = _bound_and_used(ast.parse(_python(cell)))
+        out += [(i, name) for name in sorted(used - bound - known)]
+        known |= bound
+    return out

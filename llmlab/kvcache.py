@@ -38,7 +38,9 @@ PROMPT_TOKENS = "vllm:prompt_tokens_total"
 TTFT = "vllm:time_to_first_token_seconds"            # histogram, measured inside the server
 PREFILL_COMPUTED = "vllm:request_prefill_kv_computed_tokens"  # histogram: prompt tokens really computed
 CACHE_CONFIG = "vllm:cache_config_info"              # a gauge = 1 whose labels are the cache config
+RUNNING = "vllm:num_requests_running"              # gauge: requests in the running batch now
 FINISHED = "vllm:request_success_total"              # finished requests, by finish reason
+GAUGES = ("kv_cache_usage", "requests_running")      # kv_snapshot's values now, not totals
 GENERATED = "vllm:generation_tokens_total"           # output tokens of all requests
 
 __all__ = [
@@ -260,6 +262,7 @@ def kv_snapshot(metrics: Metrics) -> dict:
         "ttft_count": metrics.value(TTFT + "_count"),
         "prefill_computed_sum": metrics.value(PREFILL_COMPUTED + "_sum", default=0.0),
         "requests_finished": metrics.value(FINISHED, default=0.0),
+        "requests_running": metrics.value(RUNNING, default=0.0),
     }
     if CACHE_CONFIG in metrics:
         info = metrics[CACHE_CONFIG][0].labels
@@ -273,8 +276,8 @@ def kv_snapshot(metrics: Metrics) -> dict:
 def snapshot_delta(before: dict, after: dict) -> dict:
     """What happened between two :func:`kv_snapshot` s: counter differences, and the gauge as it is now."""
     delta = {k: after[k] - before[k] for k in before
-             if isinstance(before[k], float) and k != "kv_cache_usage" and k in after}
-    delta["kv_cache_usage"] = after["kv_cache_usage"]
+             if isinstance(before[k], float) and k not in GAUGES and k in after}
+    delta.update({k: after[k] for k in GAUGES})
     return delta
 
 
@@ -307,12 +310,15 @@ def blocks_in_use(snapshot: dict) -> int:
 def usage_while_running(client, model: str, prompt, max_tokens: int = 64, attempts: int = 8) -> dict:
     """Read the KV usage gauge while one streamed request is generating, and again once it has finished.
 
-    Why a helper: the gauge counts only blocks of *running* requests, and the tiny model finishes in a
-    fraction of a second, so the scrape must happen at the first streamed token and be checked: if the
-    finished-request counter already moved, the request ended first and the reading is retried.
-    Returns ``{"during": snapshot, "after": snapshot, "blocks_held": blocks in use during}``.
+    Why a helper: the gauge counts only blocks of *running* requests, and the tiny model finishes in a fraction
+    of a second, so the scrape happens at the first streamed token.  The gauge is the server's, so the reading is
+    this request's alone only when the server ran exactly one request at that scrape and no request finished
+    between the scrapes before and during (so that one was still this one): ``alone``.  On a shared server that
+    may never happen; after ``attempts`` readings the last is returned with ``alone=False``.
+    Returns ``{"during": snapshot, "after": snapshot, "blocks_held": blocks in use during, "alone": bool}``.
     """
     url, key = str(client.base_url), client.api_key
+    reading = None
     for _ in range(attempts):
         before = kv_snapshot(fetch_metrics(url, key))
         during = None
@@ -322,10 +328,15 @@ def usage_while_running(client, model: str, prompt, max_tokens: int = 64, attemp
             if during is None:
                 during = kv_snapshot(fetch_metrics(url, key))
         after = wait_for_request(url, key, before)
-        if during is not None and during["requests_finished"] == before["requests_finished"]:
-            return {"during": during, "after": after, "blocks_held": blocks_in_use(during)}
-    raise RuntimeError(f"the request finished before /metrics could be read, {attempts} times: ask for more "
-                       "max_tokens, or check that the server is not overloaded.")
+        if during is None:
+            continue
+        alone = during["requests_finished"] == before["requests_finished"] and during["requests_running"] == 1
+        reading = {"during": during, "after": after, "blocks_held": blocks_in_use(during), "alone": alone}
+        if alone:
+            return reading
+    if reading is None:
+        raise RuntimeError(f"the request sent no token in {attempts} tries: check the server's log.")
+    return reading
 
 
 # --------------------------------------------------------------------------------------------------
@@ -416,13 +427,23 @@ def greedy(model, input_ids, new_tokens: int, use_cache: bool = True) -> Generat
     return result
 
 
-def timed_completion(client, model: str, prompt, max_tokens: int = 1) -> dict:
-    """Send one streamed completion and time it from the client: seconds to the first token and in all,
-    and the server's token counts (``usage``).  Greedy, so repeated runs do the same work."""
+def cached_tokens(usage) -> int | None:
+    """The prompt tokens *this* request found in the prefix cache (``usage.prompt_tokens_details.cached_tokens``);
+    None from a server that does not report them (vLLM's ``--enable-prompt-tokens-details``, which every server
+    llmlab starts passes).  Why per request: ``/metrics`` counters add every client's requests, so on a shared
+    server their differences around your request are everyone's; this field is yours alone."""
+    found = getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", None)
+    return int(found) if found is not None else None
+
+
+def timed_completion(client, model: str, prompt, max_tokens: int = 1, extra_body: dict | None = None) -> dict:
+    """Send one streamed completion and time it from the client: seconds to the first token and in all, and the
+    server's token counts (``usage``, with :func:`cached_tokens`).  Greedy, so repeated runs do the same work.
+    The times are what this client saw: on a shared server they include waiting behind others' requests."""
     start = time.perf_counter()
     first, usage, text = None, None, []
     stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                       stream=True, stream_options={"include_usage": True})
+                                       stream=True, stream_options={"include_usage": True}, extra_body=extra_body)
     for chunk in stream:
         if chunk.choices and first is None:
             first = time.perf_counter() - start
@@ -433,7 +454,8 @@ def timed_completion(client, model: str, prompt, max_tokens: int = 1) -> dict:
     total = time.perf_counter() - start
     return {"ttft": first if first is not None else total, "seconds": total, "text": "".join(text),
             "prompt_tokens": usage.prompt_tokens if usage else None,
-            "completion_tokens": usage.completion_tokens if usage else None}
+            "completion_tokens": usage.completion_tokens if usage else None,
+            "cached_tokens": cached_tokens(usage) if usage else None}
 
 
 def server_token_ids(client, model: str, prompt: str) -> list[int]:

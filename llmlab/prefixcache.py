@@ -22,15 +22,22 @@ import itertools
 import os
 import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pandas as pd
 
 from llmlab import kvcache, loadtest
-from llmlab.kvcache import GENERATED, blocks_for, blocks_in_use, kv_snapshot, prefix_cache_hit_tokens, wait_for_request
+from llmlab.kvcache import (
+    GENERATED,
+    RUNNING,
+    blocks_for,
+    blocks_in_use,
+    kv_snapshot,
+    prefix_cache_hit_tokens,
+    wait_for_request,
+)
 from llmlab.serve.metrics import fetch_metrics
-
-RUNNING = "vllm:num_requests_running"  # gauge: requests in the running batch now
 
 # The workshop's system prompt: 384 tokens of the tiny model's tokenizer, so with its start token three whole CPU
 # blocks of 128 (twelve of the cluster-mode model's 32).  Another model's tokenizer splits it differently: the
@@ -127,6 +134,7 @@ class _Watch:
     def __init__(self, client, every: float = 0.01):
         self.client, self.every = client, every
         self.peak_blocks = self.peak_running = 0
+        self.samples: list[tuple[float, int, int]] = []  # (Unix time, blocks in use, requests running)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="llmlab-kv-watch", daemon=True)
 
@@ -135,9 +143,10 @@ class _Watch:
         while not self.stop.is_set():
             metrics = fetch_metrics(url, key)
             snap = kv_snapshot(metrics)
-            if "num_gpu_blocks" in snap:
-                self.peak_blocks = max(self.peak_blocks, blocks_in_use(snap))
-            self.peak_running = max(self.peak_running, int(metrics.value(RUNNING, default=0.0)))
+            blocks = blocks_in_use(snap) if "num_gpu_blocks" in snap else 0
+            running = int(metrics.value(RUNNING, default=0.0))
+            self.samples.append((time.time(), blocks, running))
+            self.peak_blocks, self.peak_running = max(self.peak_blocks, blocks), max(self.peak_running, running)
             self.stop.wait(self.every)
 
     def __enter__(self) -> _Watch:
@@ -183,10 +192,14 @@ def run_room(client, model: str, prompts: list[str], salts: list[str], max_token
     """Send every learner's prompt at once (each with its ``cache_salt``), greedily and ``ignore_eos`` (every
     answer ``max_tokens`` long), and read the server around it.
 
-    Returns ``{"result": LoadResult, "summary": its summary, "delta": the kvcache snapshot delta (prefix-cache
-    queries and hits, prompt tokens...), "peak_blocks": most KV blocks held at one scrape, "peak_running": most
-    requests running at one scrape}``.  The server must be this client's alone while it runs: the counters are
-    the server's, not the room's."""
+    Returns ``{"result": LoadResult, "summary": its summary, "hits": prompt tokens the room's requests found in
+    the prefix cache, "computed": prompt tokens they computed, "peak_blocks": most KV blocks held at one scrape,
+    "peak_running": most requests running at one scrape, "others": whether a scrape saw more requests running than
+    the room had in flight, "delta": the server's counters around the run}``.
+
+    Why two sources: ``hits`` and ``computed`` add the requests' own ``usage`` (cached tokens), so they are the
+    room's whatever else the server does; the KV gauges and the ``delta`` counters are the server's.  Where
+    ``others`` is true, another client ran requests meanwhile and the peak blocks include theirs."""
     if len(prompts) != len(salts) or not prompts:
         raise ValueError(f"{len(prompts)} prompts and {len(salts)} salts: give one salt per prompt "
                          "(room_salts(len(prompts), shared=...)).")
@@ -199,17 +212,29 @@ def run_room(client, model: str, prompts: list[str], salts: list[str], max_token
     after = wait_for_request(str(client.base_url), client.api_key, before, len(prompts), timeout=30)
     delta = {k: after[k] - before[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens",
                                                "prefill_computed_sum")}
-    return {"result": result, "summary": result.summary(), "delta": delta, "peak_blocks": watch.peak_blocks,
-            "peak_running": watch.peak_running}
+    records = result.records
+    if any(r.cached_tokens is None for r in records):
+        raise ValueError("the server does not report each request's cached tokens: start it with vLLM's "
+                         "--enable-prompt-tokens-details (every server llmlab starts has it).")
+    hits = sum(r.cached_tokens for r in records)
+    return {"result": result, "summary": result.summary(), "hits": hits,
+            "computed": sum(r.prompt_tokens for r in records) - hits, "peak_blocks": watch.peak_blocks,
+            "peak_running": watch.peak_running, "others": _others_ran(watch.samples, records), "delta": delta}
+
+
+def _others_ran(samples: list[tuple[float, int, int]], records) -> bool:
+    """Whether a scrape saw more requests running than the room had in flight at that moment: then the server's
+    gauges counted someone else's requests too."""
+    return any(running > sum(r.start <= t <= r.end for r in records) for t, _, running in samples)
 
 
 def room_table(rooms: dict[str, dict]) -> pd.DataFrame:
     """One row per :func:`run_room` result: hit rate, prompt tokens computed, TTFT p50/p99 and peak KV blocks."""
     rows = {}
     for name, room in rooms.items():
-        d, s = room["delta"], room["summary"]
-        rows[name] = {"hit rate": d["prefix_cache_hits"] / d["prefix_cache_queries"],
-                      "prompt tokens computed": int(d["prefill_computed_sum"]),
+        s = room["summary"]
+        rows[name] = {"hit rate": room["hits"] / (room["hits"] + room["computed"]),
+                      "prompt tokens computed": room["computed"],
                       "TTFT p50 (ms)": s["ttft_p50"] * 1e3, "TTFT p99 (ms)": s["ttft_p99"] * 1e3,
                       "peak KV blocks": room["peak_blocks"]}
     return pd.DataFrame(rows).T.round({"hit rate": 3, "TTFT p50 (ms)": 0, "TTFT p99 (ms)": 0})

@@ -1,5 +1,5 @@
 """Checks of notebook 13, prefix caching at the scale of a room (``llmlab.prefixcache``): the room's hit rate from
-the server's counters, and the KV blocks a GPU room holds with a shared system prompt and without."""
+its requests' own usage, and the KV blocks a GPU room holds with a shared system prompt and without."""
 
 from __future__ import annotations
 
@@ -12,29 +12,26 @@ from llmlab.check.verdict import _number, _whole, require, right
 LEARNERS, SYSTEM, QUESTION, ANSWER, BLOCK = 30, 2_010, 40, 200, 16
 
 
-def room_hit_rate(hit_rate, computed, before: dict, after: dict) -> None:
-    """13: the share of looked-up prompt tokens found in the prefix cache, and the prompt tokens computed, from
-    two ``kvcache.kv_snapshot`` s around a room."""
+def room_hit_rate(hit_rate, computed, room: dict) -> None:
+    """13: the share of the room's prompt tokens found in the prefix cache, and the prompt tokens computed, from
+    the room's own requests (``run_room``'s records: ``prompt_tokens`` and ``cached_tokens`` each)."""
     hit_rate, computed = _number(hit_rate, "hit_rate"), _number(computed, "computed")
-    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
-    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
-    require(queries > 0, "the server looked up no prompt tokens between your two snapshots: take `before`, run "
-            "the room, then take `after`.")
-    require(not (math.isclose(hit_rate, after["prefix_cache_hits"] / after["prefix_cache_queries"], rel_tol=1e-9)
-                 and not math.isclose(hit_rate, hits / queries, rel_tol=1e-9)),
-            "that is the rate since the server started: the counters only grow, so subtract `before` from `after` "
-            "to get what the room did.")
+    records = room["result"].records
+    queries = sum(r.prompt_tokens or 0 for r in records)
+    hits = sum(r.cached_tokens or 0 for r in records)
+    require(queries > 0, "the room's records hold no prompt tokens: pass the dict run_room returned.")
     require(not (hits and math.isclose(hit_rate, queries / hits, rel_tol=1e-6)),
-            "that is queries / hits: the rate divides the tokens found by the tokens looked up, so it lies "
+            "that is looked-up / found: the rate divides the tokens found by the tokens looked up, so it lies "
             "between 0 and 1.")
     require(not math.isclose(hit_rate, 100 * hits / queries, rel_tol=1e-6) or hits == 0,
             "give the rate as a share between 0 and 1, not a percentage.")
     require(math.isclose(hit_rate, hits / queries, rel_tol=1e-6),
-            f"the room looked up {queries:.0f} prompt tokens and found {hits:.0f}: hit_rate = hits / queries.")
+            f"the room's {len(records)} requests sent {queries} prompt tokens and found {hits} in the cache: "
+            "hit_rate = found / sent, each summed over the records.")
     require(not math.isclose(computed, hits) or math.isclose(hits, queries - hits),
             "those are the tokens found in the cache; the server computed the others.")
     require(math.isclose(computed, queries - hits),
-            f"of the {queries:.0f} prompt tokens looked up, the {hits:.0f} found were not computed again.")
+            f"of the {queries} prompt tokens sent, the {hits} found were not computed again.")
     right(f"{hit_rate:.1%} of the room's prompt tokens came from the cache; the server computed {computed:.0f}.")
 
 

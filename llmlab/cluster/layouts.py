@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llmlab import memory
-from llmlab.serve.vllm import cpu_flags, cpu_kv_space, set_flag
+from llmlab.serve.vllm import REPORTING_FLAGS, cpu_flags, cpu_kv_space, set_flag
 
 SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
 
@@ -196,7 +196,8 @@ def model_job(model: str, *, nodes: int, gpus_per_node: int, tp: int, pp: int, p
 def vllm_flags(job: JobSettings) -> list[str]:
     """The flags of the job's ``vllm serve`` line that the layout decides (no host, port or name).
 
-    GPU: exactly ``llmlab.memory.serve_args`` for the layout (the planner's own line), with the job's executor
+    GPU: ``llmlab.memory.serve_args`` for the layout (the planner's own line) and llmlab's reporting flags
+    (:data:`llmlab.serve.vllm.REPORTING_FLAGS`), with the job's executor
     across nodes (the planner names Ray for PP; TP alone across nodes gets it too).  CPU: the embedded server's
     (:func:`llmlab.serve.vllm.cpu_flags`).
     """
@@ -205,7 +206,7 @@ def vllm_flags(job: JobSettings) -> list[str]:
     argv, _ = memory.serve_args(job.model, tp=job.tp, pp=job.pp, max_model_len=job.context, dtype=job.dtype,
                                 kv_dtype=job.kv_dtype, gpu_memory_utilization=job.gpu_memory_utilization,
                                 expert_parallel=job.expert_parallel)
-    flags = argv[3:]  # drop "vllm serve MODEL"
+    flags = argv[3:] + REPORTING_FLAGS  # drop "vllm serve MODEL"; a room's learners read their own cached tokens
     if job.nodes > 1:
         flags = set_flag(flags, "--distributed-executor-backend", job.backend)
         if job.uses_mp_nodes:  # node rank, head address and port are the launcher's, per node

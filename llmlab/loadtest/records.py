@@ -53,13 +53,14 @@ class Record:
     text: str = ""
     session: str = ""  # one id per run() call: a resumed file holds several sessions
     concurrency: int | None = None  # the run's setting (worker threads or coroutines)
+    cached_tokens: int | None = None  # prompt tokens this request found in the prefix cache (None: not reported)
 
     @classmethod
     def from_dict(cls, d: dict) -> Record:
         names = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in names}
         for key in ("prompt_tokens", "ttft", "tpot", "latency", "t_response", "finish_reason", "max_tokens",
-                    "concurrency"):
+                    "concurrency", "cached_tokens"):
             if key in d and _missing(d[key]):
                 d[key] = None
         if isinstance(d.get("itl"), str):  # from CSV

@@ -79,6 +79,7 @@ class _Timer:
         if usage:
             self.rec.prompt_tokens = usage.get("prompt_tokens")
             self.rec.output_tokens = usage.get("completion_tokens") or 0
+            self.rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         choices = data.get("choices")
         if choices:  # a token (its text may be empty: a special token, half a UTF-8 character)
             if self.rec.ttft is None:

@@ -109,6 +109,12 @@ def serve_line(model: Path | str, flags: list[str]) -> str:
     return shlex.join(["vllm", "serve", str(model), *flags])
 
 
+# What every server llmlab starts reports per request: ``usage.prompt_tokens_details.cached_tokens``, the prompt
+# tokens this request found in the prefix cache.  A shared server's /metrics counters add everyone's requests; this
+# field is the learner's own (lessons 02 and 13 read it).  In vLLM since long before the tested range.
+REPORTING_FLAGS = ["--enable-prompt-tokens-details"]
+
+
 def cpu_flags(max_model_len: int | None = None) -> list[str]:
     """The ``vllm serve`` flags of vLLM's CPU build, for the embedded server and a CPU SLURM job alike
     (:func:`llmlab.cluster.vllm_flags`); on GPUs the layout's flags are the planner's (``llmlab.memory``).
@@ -117,8 +123,8 @@ def cpu_flags(max_model_len: int | None = None) -> list[str]:
     caching is asked for by name, whatever a release's default.  ``--enforce-eager``: the CPU build's
     torch.compile took 8-11 s of every start (vLLM 0.32 also fails to reload its compile cache, so every start
     compiles again) and bought the tiny model nothing a learner sees (200 greedy tokens in 0.85 s compiled,
-    0.96 s eager); learners and tests start many engines."""
-    flags = ["--dtype", "float32", "--enable-prefix-caching", "--enforce-eager"]
+    0.96 s eager); learners and tests start many engines.  :data:`REPORTING_FLAGS`: per-request cached tokens."""
+    flags = ["--dtype", "float32", "--enable-prefix-caching", "--enforce-eager", *REPORTING_FLAGS]
     return flags + (["--max-model-len", str(max_model_len)] if max_model_len else [])
 
 

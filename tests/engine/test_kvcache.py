@@ -55,6 +55,8 @@ def test_live_prefix_cache_hits_the_predicted_whole_blocks(live):
     assert (d2["prefix_cache_queries"], d2["prefix_cache_hits"]) == (300, kc.prefix_cache_hit_tokens(300, 300))
     assert d2["prefill_computed_sum"] == 300 - 256 and d1["prefill_computed_sum"] == 300
     assert first["text"] == second["text"]  # the cached keys and values give the same greedy tokens
+    # the same hit, read from the request's own usage: what a learner of a shared server counts
+    assert (first["cached_tokens"], second["cached_tokens"]) == (0, d2["prefix_cache_hits"])
 
 
 @pytest.mark.server
@@ -62,5 +64,22 @@ def test_live_kv_usage_counts_the_blocks_of_the_running_request(live):
     client, model, _, _ = live
     prompt = [secrets.randbelow(4000) + 10 for _ in range(300)]
     reading = kc.usage_while_running(client, model, prompt, max_tokens=100)
+    assert reading["alone"] and reading["during"]["requests_running"] == 1
     assert reading["blocks_held"] == kc.blocks_for(300, memory.CPU_BLOCK_SIZE) == 3  # 300..400 tokens: 3 blocks
     assert reading["after"]["kv_cache_usage"] == 0.0
+
+
+@pytest.mark.server
+def test_live_kv_usage_is_not_called_alone_while_another_request_runs(live):
+    """A shared server: another client's long request runs meanwhile, so the gauge is not this request's."""
+    import threading
+
+    client, model, _, _ = live
+    other = threading.Thread(target=lambda: client.completions.create(
+        model=model, prompt="In the beginning", max_tokens=450, temperature=0, extra_body={"ignore_eos": True}))
+    other.start()
+    try:
+        reading = kc.usage_while_running(client, model, "And the king said", max_tokens=20, attempts=2)
+    finally:
+        other.join()
+    assert not reading["alone"] and reading["during"]["requests_running"] >= 2

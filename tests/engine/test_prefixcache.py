@@ -29,14 +29,15 @@ def test_one_salt_shares_the_system_prompt_a_salt_each_never(embedded):
              for shared in (True, False)}
     lengths, shared_tokens = prefixcache.server_lengths(client, model, prompts)
     for salts, room in rooms.values():
-        d = room["delta"]
-        assert d["prefix_cache_hits"] == prefixcache.expected_hits(lengths, shared_tokens, block, salts)
-        assert d["prefix_cache_queries"] == d["prompt_tokens"] == sum(lengths)
-        assert d["prefill_computed_sum"] == sum(lengths) - d["prefix_cache_hits"]
+        d = room["delta"]  # the server's counters (this server is the test's alone) and the requests' own usage agree
+        assert room["hits"] == d["prefix_cache_hits"] == prefixcache.expected_hits(lengths, shared_tokens, block, salts)
+        assert d["prefix_cache_queries"] == d["prompt_tokens"] == sum(lengths) == room["hits"] + room["computed"]
+        assert d["prefill_computed_sum"] == sum(lengths) - d["prefix_cache_hits"] == room["computed"]
+        assert not room["others"]
         assert 0 < room["peak_blocks"] <= prefixcache.expected_blocks(lengths, shared_tokens, block, salts, answer)
         assert [r.output_tokens for r in room["result"].records] == [answer] * learners
-    assert rooms[True][1]["delta"]["prefix_cache_hits"] == (learners - 1) * (shared_tokens // block * block) > 0
-    assert rooms[False][1]["delta"]["prefix_cache_hits"] == 0
+    assert rooms[True][1]["hits"] == (learners - 1) * (shared_tokens // block * block) > 0
+    assert rooms[False][1]["hits"] == 0
 
 
 @pytest.mark.server

@@ -507,17 +507,18 @@ def test_speculative_decoding_checks_name_what_is_wrong(capsys):
 # --- notebook 13: prefix caching and chunked prefill at scale ----------------------------------------------------
 
 def test_prefix_caching_at_scale_checks_name_what_is_wrong(capsys):
-    """Notebook 13's checks: the room's hit rate from counter deltas, and a GPU room's blocks (shared counted once)."""
-    before = {"prefix_cache_queries": 1000.0, "prefix_cache_hits": 100.0}
-    after = {"prefix_cache_queries": 5100.0, "prefix_cache_hits": 3556.0}  # the room: 4,100 looked up, 3,456 found
-    right(capsys, check.room_hit_rate, 3456 / 4100, 644, before, after)
-    not_yet(check.room_hit_rate, 3556 / 5100, 644, before, after, hint="since the server started")
-    not_yet(check.room_hit_rate, 4100 / 3456, 644, before, after, hint="that is queries / hits")
-    not_yet(check.room_hit_rate, 100 * 3456 / 4100, 644, before, after, hint="not a percentage")
-    not_yet(check.room_hit_rate, 0.5, 644, before, after, hint="hit_rate = hits / queries")
-    not_yet(check.room_hit_rate, 3456 / 4100, 3456, before, after, hint="the server computed the others")
-    not_yet(check.room_hit_rate, 3456 / 4100, 600, before, after, hint="were not computed again")
-    not_yet(check.room_hit_rate, 0.5, 10, before, before, hint="looked up no prompt tokens")
+    """Notebook 13's checks: the room's hit rate from its requests' usage, a GPU room's blocks (shared counted once)."""
+    from llmlab.loadtest import LoadResult, Record
+
+    sent = [Record(id=i, prompt_tokens=410, cached_tokens=0 if i == 0 else 384) for i in range(10)]
+    room = {"result": LoadResult(sent, concurrency=10)}  # the room: 4,100 sent, 3,456 found
+    right(capsys, check.room_hit_rate, 3456 / 4100, 644, room)
+    not_yet(check.room_hit_rate, 4100 / 3456, 644, room, hint="looked-up / found")
+    not_yet(check.room_hit_rate, 100 * 3456 / 4100, 644, room, hint="not a percentage")
+    not_yet(check.room_hit_rate, 0.5, 644, room, hint="found / sent")
+    not_yet(check.room_hit_rate, 3456 / 4100, 3456, room, hint="the server computed the others")
+    not_yet(check.room_hit_rate, 3456 / 4100, 600, room, hint="were not computed again")
+    not_yet(check.room_hit_rate, 0.5, 10, {"result": LoadResult([], concurrency=1)}, hint="hold no prompt tokens")
     # 30 requests of 2,050 + 199 tokens: 141 blocks each; the 29 later ones find 125 whole system-prompt blocks
     right(capsys, check.room_blocks, 30 * 141 - 29 * 125, 30 * 141)
     not_yet(check.room_blocks, 605, 4217, hint="round up per request")

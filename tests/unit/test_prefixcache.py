@@ -48,3 +48,12 @@ def test_gaps_are_split_by_the_prefill_windows():
     during, other = prefixcache.gaps_during(loadtest.LoadResult([decoder]), loadtest.LoadResult([arrival]))
     assert during == pytest.approx([0.3]) and other == pytest.approx([0.1, 0.1])
     assert prefixcache.token_times(decoder) == pytest.approx([10.1, 10.2, 10.5, 10.6])
+
+
+def test_a_scrape_with_more_requests_running_than_the_room_had_in_flight_means_someone_else_was_there():
+    from llmlab.prefixcache import _others_ran
+
+    room = [Record(id=i, start=10.0, end=12.0) for i in range(3)]
+    assert not _others_ran([(9.0, 0, 0), (10.5, 4, 3), (11.9, 4, 2)], room)  # fewer running: some finished
+    assert _others_ran([(10.5, 9, 4)], room)  # 4 running while the room had 3 in flight
+    assert _others_ran([(13.0, 2, 1)], room)  # after the room: anything running is someone else's

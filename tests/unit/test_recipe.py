@@ -138,7 +138,7 @@ def test_the_recipe_is_written_in_one_module():
 def test_the_cpu_flags_are_one_list_for_the_embedded_server_and_a_cpu_job(tmp_path):
     job = cluster.job_settings(CPU_JOB)
     assert cluster.vllm_flags(job) == vllm.cpu_flags() == ["--dtype", "float32", "--enable-prefix-caching",
-                                                           "--enforce-eager"]
+                                                           "--enforce-eager", "--enable-prompt-tokens-details"]
     assert cluster.vllm_flags(dataclasses.replace(job, max_model_len=512)) == [*vllm.cpu_flags(), "--max-model-len",
                                                                               "512"]
     argv = vllm.engine_command(tmp_path, "tiny", tmp_path / "s", 512, ["--seed", "1"])
@@ -172,7 +172,7 @@ def test_a_jobs_executor_across_nodes_is_set_where_the_planner_put_it():
     mp = cluster.vllm_flags(dataclasses.replace(pp, backend="mp"))
     i = planned.index("--distributed-executor-backend") - 3
     assert mp[:i + 2] == [*planned[3:3 + i + 1], "mp"] and mp[-2:] == ["--nnodes", "2"]
-    assert cluster.vllm_flags(pp) == planned[3:]
+    assert cluster.vllm_flags(pp) == planned[3:] + vllm.REPORTING_FLAGS
     tp16 = cluster.vllm_flags(cluster.job_settings("llama3.1-405b-tp16"))  # TP alone across nodes: appended
     assert tp16[-2:] == ["--distributed-executor-backend", "ray"] and tp16.count("--distributed-executor-backend") == 1
 

@@ -149,8 +149,13 @@ def cmd_progress(args) -> int:
         except (OSError, ValueError) as e:
             print(f"llmlab: {e}", file=sys.stderr)
             return 2
+    elif args.room and args.json:
+        rows, notes = progress.read_room(Path(args.room))
+        print(json.dumps(rows, indent=2))
+        for note in notes:  # what was skipped and why: for the instructor, not for the script reading stdout
+            print(note, file=sys.stderr)
     elif args.room:
-        print(json.dumps(progress.room(Path(args.room)), indent=2) if args.json else progress.show_room(args.room))
+        print(progress.show_room(Path(args.room)))
     else:
         print(json.dumps(progress.table(), indent=2) if args.json else progress.show())
     return 0

@@ -72,7 +72,11 @@ HOME_PAGE = "notebooks/00_home.ipynb"  # the course map, opened on start; relati
 
 
 def lab_environment() -> dict:
-    """This process's environment with the course's JupyterLab settings first on JUPYTER_CONFIG_PATH."""
+    """This process's environment with the course's JupyterLab settings first on JUPYTER_CONFIG_PATH, where they
+    come before ~/.jupyter's.  Besides the lab's own settings, ``jupyter_server_config.json`` there turns off
+    ``PasswordIdentityProvider.allow_password_change``: jupyter_server's default lets a POST of the token with a
+    ``new_password`` to /login write a hashed password into ~/.jupyter, so that whoever once saw the token (a shared
+    screen, a screenshot, ``ps``) would keep a way into every later Jupyter of this user."""
     paths = [str(JUPYTER_CONFIG), *filter(None, os.environ.get("JUPYTER_CONFIG_PATH", "").split(os.pathsep))]
     return {**os.environ, "JUPYTER_CONFIG_PATH": os.pathsep.join(paths)}
 

@@ -13,6 +13,8 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
+import sysconfig
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -44,6 +46,19 @@ def as_attacker(who: tuple[int, int], *cmd: str, stdin: bytes | None = None,
     return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--", *cmd],
                           input=stdin, capture_output=True, timeout=timeout,
                           env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C"})
+
+
+LEARNER_PYTHON = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"  # the venv's may be in a 0700 home
+
+
+def llmlab_as(who: tuple[int, int], home: Path, *args: str, env: dict[str, str] | None = None,
+              timeout: float = 60) -> subprocess.CompletedProcess:
+    """``llmlab ARGS`` run as another UNIX user, as a learner runs it: this checkout and the venv's packages on the
+    system's Python of the same version, ``LLMLAB_HOME=home`` (a folder of theirs), plus ``env``."""
+    repo = Path(__file__).resolve().parent.parent
+    extra = [f"{k}={v}" for k, v in (env or {}).items()]
+    return as_attacker(who, "env", f"PYTHONPATH={repo}:{sysconfig.get_paths()['purelib']}", f"LLMLAB_HOME={home}",
+                       *extra, LEARNER_PYTHON, "-m", "llmlab", *args, timeout=timeout)
 
 
 def attacker_http(who, url: str, *, key: str | None = None, method: str = "GET", body: dict | None = None) -> int:

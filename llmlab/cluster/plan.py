@@ -20,6 +20,7 @@ import os
 import re
 import shlex
 import sys
+import unicodedata
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -212,30 +213,60 @@ class Launch:
         return settings_toml(self.job)
 
 
+def one_line(field: str, value) -> str:
+    """``value`` as text for one line of the job script, or a :class:`JobError` naming ``field``.
+
+    Why: a newline in a value (a models.toml ``description``, an ``#SBATCH`` option) would end its comment or
+    ``#SBATCH`` line, and what follows would be a shell line; sbatch stops reading ``#SBATCH`` at the first line
+    that is not a comment, so every directive after it, ``--output`` included, would be ignored.  Other control
+    characters (a carriage return, ESC) have no place in a job script either."""
+    text = str(value)
+    bad = next((c for c in text if unicodedata.category(c) == "Cc"), None)
+    if bad is not None:
+        what = "a newline" if bad in "\n\r" else f"the control character {bad!r}"
+        raise JobError(f"{field} holds {what} ({text[:60]!r}): every value goes on one line of the job script, so "
+                       "write it on one line without control characters.")
+    return text
+
+
+def _quoted(field: str, value) -> str:
+    """A value for the job script's shell lines: one line (:func:`one_line`), then quoted for the shell."""
+    return shlex.quote(one_line(field, value))
+
+
 def render_script(job: JobSettings, options: dict[str, str], extra_sbatch: list[str] = (),
                   python: str | None = None, command: str = "", share: tuple[str, Path] | None = None,
                   rehearse: bool = False) -> str:
     """The job script: ``#SBATCH`` lines, the settings embedded, then the shared launcher.  Resubmitting it
-    with plain ``sbatch`` runs the same server again (it names this course's files by absolute path)."""
+    with plain ``sbatch`` runs the same server again (it names this course's files by absolute path).  Every
+    value put into it is :func:`one_line` (the embedded settings are TOML strings, whose escapes keep them on one
+    line each)."""
     home = llmlab_home()
+    description = one_line(f"the description of job {job.name!r} (models.toml's `description`)",
+                           job.description or job.name)
+    command = one_line("the `llmlab launch` command line", command)
     lines = ["#!/bin/bash", f"# Rendered by `llmlab launch{(' ' + command) if command else ''}` "
              f"on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC.",
-             f"# {job.description or job.name}", "# Resubmit as it is with `sbatch THIS_FILE`."]
-    lines += [f"#SBATCH --{k}={v}" if v else f"#SBATCH --{k}" for k, v in options.items()]
-    lines += [f"#SBATCH {a}" for a in extra_sbatch]
+             f"# {description}", "# Resubmit as it is with `sbatch THIS_FILE`."]
+    for k, v in options.items():
+        key = one_line(f"the name of the #SBATCH option {k!r}", k)
+        lines.append(f"#SBATCH --{key}={one_line(f'#SBATCH --{key}', v)}" if v else f"#SBATCH --{key}")
+    lines += [f"#SBATCH {one_line('the --sbatch option', a)}" for a in extra_sbatch]
+    q = _quoted
+    name = q("the job's name", job.name)
     settings_path = '"$LLMLAB_HOME/logs/job-$SLURM_JOB_ID/settings.toml"'
     lines += ["set -euo pipefail", "umask 077",
-              f"export LLMLAB_HOME={shlex.quote(str(home))}",
-              f"export LLMLAB_SLURM_DIR={shlex.quote(str(slurm_dir()))}",
-              f"export LLMLAB_PYTHON=${{LLMLAB_PYTHON:-{shlex.quote(python or sys.executable)}}}",
+              f"export LLMLAB_HOME={q('LLMLAB_HOME', home)}",
+              f"export LLMLAB_SLURM_DIR={q('the folder of the slurm/ scripts', slurm_dir())}",
+              f"export LLMLAB_PYTHON=${{LLMLAB_PYTHON:-{q('the Python of the job', python or sys.executable)}}}",
               'mkdir -p "$LLMLAB_HOME/logs/job-$SLURM_JOB_ID"',
-              *([f"export LLMLAB_SHARE_GROUP={shlex.quote(share[0])}",
-                 f"export LLMLAB_SHARE_DIR={shlex.quote(str(share[1]))}"] if share else []),
+              *([f"export LLMLAB_SHARE_GROUP={q('the share group', share[0])}",
+                 f"export LLMLAB_SHARE_DIR={q('the share folder', share[1])}"] if share else []),
               f"cat >{settings_path} <<'LLMLAB_SETTINGS'", settings_toml(job).rstrip(), "LLMLAB_SETTINGS",
               f"export LLMLAB_SETTINGS_FILE={settings_path}",
-              f'exec "$LLMLAB_PYTHON" -m llmlab rehearse {shlex.quote(job.name)} --engine {job.engine} '
+              f'exec "$LLMLAB_PYTHON" -m llmlab rehearse {name} --engine {q("the engine", job.engine)} '
               f'--out "{REHEARSAL_DIR}"' if rehearse else
-              f'exec bash "$LLMLAB_SLURM_DIR/llmlab-serve.sh" {shlex.quote(job.name)}']
+              f'exec bash "$LLMLAB_SLURM_DIR/llmlab-serve.sh" {name}']
     return "\n".join(lines) + "\n"
 
 

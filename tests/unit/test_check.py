@@ -395,41 +395,123 @@ def test_progress_counts_each_lessons_exercises_passed(tmp_path, monkeypatch, ca
 
 def test_a_room_collects_only_the_tables_its_learners_hand_in(tmp_path, monkeypatch, capsys):
     """Opt-in: a learner's `llmlab progress --hand-in DIR` puts their table -- no key, no answer -- in the room's
-    folder, readable by the group only; the instructor's `--room DIR` shows a learner a line."""
+    folder as `<their UNIX name>.json` (whatever $USER says), readable by the group only; the instructor's
+    `--room DIR` shows a learner a line.  (Two learners of two UNIX users: tests/cluster/test_progress_room.py.)"""
     import json
     import stat
 
     from llmlab.check import progress
     from llmlab.ops.cli import main
 
+    me = progress.learner_name()
     folder = tmp_path / "room"
     folder.mkdir()
+    folder.chmod(0o3770)  # the workshop's recipe: group-writable, sticky
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.setenv("USER", "someone-else")  # anyone can set it: the name comes from the real uid
+    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "api_key").write_text("sk-secret-of-mine")  # what must never leave the home
     sweep = pd.DataFrame({"output_tokens_per_s": [100.0, 700.0, 900.0, 1000.0]},
                          index=pd.Index([1, 8, 64, 256], name="concurrency"))
-    for user, answers in (("ada", [64]), ("bob", [8])):
-        monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / user))
-        (tmp_path / user).mkdir()
-        (tmp_path / user / "api_key").write_text("sk-secret-of-" + user)  # what must never leave the home
-        for answer in answers:
-            try:
-                check.knee(answer, sweep)
-            except check.NotYet:
-                pass
-        path = progress.hand_in(folder, user)
-        assert stat.S_IMODE(path.stat().st_mode) == 0o640
-        handed = path.read_text()
-        assert "secret" not in handed and set(json.loads(handed)) == {"user", "handed in", "lessons"}
+    right(capsys, check.knee, 64, sweep)
+    for _ in range(2):  # the second replaces the first
+        path = progress.hand_in(folder)
+    assert path == folder / f"{me}.json" and sorted(p.name for p in folder.iterdir()) == [f"{me}.json"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    handed = path.read_text()
+    assert "secret" not in handed and set(json.loads(handed)) == {"user", "handed in", "lessons"}
+    (folder / "someone-else.json").write_text(handed)  # a second file of the same user: not a second learner
     capsys.readouterr()
-    rows = {r["user"]: r for r in progress.room(folder)}
-    assert rows["ada"]["06_threaded_requests"] == "1/5" and rows["bob"]["06_threaded_requests"] == "0/5"
-    assert rows["ada"]["passed"] == 1 and rows["ada"]["total"] == rows["bob"]["total"] > 20
+    rows = progress.room(folder)
+    assert [r["user"] for r in rows] == [me]
+    assert rows[0]["06_threaded_requests"] == "1/5" and rows[0]["passed"] == 1 and rows[0]["total"] > 20
     assert main(["progress", "--room", str(folder)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:2] == ["user", "passed"] and out[1].startswith("ada") and out[2].startswith("bob")
+    assert out[0].split()[:2] == ["user", "passed"] and out[1].startswith(me)
+    assert out[2] == f"skipped someone-else.json: it belongs to {me}, and only {me}.json can be theirs"
+    assert main(["progress", "--room", str(folder), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [r["user"] for r in json.loads(out)] == [me] and "skipped someone-else.json" in err
     assert main(["progress", "--hand-in", str(tmp_path / "nowhere")]) == 2
     assert "ask your instructor for the room's progress folder" in capsys.readouterr().err
     assert progress.show_room(tmp_path / "bob").startswith("nobody has handed in yet")
+
+
+def test_a_hand_in_folder_others_can_write_but_not_sticky_is_refused(tmp_path, monkeypatch, capsys):
+    """Finding 1 of security-review-2: in a group-writable folder without the sticky bit (the old recipe, 2770) any
+    learner can replace another's file or plant names before them; the hand-in refuses it and names the fix."""
+    from llmlab.ops.cli import main
+
+    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "room"
+    folder.mkdir()
+    for mode in (0o2770, 0o0777):
+        folder.chmod(mode)
+        assert main(["progress", "--hand-in", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"llmlab: {folder} is writable by other users but not sticky, so another learner could replace "
+                       f"or pre-plant your file: ask your instructor to run `chmod 3770 {folder}`.\n")
+        assert list(folder.iterdir()) == []
+    folder.chmod(0o3770)
+    assert main(["progress", "--hand-in", str(folder)]) == 0
+
+
+def test_the_room_trusts_no_file_in_its_folder(tmp_path):
+    """Finding 4 of security-review-2, the cases one UNIX user can make (impersonation by another user:
+    tests/cluster/test_progress_room.py): a FIFO must not hang the room, a symlink to /dev/zero must not be read,
+    a file of another shape is skipped with a note, never a traceback, one over 64 KiB is not read, and escape
+    sequences in a file or its name never reach the instructor's terminal."""
+    import json
+    import os
+    import threading
+
+    from llmlab.check import progress
+
+    me = progress.learner_name()
+    folder = tmp_path / "room"
+    folder.mkdir()
+    good = {"user": "the instructor \x1b[2J", "handed in": "\x1b]0;pwned\x07now",
+            "lessons": [{"lesson": "06_threaded_requests", "passed": 2, "total": 5}]}
+    mine = folder / f"{me}.json"
+
+    def room_of(content) -> tuple[list[dict], str]:
+        if content is not ...:  # ...: the folder as it is
+            mine.unlink(missing_ok=True)
+            mine.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+        found = []
+        reader = threading.Thread(target=lambda: found.append((progress.room(folder), progress.show_room(folder))),
+                                  daemon=True)
+        reader.start()
+        reader.join(20)
+        assert not reader.is_alive(), "the room's view hangs"
+        return found[0]
+
+    rows, text = room_of(good)
+    assert rows == [{"user": me, "passed": 2, "total": 5, "handed in": "?]0;pwned?now", "06_threaded_requests": "2/5"}]
+    assert "\x1b" not in text and "\x07" not in text and "instructor" not in text
+    for bad, why in (({"lessons": [{}]}, "lesson 1 has no lesson name"), (["a", "list"], "no list of at most"),
+                     ({"lessons": [{"lesson": "06_x", "passed": 9, "total": 5}]}, "lesson 1 has no counts"),
+                     ({"lessons": [{"lesson": "06_x\x1b[31m", "passed": 1, "total": 5}]}, "no lesson name"),
+                     ({"lessons": [{"lesson": "06_x", "passed": "1", "total": 5}]}, "no counts"),
+                     (b'{"lessons": [', "not JSON"), (b"\xff\xfe", "not JSON"),
+                     (b" " * (64 * 1024) + json.dumps(good).encode(), "larger than 64 KiB")):
+        rows, text = room_of(bad)
+        assert rows == [] and text.splitlines()[1].startswith(f"skipped {me}.json: ") and why in text, (bad, text)
+    mine.unlink()
+    os.mkfifo(mine)  # named after its owner: opened (without blocking), then refused
+    os.mkfifo(folder / "fifo.json")
+    (folder / "zero.json").symlink_to("/dev/zero")
+    (folder / "\x1b[2J\x1b]0;pwned\x07.json").write_text("{}")
+    rows, text = room_of(...)
+    assert rows == [] and "\x1b" not in text and "\x07" not in text
+    notes = set(text.splitlines()[1:])
+    assert {f"skipped {me}.json: not a regular file", "skipped fifo.json: not a regular file",
+            "skipped zero.json: a symbolic link"} < notes and len(notes) == 4
+    for n in range(30):
+        (folder / f"planted-{n:02}.json").write_text("{}")
+    notes = room_of(...)[1].splitlines()[1:]
+    assert len(notes) == 21 and notes[-1] == "... and 14 more files skipped"  # a flood of files costs one line
 
 
 def test_structured_output_checks_name_what_is_wrong(capsys):

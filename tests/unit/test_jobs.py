@@ -57,6 +57,39 @@ def test_overrides_keep_tp_inside_a_node_and_round_trip_through_the_job_script(t
     assert plan.script.rstrip().endswith('exec bash "$LLMLAB_SLURM_DIR/llmlab-serve.sh" llama3.1-70b')
 
 
+def test_a_value_with_a_newline_never_reaches_the_job_script(tmp_path, monkeypatch):
+    """Finding 9 of security-review-2: a models.toml description with a newline rendered a shell line before the
+    #SBATCH lines, and sbatch ignored every directive after it (--output included).  Every value rendered into the
+    script -- the description, each #SBATCH option, --sbatch, the paths -- is refused with a control character,
+    in a sentence naming the field."""
+    from dataclasses import replace
+
+    shipped = jobs.settings("llama3.1-70b")
+    (tmp_path / "models.toml").write_text(jobs.settings_toml(replace(shipped, description="70B\ntouch /tmp/pwned")))
+    job = cluster.load_settings(tmp_path / "models.toml")["llama3.1-70b"]
+    assert job.description == "70B\ntouch /tmp/pwned"  # TOML's escape: a real newline once loaded
+    with pytest.raises(jobs.JobError, match=r"^the description of job 'llama3.1-70b' \(models.toml's `description`\) "
+                                            r"holds a newline \('70B\\ntouch /tmp/pwned'\): every value goes on one "
+                                            r"line of the job script"):
+        cluster.render_script(job, {"time": "01:00:00"})
+    env = {**os.environ, "LLMLAB_SLURM_DIR": str(tmp_path), "LLMLAB_HOME": str(tmp_path / "home")}
+    out = llmlab_cli("launch", "llama3.1-70b", "--dry-run", env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "holds a newline" in out.stderr, out.stderr
+    assert "holds a newline" not in llmlab_cli("launch", "llama3.1-70b", "--dry-run").stderr  # the shipped one
+    for field, kwargs in (("#SBATCH --account", {"account": "acct\n#SBATCH --output=/tmp/x"}),
+                          ("#SBATCH --partition", {"partition": "gpu\r"}),
+                          ("#SBATCH --time", {"time_limit": "1:00:00\x1b[2J"}),
+                          ("the --sbatch option", {"extra_sbatch": ["--mail-user=a\nrm -rf ~"]}),
+                          ("the `llmlab launch` command line", {"command": "llama3.1-70b --account 'a\nb'"})):
+        with pytest.raises(jobs.JobError, match=f"^{re.escape(field)} holds "):
+            jobs.prepare("llama3.1-70b", **kwargs)
+    with pytest.raises(jobs.JobError, match="^the Python of the job holds a newline"):
+        cluster.render_script(shipped, {}, python="/usr/bin/python3\nid")
+    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / "a\nb"))
+    with pytest.raises(jobs.JobError, match="^LLMLAB_HOME holds a newline"):
+        cluster.render_script(shipped, {})
+
+
 @pytest.mark.parametrize("name", GPU_JOBS)
 def test_launch_dry_run_renders_the_job_scripts_serve_line_and_ray_layout(name):
     """One source: ``llmlab launch --dry-run`` and ``sbatch slurm/NAME.sh`` (dry run) run the same vLLM and Ray."""

@@ -6,6 +6,7 @@ This file holds the tests that start the real engine (or need root); the rest ar
 """
 
 import re
+from pathlib import Path
 
 import openai
 import pytest
@@ -46,3 +47,16 @@ def test_a_grammar_the_server_cannot_compile_is_a_400_with_its_reason(conn):
             "regex": "[A-Z"}})
     said = describe_error(err.value)
     assert said.startswith("HTTP 400: the server refused the request") and "regex" in said.lower()
+
+
+@pytest.mark.server
+def test_an_old_guided_field_is_answered_200_unconstrained_and_only_the_log_says_so(conn, embedded):
+    """Lesson 10's trap: vLLM removed ``guided_choice`` & co. (0.12); a request that carries one is served without
+    any constraint, and the server's log carries the only warning."""
+    client, model = conn
+    kings = ["Saul", "David", "Solomon"]
+    r = client.completions.create(model=model, prompt="The first king of Israel was", max_tokens=8, temperature=0,
+                                  extra_body={"guided_choice": kings})
+    assert r.choices[0].text not in kings and r.choices[0].finish_reason == "length"
+    log = Path(embedded.log).read_text(errors="replace")
+    assert "removed guided-decoding field(s) ['guided_choice']" in log and "will NOT be constrained" in log

@@ -257,6 +257,16 @@ def predict_kv_from_log(layout: Layout, mem: MemoryLog) -> tuple[int, str]:
     return _tokens(layout, [b] * layout.pp), "rounded log figures"
 
 
+def kv_record(log_text: str, layout: Layout) -> tuple[dict, dict]:
+    """A launch result's ``memory_log`` and ``kv_tokens``: what vLLM's log(s) say and what llmlab predicts from them.
+
+    Why one function: the GPU run that writes them and the test that re-derives them from the committed logs must
+    agree, so that a result file never keeps a prediction an older parser made (``launch-pp2.json`` once did)."""
+    mem = parse_memory_log(log_text)
+    predicted, basis = predict_kv_from_log(layout, mem)
+    return mem.as_dict(), {"logged": require_kv(mem), "predicted": predicted, "basis": basis}
+
+
 def bytes_per_decode_step(layout: Layout) -> int:
     """Bytes one GPU reads per batch-1 decode step, summed over the pipeline stages (they run one after the
     other; the GPUs of one stage read their shards at once): every weight once, except the input

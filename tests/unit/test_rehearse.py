@@ -189,3 +189,26 @@ def test_the_committed_gpu_results_hold_the_arithmetic():
         assert rehearse.parse_memory_log(excerpt).kv_tokens == r["kv_tokens_logged"]
     table = rehearse.results_table(results)
     assert table.loc["h100-llama3.1-8b-tp1", "of roofline"] >= 0.7  # the issue's target for the 8B on an H100
+
+
+LAUNCHES = sorted((Path(__file__).parents[2] / "benchmarks" / "results").glob("*/launch-*.json"))
+
+
+@pytest.mark.parametrize("path", [p for p in LAUNCHES if p.with_name(p.name.replace("launch-", "vllm-", 1)
+                                                                      .replace(".json", ".log")).is_file()],
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_committed_launch_result_holds_the_kv_figures_its_logs_give_today(path):
+    """A result file keeps no prediction an older parser made: its memory_log and kv_tokens are what today's
+    parser reads from the vLLM logs beside it (the head's, then the other node's with backend mp).  Refresh:
+    ``python benchmarks/launcher_on_gpu.py --regenerate DIR``."""
+    result = json.loads(path.read_text())
+    tag = path.stem.removeprefix("launch-")
+    text = "".join(p.read_text(errors="replace") for p in (path.with_name(f"vllm-{tag}.log"),
+                                                           path.with_name(f"vllm-worker-{tag}.log")) if p.is_file())
+    job = cluster.job_settings(result["job"])
+    tp, pp = (result.get("layout", {}).get(k, getattr(job, k)) for k in ("tp", "pp"))  # older files: the job's own
+    layout = rehearse.Layout(job.model, tp, pp, job.context,
+                             job.gpu_memory_utilization, job.dtype, job.kv_dtype, job.engine, job.kv_cache_gib)
+    memory_log, kv_tokens = rehearse.kv_record(text, layout)
+    assert (result["memory_log"], result["kv_tokens"]) == (memory_log, kv_tokens)
+    assert kv_tokens["predicted"] == kv_tokens["logged"]

@@ -534,12 +534,13 @@ def test_structured_output_checks_name_what_is_wrong(capsys):
 # --- notebook 11: quantization ------------------------------------------------------------------------------------
 
 def test_fp8_kv_tokens_check_names_each_mistake(capsys):
-    for wrong, hint in ((524_288, "default server's figure"), (1_048_576, "2 bytes per value"),
-                        (512, "the bytes one token takes"), (10**9 // 512, "GiB (2**30 bytes), not GB"),
-                        (4_194_304, "K and V are both stored"), (2_097_152.5, "whole number"),
-                        (2_000_000, "4 layers x 2 (K and V)")):
+    """Llama 3.1 8B, 6 GiB, fp8: 65,536 bytes a token, 98,304 tokens (the lesson printed the tiny model's 2,097,152)."""
+    for wrong, hint in ((49_152, "the 8B's bf16 cache"), (24_576, "4 bytes per value"),
+                        (65_536, "the bytes one token takes"), (91_552, "GiB (2**30 bytes), not GB"),
+                        (91_520, "not GB"), (196_608, "K and V are both stored"), (98_304.5, "whole number"),
+                        (2_097_152, "the lesson's tiny model"), (100_000, "32 layers x 2 (K and V)")):
         not_yet(check.fp8_kv_tokens, wrong, hint=hint)
-    assert right(capsys, check.fp8_kv_tokens, 2_097_152).startswith("Right: 2,097,152 tokens")
+    assert right(capsys, check.fp8_kv_tokens, 98_304).startswith("Right: 98,304 tokens, 65,536 bytes each: 12 requests")
 
 
 def test_h100s_for_405b_fp8_check_names_each_mistake(capsys):
@@ -601,15 +602,16 @@ def test_prefix_caching_at_scale_checks_name_what_is_wrong(capsys):
     not_yet(check.room_hit_rate, 3456 / 4100, 3456, room, hint="the server computed the others")
     not_yet(check.room_hit_rate, 3456 / 4100, 600, room, hint="were not computed again")
     not_yet(check.room_hit_rate, 0.5, 10, {"result": LoadResult([], concurrency=1)}, hint="hold no prompt tokens")
-    # 30 requests of 2,050 + 199 tokens: 141 blocks each; the 29 later ones find 125 whole system-prompt blocks
-    right(capsys, check.room_blocks, 30 * 141 - 29 * 125, 30 * 141)
-    not_yet(check.room_blocks, 605, 4217, hint="round up per request")
-    not_yet(check.room_blocks, 605, 4200, hint="blocks_for(2050 + 200 - 1, 16) = 141")
-    not_yet(check.room_blocks, 4230, 4230, hint="held once, not 30 times")
-    not_yet(check.room_blocks, 30 * 141 - 30 * 125, 4230, hint="the first learner's request computes")
-    not_yet(check.room_blocks, 30 * 141 - 29 * 126, 4230, hint="only *full* blocks are shared")
-    not_yet(check.room_blocks, 600, 4230, hint="less the 125 whole system-prompt blocks")
-    not_yet(check.room_blocks, 605.5, 4230, hint="whole number")
+    # 24 requests of 1,556 + 299 tokens: 116 blocks each; the 23 later ones find 93 whole system-prompt blocks
+    right(capsys, check.room_blocks, 24 * 116 - 23 * 93, 24 * 116)
+    not_yet(check.room_blocks, 645, 2783, hint="round up per request")
+    not_yet(check.room_blocks, 645, 2760, hint="blocks_for(1556 + 300 - 1, 16) = 116")
+    not_yet(check.room_blocks, 2784, 2784, hint="held once, not 24 times")
+    not_yet(check.room_blocks, 24 * 116 - 24 * 93, 2784, hint="the first learner's request computes")
+    not_yet(check.room_blocks, 24 * 116 - 23 * 94, 2784, hint="only *full* blocks are shared")
+    not_yet(check.room_blocks, 605, 4230, hint="the lesson's room's blocks")  # copied from lesson 13's output
+    not_yet(check.room_blocks, 600, 2784, hint="less the 93 whole system-prompt blocks")
+    not_yet(check.room_blocks, 645.5, 2784, hint="whole number")
 
 
 # --- notebook 14: determinism -------------------------------------------------------------------------------------

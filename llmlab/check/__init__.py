@@ -42,7 +42,7 @@ from llmlab.check.quantization import fp8_kv_tokens, h100s_for_405b_fp8, step_ov
 from llmlab.check.rehearse import rehearsal_kv_tokens, rehearsal_roofline, rehearsal_tp_per_gpu  # noqa: F401
 from llmlab.check.replicas import cold_prefills, replica_crossover, replica_kv  # noqa: F401
 from llmlab.check.sampling import same_text, survivors  # noqa: F401
-from llmlab.check.speculative import draft_length, spec_rates  # noqa: F401
+from llmlab.check.speculative import draft_length, spec_savings  # noqa: F401
 from llmlab.check.structured import parsed, verse_regex  # noqa: F401
 
 # /course:checks

@@ -1,5 +1,5 @@
-"""Checks of notebook 12, speculative decoding (``llmlab.speculative``): rates from the server's counters, and
-the tokens per step the textbook formula predicts."""
+"""Checks of notebook 12, speculative decoding (``llmlab.speculative``): what drafting saved and wasted, from the
+server's counters, and the tokens per step the textbook formula predicts."""
 
 from __future__ import annotations
 
@@ -8,26 +8,33 @@ import math
 from llmlab.check.verdict import _number, _whole, require, right
 
 
-def spec_rates(acceptance, per_step, before: dict, after: dict) -> None:
-    """12: acceptance rate and tokens per model step, computed from two ``speculative.scrape`` snapshots."""
+def spec_savings(saved, wasted, before: dict, after: dict) -> None:
+    """12: from two ``speculative.scrape`` snapshots, the share of the model's passes that drafting saved against
+    plain decoding, and the drafted tokens the model verified and threw away (the lesson gives the rates; this
+    asks what they cost and buy)."""
     from llmlab.speculative import spec_delta
 
-    acceptance, per_step = _number(acceptance, "acceptance"), _number(per_step, "per_step")
+    saved, wasted = _number(saved, "saved"), _number(wasted, "wasted")
     d = spec_delta(before, after)
     require(d["drafts"] > 0, "the drafting server counted no drafts between your two scrapes: send the requests "
             "to spec_client after `before` and scrape `after` once they have finished.")
-    require(not math.isclose(acceptance, d["mean_accepted"]) or math.isclose(d["mean_accepted"], d["acceptance_rate"]),
-            "that is the accepted tokens per draft (0 to k); the rate divides the accepted tokens by the drafted "
-            "tokens (k per draft).")
-    require(math.isclose(acceptance, d["acceptance_rate"], rel_tol=1e-6),
-            f"acceptance should be accepted / draft_tokens = {d['accepted']:.0f} / {d['draft_tokens']:.0f}.")
-    require(not math.isclose(per_step, 1 + d["mean_accepted"]) or math.isclose(per_step, d["tokens_per_step"]),
-            "1 + accepted per draft counts only the steps that drafted; count every pass of the model: each "
-            "yields one token of its own, so there were generated - accepted of them.")
-    require(math.isclose(per_step, d["tokens_per_step"], rel_tol=1e-6),
-            "tokens per step is generated / (generated - accepted): every pass yields one token of the model's "
-            "own plus the draft tokens it accepted.")
-    right(f"{acceptance:.2f} of the drafted tokens accepted, {per_step:.2f} tokens per pass of the model.")
+    generated, accepted, drafted = d["generated"], d["accepted"], d["draft_tokens"]
+    require(not math.isclose(saved, d["acceptance_rate"]) or math.isclose(accepted / generated, d["acceptance_rate"]),
+            "that is the acceptance rate, a share of the drafted tokens; the passes saved are a share of the passes "
+            "plain decoding would run: one per generated token.")
+    require(not math.isclose(saved, (generated - accepted) / generated),
+            "that is the share of passes the model still ran (generated - accepted of generated); saved is the rest.")
+    require(math.isclose(saved, accepted / generated, rel_tol=1e-6),
+            f"plain decoding runs {generated:.0f} passes for {generated:.0f} tokens; with drafting the model ran "
+            f"{generated - accepted:.0f}: each accepted draft token is a pass not run.")
+    require(not math.isclose(wasted, accepted), "those are the drafted tokens the model kept; wasted ones are the "
+            "others it verified.")
+    require(not math.isclose(wasted, drafted), "every drafted token was verified, but the accepted ones were "
+            "not wasted: subtract them.")
+    require(math.isclose(wasted, drafted - accepted), f"the model verified {drafted:.0f} drafted tokens and kept "
+            f"{accepted:.0f}.")
+    right(f"{saved:.0%} of the passes saved, at the price of {wasted:.0f} drafted tokens verified for nothing "
+          f"({wasted / (generated - accepted):.1f} per pass the model ran).")
 
 
 def draft_length(per_step, enough_k) -> None:

@@ -94,13 +94,20 @@ def key_digest_line(key: str, comment: str = "") -> str:
 class KeyRing:
     """The keys the proxy accepts: the owner's (from a 0600 file, read once) and registered sha256 digests.
 
-    The registered ones live in a file or a directory of files (one ``sha256:<hex> [comment]`` per line;
-    blank lines, ``#`` comments and files starting with ``.`` are ignored).  They are re-read when a file's
-    name, size or mtime changes, checked at most every ``recheck`` seconds, so a revocation (deleting a line or
-    a file) takes effect within that time while a request costs no file-system calls.
+    The registered ones live in a file or a directory of files (``llmlab.serve.keyring`` says which files count).
+    They are read again when something there changed, checked at most every ``recheck`` seconds, so that a
+    revocation (deleting a line or a file) takes effect within about that time, while a request costs no
+    file-system calls.  Where an event loop runs (the proxy), the reading is done in a worker thread by
+    :meth:`watch`, never on the loop: a room's ``keys/`` is writable by every learner, and one who fills it with
+    junk and changes it every few hundred ms made each re-read cost up to a second of the loop (security-review-2,
+    finding 3).  Without a loop (``llmlab status``, tests) :meth:`accepts` reads it in place, as before.
     """
 
+    REST = 4.0  # after a re-read of t seconds, rest REST * t or more: the thread takes at most a fifth of a core
+
     def __init__(self, owner_key_file: Path, registered: Path | None = None, recheck: float = 1.0):
+        from llmlab.serve import keyring  # which files count, and how they are read: llmlab/serve/keyring.py
+
         try:
             owner = Path(owner_key_file).read_text().strip()
         except OSError as e:
@@ -112,24 +119,53 @@ class KeyRing:
         self.owner = digest(owner)
         self.registered_path = Path(registered) if registered else None
         self.recheck = recheck
+        self._reader = keyring.Reader()  # remembers user names and unchanged files between reads
         self._digests: tuple[bytes, ...] = ()
         self._signature: tuple = ()
         self._checked = float("-inf")
+        self._watcher: asyncio.Task | None = None
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> None:
-        """Re-read the registered digests if the files changed (at most every ``recheck`` seconds)."""
-        from llmlab.serve import keyring  # which files count, and how they are read: llmlab/serve/keyring.py
-
+        """Re-read the registered digests here and now if the files changed (at most every ``recheck`` seconds)."""
         now = time.monotonic()
         if not force and now - self._checked < self.recheck:
             return
         self._checked = now
-        ring = keyring.load(self.registered_path, None if force else self._signature)
+        self._install(self._read(force))
+
+    def _read(self, force: bool = False):
+        """What changed (a ``keyring.Ring``), or None; runs on the loop's worker thread under :meth:`watch`."""
+        from llmlab.serve import keyring
+
+        return keyring.load(self.registered_path, None if force else self._signature, self._reader)
+
+    def _install(self, ring) -> None:
         if ring is None:  # nothing changed (or keys/ is unreadable just now: keep what was read)
             return
         self._digests, self._signature = ring.digests, ring.signature
         log.info("%d registered key(s) from %s", len(ring.digests), self.registered_path)
+
+    def watch(self) -> asyncio.Task:
+        """Start (once) re-reading the registered keys off the running event loop; the task that does it.
+
+        One read at a time, in the loop's default executor; between two reads at least ``recheck`` seconds and
+        ``REST`` times the last read's own duration (a folder of 100,000 junk names takes a few tenths of a
+        second to list)."""
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch())
+        return self._watcher
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.registered_path is not None:
+            started = time.monotonic()
+            try:
+                self._install(await loop.run_in_executor(None, self._read))
+            except Exception:  # a bug, not the folder's content (load never raises for that): keep the old keys
+                log.exception("re-reading %s failed; the keys read before stay in force", self.registered_path)
+            took = time.monotonic() - started
+            await asyncio.sleep(max(self.recheck, self.REST * took))
 
     @property
     def registered(self) -> int:
@@ -143,12 +179,23 @@ class KeyRing:
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return False
-        self.refresh()
+        if _loop_running():
+            self.watch()  # re-read off the loop
+        else:
+            self.refresh()
         given = digest(key)
         ok = hmac.compare_digest(given, self.owner)
         for known in self._digests:
             ok |= hmac.compare_digest(given, known)
         return ok
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def check_path(raw_path: bytes, path: str) -> str | None:
@@ -807,6 +854,7 @@ def serve(listen: str, upstream: str | list[str], key_file: Path, keys: Path | N
             raise ProxyError(f"Cannot listen on {listen} ({e.strerror}): another process holds that port; pick a "
                              "free one, or give port 0 to let the system choose.") from None
         proxy.fd_budget = fd_budget(limit)
+        keys_watcher = proxy.keys.watch()  # re-reads --keys in a worker thread, never on this loop
         if ready_file:
             write_ready(ready_file, server.sockets)
         log.info("listening on %s, forwarding to %s (%s)", listen, proxy.upstream, route)
@@ -815,6 +863,7 @@ def serve(listen: str, upstream: str | list[str], key_file: Path, keys: Path | N
         server.close()
         if ready_file:
             Path(ready_file).unlink(missing_ok=True)
+        keys_watcher.cancel()
         if watcher:
             watcher.cancel()
 

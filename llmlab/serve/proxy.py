@@ -433,9 +433,10 @@ class Client(asyncio.Protocol):
             self.transport.close()
 
     @property
-    def idle_without_key(self) -> bool:
-        """Nothing in progress, and no key shown yet: the first to go when file descriptors run short."""
-        return not (self.keyed or self.closed or self.queue or self.worker)
+    def between_requests(self) -> bool:
+        """No request in progress: none being answered or waiting, and no body arriving (a head may be, half sent).
+        What Proxy.admit closes when file descriptors run short, those that never showed a key first."""
+        return not (self.closed or self.queue or self.worker or not self.in_head)
 
     def _arm_idle(self) -> None:
         self.idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT, self.close)
@@ -674,21 +675,25 @@ class Proxy:
 
         Why: every connection is a file descriptor, and at the process's limit the event loop accepts and drops
         (connection reset) whoever comes next, the owner included.  So near the limit the proxy closes idle
-        connections that never showed a key, oldest first, down to 7/8 of the budget; only when every other
-        connection is a keyed one at work is the new one turned away."""
+        connections (no request in progress), oldest first, down to 7/8 of the budget: first those that never
+        showed a key, then keyed ones too -- a learner's key must not let them hold the owner out with idle
+        keep-alive connections (security-review-2, finding 5).  A client whose idle connection was closed opens
+        a new one.  Only when every other connection has a request in progress is the new one turned away."""
         self.clients[new] = None
         if self.fd_budget is None or len(self.clients) + self.upstreams <= self.fd_budget:
             return True
-        target, shed = self.fd_budget - max(1, self.fd_budget // 8), 0
-        for client in list(self.clients):  # oldest first
-            if len(self.clients) + self.upstreams <= target:
-                break
-            if client is not new and client.idle_without_key:
-                client.close()
-                shed += 1
+        target, shed = self.fd_budget - max(1, self.fd_budget // 8), [0, 0]
+        for keyed in (False, True):
+            for client in list(self.clients):  # oldest first
+                if len(self.clients) + self.upstreams <= target:
+                    break
+                if client is not new and client.keyed == keyed and client.between_requests:
+                    client.close()
+                    shed[keyed] += 1
         admitted = len(self.clients) + self.upstreams <= self.fd_budget
-        log.warning("near the open-file limit: closed %d idle connection(s) that showed no key%s", shed,
-                    "" if admitted else "; a new connection is turned away (all others are keyed and at work)")
+        log.warning("near the open-file limit: closed %d idle connection(s) that showed no key and %d that showed a "
+                    "key%s", *shed, "" if admitted else "; a new connection is turned away (all others have a request "
+                    "in progress)")
         return admitted
 
     async def connect(self, factory, replica: Replica) -> None:

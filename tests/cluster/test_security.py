@@ -822,3 +822,45 @@ def test_proxy_a_churned_keys_folder_does_not_stall_the_room(attacker, share_roo
             churn.wait()
     p99 = took[int(len(took) * 0.99)]
     assert len(took) > 100 and p99 < 0.25, f"{len(took)} requests, p99 {p99 * 1000:.0f} ms"
+
+
+IDLE_KEYED = """
+import socket, sys, time
+port, n, key = int(sys.argv[1]), int(sys.argv[2]), sys.stdin.readline().strip()
+held = []
+for i in range(n):
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(f"GET /v1/models HTTP/1.1\\r\\nHost: x\\r\\nAuthorization: Bearer {key}\\r\\n\\r\\n".encode())
+        s.recv(65536)
+        held.append(s)
+    except OSError:
+        pass
+print(len(held), "open", flush=True)
+time.sleep(60)
+"""
+
+
+def test_proxy_idle_keyed_connections_do_not_lock_the_owner_out(attacker, tmp_path):
+    """Finding 5: with a soft limit of 64 files, a learner with a valid key opens 80 keep-alive connections, one GET
+    each, and leaves them idle.  Before, keyed connections were never shed and the owner's requests were reset;
+    now idle connections go oldest-first whatever their key, and the owner's requests get their answers."""
+    from proxy_helpers import proxy_process, stand_in_vllm
+
+    from llmlab.serve.proxy import key_digest_line
+
+    learner_key = "learner-" + os.urandom(16).hex()
+    keys = write_private(tmp_path / "keys.txt", key_digest_line(learner_key) + "\n")
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, "--keys", str(keys), ulimit="-n 64") as (
+            _, port, key):
+        flood = attacker_popen(attacker, attacker_python(), "-c", IDLE_KEYED, str(port), "80")
+        flood.stdin.write(learner_key + "\n")
+        flood.stdin.flush()
+        try:
+            assert flood.stdout.readline().endswith("open\n")
+            time.sleep(1)
+            assert [owner_status(port, key) for _ in range(3)] == [200, 200, 200]
+        finally:
+            flood.kill()
+            flood.wait()
+    assert "showed a key" in (tmp_path / "proxy.log").read_text()

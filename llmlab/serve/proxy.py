@@ -69,6 +69,11 @@ log = logging.getLogger("llmlab.serve.proxy")
 ALLOWED_EXACT = ("/health", "/metrics")
 ALLOWED_PREFIX = "/v1/"
 MAX_BODY = 32 * 2**20  # bytes of one request body; a prompt of a million tokens is ~4 MB
+# Bytes of request bodies the proxy holds at once, all connections together (being received, waiting in a pipeline,
+# or on their way to vLLM): four bodies of the largest size.  Beyond it the largest body still arriving is refused
+# (503, Proxy.make_room).  A room's requests are kilobytes each; 30 learners sending a 4 MB prompt at once fit.
+MAX_BODIES = 4 * MAX_BODY
+PIPELINED_BODY = 2**20  # bytes of body read ahead on a connection while its previous request is answered
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), plus Host and the client's credentials:
 # never passed on in either direction (the proxy writes its own framing and Host).
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
@@ -303,6 +308,7 @@ class Request:
         self.keyed = False  # it carried a key the proxy accepts
         self.keep_alive = True
         self.http10 = False
+        self.counted = 0  # bytes of its body counted in Proxy.body_bytes (0 once released)
 
 
 class Upstream(asyncio.Protocol):
@@ -337,6 +343,7 @@ class Upstream(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self.client.release(self.request)  # vLLM answers after it has read the whole body: no longer ours to hold
         status = self.parser.get_status_code()
         names = {k.lower() for k, _ in self.headers}
         self.chunked = b"content-length" not in names or b"transfer-encoding" in names
@@ -402,6 +409,9 @@ class Client(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.proxy.clients.pop(self, None)
+        for request in (self.current, *self.queue):  # the one being answered: _answer_queue's finally
+            self.release(request)
+        self.queue.clear()
         if self.idle:
             self.idle.cancel()
         if self.upstream and self.upstream.transport:
@@ -438,6 +448,29 @@ class Client(asyncio.Protocol):
         What Proxy.admit closes when file descriptors run short, those that never showed a key first."""
         return not (self.closed or self.queue or self.worker or not self.in_head)
 
+    @property
+    def receiving(self) -> int:
+        """Bytes of the body arriving now, for a request that is being kept (Proxy.make_room refuses the largest)."""
+        return 0 if self.in_head or self.broken or self.closed else self.current.counted
+
+    def count(self, request: Request, n: int) -> None:
+        request.counted += n
+        self.proxy.body_bytes += n
+
+    def release(self, request: Request) -> None:
+        """Let go of ``request``'s body (answered, refused, sent on, or its client left): it no longer counts toward
+        MAX_BODIES, and its memory is freed now, not when the garbage collector breaks the cycle between a client
+        and its parser."""
+        self.proxy.body_bytes -= request.counted
+        request.counted, request.body = 0, bytearray()
+
+    def evict(self) -> None:
+        """Refuse the request whose body is arriving, and drop what came of it: the proxy holds too many bodies."""
+        self.release(self.current)
+        self._refuse_now(error_response(
+            503, f"Refused: the proxy holds {MAX_BODIES // 2**20} MiB of request bodies from all its clients, its "
+                 "limit, and this one was the largest still arriving; send it again in a moment.", close=True))
+
     def _arm_idle(self) -> None:
         self.idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT, self.close)
 
@@ -449,8 +482,9 @@ class Client(asyncio.Protocol):
         the kernel's socket buffers fill and the client's own sends block: TCP holds it back, not our memory."""
         if self.closed:
             return
+        ahead = sum(r.counted for r in self.queue) + self.current.counted  # bodies behind the one being answered
         wanted = not (self.broken or self.write_paused or len(self.queue) >= MAX_PIPELINE
-                      or sum(len(r.body) for r in self.queue) > MAX_BODY)
+                      or (self.worker is not None and ahead > PIPELINED_BODY))
         if wanted != self.transport.is_reading():
             (self.transport.resume_reading if wanted else self.transport.pause_reading)()
 
@@ -483,6 +517,7 @@ class Client(asyncio.Protocol):
         answered in turn (bytes that are not HTTP, a head too large); nothing more is read from the connection."""
         self.broken = True
         self.transport.pause_reading()
+        self.release(self.current)  # a body cut short is not kept
         request = Request()
         request.refusal, request.keep_alive = answer, False
         self.queue.append(request)
@@ -522,16 +557,19 @@ class Client(asyncio.Protocol):
         r = self.current
         if r.refusal is None and not self.broken:
             r.body += body
+            self.count(r, len(body))
             if len(r.body) > MAX_BODY:
-                r.body.clear()
+                self.release(r)
                 r.refusal = error_response(413, f"Request body larger than {MAX_BODY // 2**20} MiB.", close=True)
                 r.keep_alive = False
+            elif self.proxy.body_bytes > MAX_BODIES:
+                self.proxy.make_room()
 
     def on_message_complete(self) -> None:
         self.in_head, self.head_size = True, 0  # what follows is the next request's head
         if self.broken:  # answered by _refuse_now; nothing of this request is forwarded
             return
-        r = self.current
+        r, self.current = self.current, Request()  # ``current``: the request still arriving, if any
         self.queue.append(r)
         # A refusal that closes the connection (no key shown yet, a body too large) is the last thing answered:
         # nothing behind it is parsed or read, so a client without a key sends at most one request.
@@ -549,10 +587,13 @@ class Client(asyncio.Protocol):
         try:
             while self.queue and not self.closed:
                 request = self.queue.popleft()
-                if request.refusal is not None:
-                    self.write(request.refusal)
-                else:
-                    await self._forward(request)
+                try:
+                    if request.refusal is not None:
+                        self.write(request.refusal)
+                    else:
+                        await self._forward(request)
+                finally:
+                    self.release(request)
                 if not request.keep_alive:
                     self.close()
                 else:
@@ -585,7 +626,9 @@ class Client(asyncio.Protocol):
             return
         self.upstream = upstream
         try:
-            upstream.transport.write(self.proxy.upstream_head(request) + request.body)
+            upstream.transport.write(self.proxy.upstream_head(request))
+            upstream.transport.write(request.body)
+            request.body = bytearray()  # the transport holds what it could not send yet; no second copy here
             await upstream.done
         finally:
             self.upstream = None
@@ -621,12 +664,19 @@ class Replica:
 ROUTES = ("least-loaded", "prefix")
 PREFIX_CHARS = 256  # characters of the prompt that choose the replica: a system prompt's worth
 BALANCE = 16
+# Bytes of a body that prefix routing parses, on the event loop: a body of this size made of the smallest JSON
+# objects (the worst case) parses in about 10 ms on a 2-core machine, a 32 MiB one took 1.4-4.2 s and 900 MB
+# (security-review-2, finding 6).  A prompt of this size is some 60,000 tokens; a larger body goes least-loaded.
+PREFIX_PARSE_MAX = 256 * 2**10
 
 
 def prefix_key(body: bytes | bytearray, chars: int = PREFIX_CHARS) -> bytes | None:
     """What prefix routing hashes: the request's ``cache_salt`` and the first ``chars`` characters of its prompt
     (``prompt``, or the ``messages`` as sent), or None for a body that is not such a JSON request.  The salt counts
-    because requests with different salts never share cached blocks (notebook 13), so grouping them gains nothing."""
+    because requests with different salts never share cached blocks (notebook 13), so grouping them gains nothing.
+    A body over ``PREFIX_PARSE_MAX`` is not parsed (None)."""
+    if len(body) > PREFIX_PARSE_MAX:
+        return None
     try:
         request = json.loads(body)
     except (ValueError, RecursionError):  # not JSON: vLLM will say so; any replica can
@@ -638,8 +688,23 @@ def prefix_key(body: bytes | bytearray, chars: int = PREFIX_CHARS) -> bytes | No
         prompt = prompt[0]
     if prompt is None:
         return None
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
+    text = prompt if isinstance(prompt, str) else _json_start(prompt, chars)
     return f"{request.get('cache_salt', '')}\x00{text[:chars]}".encode("utf-8", "surrogatepass")
+
+
+def _json_start(value, chars: int) -> str:
+    """At least the first ``chars`` characters of ``json.dumps(value, separators=(",", ":"))``: a list is written one
+    item at a time, only as far as needed (a chat of thousands of messages is routed by its first few)."""
+    if not isinstance(value, list):
+        return json.dumps(value, separators=(",", ":"))
+    parts, size = ["["], 1
+    for i, item in enumerate(value):
+        part = ("," if i else "") + json.dumps(item, separators=(",", ":"))
+        parts.append(part)
+        size += len(part)
+        if size >= chars:
+            return "".join(parts)
+    return "".join(parts) + "]"
 
 
 def home_replica(key: bytes, replicas: int) -> int:
@@ -669,6 +734,7 @@ class Proxy:
         self.clients: dict[Client, None] = {}  # open client connections, oldest first
         self.upstreams = 0  # open connections to vLLM
         self.fd_budget: int | None = None  # connections (both kinds) to hold before shedding; None: no limit
+        self.body_bytes = 0  # request bodies held, all connections together (MAX_BODIES)
 
     def admit(self, new: Client) -> bool:
         """Count a new connection; False if it must be closed at once.
@@ -695,6 +761,22 @@ class Proxy:
                     "key%s", *shed, "" if admitted else "; a new connection is turned away (all others have a request "
                     "in progress)")
         return admitted
+
+    def make_room(self) -> None:
+        """Refuse the largest bodies still arriving until the bodies held fit in MAX_BODIES again.
+
+        Why: the body bound is per request, and a key holder can open many connections, each with a body one byte
+        short of it, and never finish them: 12 of them took the proxy from 100 to 495 MB (security-review-2,
+        finding 6).  The largest body still arriving is the one refused: an attacker's held bodies go before a
+        learner's prompt of a few kilobytes, and whatever is complete goes on to vLLM."""
+        while self.body_bytes > MAX_BODIES:
+            largest = max(self.clients, key=lambda c: c.receiving, default=None)
+            if largest is None or largest.receiving == 0:  # what is held is complete: it is on its way out
+                return
+            log.warning("the proxy holds %d MiB of request bodies (its limit: %d MiB): refused the largest one still "
+                        "arriving (%d MiB)", self.body_bytes // 2**20, MAX_BODIES // 2**20,
+                        largest.receiving // 2**20)
+            largest.evict()
 
     async def connect(self, factory, replica: Replica) -> None:
         loop = asyncio.get_running_loop()

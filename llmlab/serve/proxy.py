@@ -35,9 +35,11 @@ caller waits for (:func:`wait_bound`) before it publishes the port or sends the 
 :meth:`Proxy.pick`; notebook 15): the key check and the allow-list are the same for every replica.
 
 Under load from others (docs/security.md, tests/cluster/test_security.py): the soft open-file limit is raised to the
-hard one, and near it idle connections that never showed a key are closed first (:meth:`Proxy.admit`); a connection
-that has shown no key is closed after its first refusal; a client that pipelines without reading is held back by
-TCP, not by the proxy's memory (:meth:`Client._reading`); the log has a budget (:class:`LogBudget`).
+hard one, and near it idle connections are closed, oldest first, those that never showed a key before keyed ones
+(:meth:`Proxy.admit`); a connection that has shown no key is closed after its first refusal; a client that pipelines
+without reading is held back by TCP, not by the proxy's memory (:meth:`Client._reading`); the bodies of all
+connections together are held to ``MAX_BODIES`` (:meth:`Proxy.make_room`); a room's ``keys/`` is re-read in a worker
+thread (:meth:`KeyRing.watch`); the log has a budget (:class:`LogBudget`).
 """
 
 from __future__ import annotations

@@ -11,15 +11,23 @@ made it; anything else a learner leaves there registers nothing and is never ope
                     and ``revoked sha256:<hex>`` lines (those digests are refused wherever they appear)
     keys/.x, keys/x2 ...  temp files, a copy under another name, a name taken before its user came: ignored
 
-A keys *file* (``--keys FILE``) must belong to the proxy's user.  Reading is bounded: at most ``MAX_ENTRIES``
-entries of a folder, ``MAX_LEARNER_BYTES`` of a learner's file, ``MAX_TRUSTED_BYTES`` and ``MAX_TRUSTED_DIGESTS``
-of the owner's, one warning line per change of what is ignored.  Files are opened ``O_NOFOLLOW | O_NONBLOCK`` (a
-FIFO cannot block the reader, a symlink is not followed) and checked with ``fstat`` before they are read.  A
-re-check costs one ``stat`` of the folder and one ``lstat`` per counted file; the folder is listed again only when
-it changed.
+A keys *file* (``--keys FILE``) must belong to the proxy's user.  What a learner leaves in ``keys/`` changes who
+else is admitted in no way: only *key files* are opened and counted -- a name that is its owner's login name
+(``getpwuid`` of the file's uid, as ``llmlab.serve.share.user`` writes it) or a file of the instructor's, not a dot
+file -- and everything else is junk, told apart with one ``lstat`` and never opened.  No number of junk entries
+keeps a key file from being read: the folder is always listed to its end, and the owner of more than ``MAX_JUNK``
+junk entries is named in the log (``llmlab revoke`` removes them).  Reading is bounded: at most ``MAX_ENTRIES`` key
+files (only the instructor can make more than one per user), ``MAX_LEARNER_BYTES`` of a learner's file,
+``MAX_TRUSTED_BYTES`` and ``MAX_TRUSTED_DIGESTS`` of the owner's, one warning line per change of what is ignored.
+Files are opened ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO cannot block the reader, a symlink is not followed) and checked
+with ``fstat`` before they are read.  A :class:`Reader` that reads a folder again and again (the proxy's) remembers
+the user names it looked up and the key files it read: a file whose (name, inode, mtime, ctime, size) did not
+change is not opened again.  A re-check costs one ``stat`` of the folder and one ``lstat`` per counted file; when
+the folder changed, one ``lstat`` per entry, and an ``open`` only for key files that changed.
 
-``load(path, signature)`` is what the proxy's ``KeyRing.refresh`` calls; ``entries(folder)`` is what
-``llmlab.serve.share`` (``learners``, ``revoke``, ``learner_key``) reads with.  Standard library only.
+``load(path, signature, reader)`` is what the proxy's ``KeyRing`` calls (in a thread: llmlab/serve/proxy.py);
+``entries(folder)`` and ``names_of(folder, uid)`` are what ``llmlab.serve.share`` (``learners``, ``revoke``,
+``learner_key``) reads with.  Standard library only.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from pathlib import Path
 
 log = logging.getLogger("llmlab.serve.proxy")  # the proxy's log: these lines belong with its own
 
-MAX_ENTRIES = 10_000            # entries of keys/ looked at (a room has tens of learners)
+MAX_ENTRIES = 10_000            # key files read (a room has tens of learners; junk does not count)
+MAX_JUNK = 1_000                # junk entries of one user before the log names them
 MAX_LEARNER_BYTES = 1024        # one "sha256:<64 hex>  user@host time" line is about 120 bytes
 MAX_TRUSTED_BYTES = 2**20       # the owner's own files (a keys file, revocation markers)
 MAX_TRUSTED_DIGESTS = 10_000
@@ -45,6 +54,7 @@ REVOKED_LINE = re.compile(r"^revoked\s+sha256:([0-9a-fA-F]{64})\b")
 RACY_NS = 2 * 10**9          # a change this recent may hide in the clock's granularity: look again next time
 _OPEN = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
 NOT_THEIRS, NOT_REGULAR, HARD_LINK = "not made by the user it names", "not a regular file", "a hard link"
+USER_CACHE_S = 60.0             # how long a Reader trusts the user names it looked up (a learner added mid-class)
 _last_warning: dict[str, str] = {}  # path -> the last warning logged for it: one line per change, not per read
 
 
@@ -177,33 +187,120 @@ def open_folder(path: Path | str) -> int:
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
 
 
+@dataclass(frozen=True)
+class Scan:
+    """One listing of a keys folder: the key files as read, and whose the rest is."""
+
+    entries: list[Entry]              # key files (see the module docstring), sorted by name
+    junk: dict[int, int]              # uid -> entries of theirs that are not key files (never opened)
+    examples: dict[int, tuple[str, ...]]  # uid -> a few of those names, for the log
+    cut: bool                         # more than MAX_ENTRIES key files: the rest were not read
+
+
+class Reader:
+    """Reads one keys folder again and again (the proxy's key ring, every time ``keys/`` changes).
+
+    Why: a learner can fill ``keys/`` with thousands of names and change one of them every few hundred ms.  A
+    re-read must not cost an ``open`` and a ``getpwnam`` per name (a miss took 70 us on local files, far more
+    through LDAP or SSSD): junk is told apart with one ``lstat`` and a lookup of its owner's *uid*, cached (a room
+    has tens of uids, whatever the number of names), and a key file that did not change is not opened again.
+    Not thread-safe: one scan at a time (the proxy runs one at a time, in a worker thread)."""
+
+    def __init__(self, trusted_uid: int | None = None):
+        self.trusted_uid = os.geteuid() if trusted_uid is None else trusted_uid
+        self._names: dict[int, str | None] = {}   # uid -> login name (getpwuid)
+        self._uids: dict[str, int | None] = {}    # name -> uid (getpwnam), for read_entry
+        self._read: dict[str, Entry] = {}         # name -> the key file as last read
+        self._users_since = time.monotonic()
+
+    def login(self, uid: int) -> str | None:
+        """The login name of ``uid``, or None; looked up once per ``USER_CACHE_S``."""
+        if uid not in self._names:
+            try:
+                self._names[uid] = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                self._names[uid] = None
+        return self._names[uid]
+
+    def scan(self, folder: Path | str) -> Scan:
+        """Every key file of ``folder``, read (or remembered, if unchanged), and a count of everything else."""
+        if time.monotonic() - self._users_since > USER_CACHE_S:
+            self._names, self._uids, self._users_since = {}, {}, time.monotonic()
+        dir_fd = open_folder(folder)
+        out, read, junk, examples, cut = [], {}, {}, {}, False
+        try:
+            with os.scandir(dir_fd) as it:
+                for item in it:
+                    try:
+                        st = item.stat(follow_symlinks=False)
+                    except OSError:  # gone since it was listed
+                        continue
+                    if not self._is_key_file(item.name, st):
+                        if st.st_uid != self.trusted_uid:
+                            junk[st.st_uid] = junk.get(st.st_uid, 0) + 1
+                            if len(examples.setdefault(st.st_uid, ())) < 3:
+                                examples[st.st_uid] += (item.name,)
+                        continue
+                    if len(out) >= MAX_ENTRIES:
+                        cut = True
+                        continue
+                    e = self._entry(dir_fd, item.name, st)
+                    if e is not None:
+                        out.append(e)
+                        read[e.name] = e
+        finally:
+            os.close(dir_fd)
+        self._read = read
+        return Scan(sorted(out, key=lambda e: e.name), junk, examples, cut)
+
+    def _is_key_file(self, name: str, st: os.stat_result) -> bool:
+        """Named after its owner, or the instructor's; a dot file never (temp files, and nothing to count)."""
+        return not name.startswith(".") and (st.st_uid == self.trusted_uid or self.login(st.st_uid) == name)
+
+    def _entry(self, dir_fd: int, name: str, st: os.stat_result) -> Entry | None:
+        """The key file ``name``: as read before if its signature is the same (and not too recent to tell)."""
+        trusted = st.st_uid == self.trusted_uid
+        if stat.S_ISLNK(st.st_mode):
+            return Entry(name, st.st_uid, trusted, False, problem="a symbolic link")
+        if not stat.S_ISREG(st.st_mode):  # a FIFO, a device, a folder: never opened
+            return Entry(name, st.st_uid, trusted, False, problem=NOT_REGULAR)
+        before = self._read.get(name)
+        if (before is not None and before.uid == st.st_uid and not _recent(st)
+                and before.signature == (name, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)):
+            return before
+        return read_entry(dir_fd, name, trusted_uid=self.trusted_uid, uids=self._uids)
+
+
 def entries(folder: Path | str, trusted_uid: int | None = None) -> tuple[list[Entry], bool]:
-    """Every entry of a keys folder (not the dot files), read by the rules above, and whether the listing stopped
-    at ``MAX_ENTRIES``.  ``trusted_uid``: whose files are taken as they are (default: ours)."""
-    trusted_uid = os.geteuid() if trusted_uid is None else trusted_uid
+    """Every key file of a keys folder, read by the rules above, and whether more than ``MAX_ENTRIES`` were found.
+    ``trusted_uid``: whose files are taken as they are (default: ours)."""
+    found = Reader(trusted_uid).scan(folder)
+    return found.entries, found.cut
+
+
+def names_of(folder: Path | str, uid: int) -> list[str]:
+    """Every entry of ``folder`` that ``uid`` owns, dot files and junk included, never followed or opened: what
+    ``llmlab revoke`` removes."""
     dir_fd = open_folder(folder)
-    out, uids, seen, cut = [], {}, 0, False
     try:
         with os.scandir(dir_fd) as it:
-            for item in it:
-                seen += 1
-                if seen > MAX_ENTRIES:
-                    cut = True
-                    break
-                if item.name.startswith("."):
-                    continue
-                e = read_entry(dir_fd, item.name, trusted_uid=trusted_uid, uids=uids)
-                if e is not None:
-                    out.append(e)
+            return sorted(item.name for item in it if _owner(item) == uid)
     finally:
         os.close(dir_fd)
-    return sorted(out, key=lambda e: e.name), cut
+
+
+def _owner(item: os.DirEntry) -> int | None:
+    try:
+        return item.stat(follow_symlinks=False).st_uid
+    except OSError:
+        return None
 
 
 def accepted(found: list[Entry]) -> list[Entry]:
     """The entries that count, revocations applied: a revoked user's files count under no name, and a revoked
     digest counts in no file."""
-    revoked_uids = {user_uid(e.name) for e in found if e.trusted and e.revoked} - {None}
+    uids: dict[str, int | None] = {}
+    revoked_uids = {user_uid(e.name, uids) for e in found if e.trusted and e.revoked} - {None}
     denied = {d for e in found if e.trusted for d in e.denied}
     out = []
     for e in found:
@@ -247,10 +344,11 @@ def _unchanged(path: Path, signature: tuple) -> bool:
     return True
 
 
-def load(path: Path | str | None, signature: tuple | None = None) -> Ring | None:
+def load(path: Path | str | None, signature: tuple | None = None, reader: Reader | None = None) -> Ring | None:
     """The digests registered at ``path`` (a keys folder or file), or None when nothing changed since
     ``signature`` (None: read in any case) or the folder cannot be read just now (the caller keeps what it has;
-    the reason is logged once).  Never raises for what is or is not at ``path``."""
+    the reason is logged once).  ``reader``: the :class:`Reader` of earlier calls, whose caches spare the work of
+    reading again what did not change.  Never raises for what is or is not at ``path``."""
     if path is None:
         return Ring((), ())
     path = Path(path)
@@ -262,22 +360,41 @@ def load(path: Path | str | None, signature: tuple | None = None) -> Ring | None
         if signature is not None and _unchanged(path, signature):
             return None
         folder = _folder_signature(os.stat(path))
-        found, cut = entries(path)
+        found = (reader or Reader()).scan(path)
     except OSError as e:
         _warn_once(path, f"cannot read the registered keys in {path} ({e.strerror}); keeping the ones read before")
         return None
-    counted = accepted(found)
-    ignored = [e for e in found if e.problem]
-    if cut or ignored:
-        some = ", ".join(f"{e.name!r} (uid {e.uid}: {e.problem})" for e in ignored[:5])
-        _warn_once(path, (f"{path}: only the first {MAX_ENTRIES} entries are read; " if cut else f"{path}: ")
-                   + (f"{len(ignored)} entr(ies) ignored in whole or in part: {some}" if ignored else ""))
-    else:
-        _warn_once(path, "")
+    _warn_once(path, _what_is_ignored(path, found))
     # re-checked each time: the regular files of the owner and of the users they name (one each: a room's few)
-    watched = tuple(e.signature for e in found
+    watched = tuple(e.signature for e in found.entries
                     if e.signature and (e.trusted or e.problem not in (NOT_THEIRS, NOT_REGULAR, HARD_LINK)))
-    return Ring(tuple(d for e in counted for d in e.digests), (folder, watched))
+    return Ring(tuple(d for e in accepted(found.entries) for d in e.digests), (folder, watched))
+
+
+def _what_is_ignored(path: Path, found: Scan) -> str:
+    """One warning for the log ("" for none): key files that register nothing, and the users with more than
+    ``MAX_JUNK`` junk entries, by name.  Worded to stay the same while the counts change (one line per change)."""
+    parts = []
+    if found.cut:
+        parts.append(f"more than {MAX_ENTRIES} key files; only the first {MAX_ENTRIES} are read")
+    ignored = [e for e in found.entries if e.problem]
+    if ignored:
+        some = ", ".join(f"{e.name!r} (uid {e.uid}: {e.problem})" for e in ignored[:5])
+        parts.append(f"{len(ignored)} key file(s) ignored in whole or in part: {some}")
+    flooders = sorted(uid for uid, n in found.junk.items() if n > MAX_JUNK)
+    if flooders:
+        who = ", ".join(f"{_name_of(uid)} (uid {uid}, e.g. {', '.join(map(repr, found.examples[uid]))})"
+                        for uid in flooders)
+        parts.append(f"more than {MAX_JUNK} entries that are not key files, made by {who}: they register nothing "
+                     f"and slow every re-read of the folder; `llmlab revoke JOB USER` removes them all")
+    return f"{path}: " + "; ".join(parts) if parts else ""
+
+
+def _name_of(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _load_file(path: Path, signature: tuple | None) -> Ring | None:

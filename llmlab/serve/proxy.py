@@ -35,9 +35,11 @@ caller waits for (:func:`wait_bound`) before it publishes the port or sends the 
 :meth:`Proxy.pick`; notebook 15): the key check and the allow-list are the same for every replica.
 
 Under load from others (docs/security.md, tests/cluster/test_security.py): the soft open-file limit is raised to the
-hard one, and near it idle connections that never showed a key are closed first (:meth:`Proxy.admit`); a connection
-that has shown no key is closed after its first refusal; a client that pipelines without reading is held back by
-TCP, not by the proxy's memory (:meth:`Client._reading`); the log has a budget (:class:`LogBudget`).
+hard one, and near it idle connections are closed, oldest first, those that never showed a key before keyed ones
+(:meth:`Proxy.admit`); a connection that has shown no key is closed after its first refusal; a client that pipelines
+without reading is held back by TCP, not by the proxy's memory (:meth:`Client._reading`); the bodies of all
+connections together are held to ``MAX_BODIES`` (:meth:`Proxy.make_room`); a room's ``keys/`` is re-read in a worker
+thread (:meth:`KeyRing.watch`); the log has a budget (:class:`LogBudget`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ log = logging.getLogger("llmlab.serve.proxy")
 ALLOWED_EXACT = ("/health", "/metrics")
 ALLOWED_PREFIX = "/v1/"
 MAX_BODY = 32 * 2**20  # bytes of one request body; a prompt of a million tokens is ~4 MB
+# Bytes of request bodies the proxy holds at once, all connections together (being received, waiting in a pipeline,
+# or on their way to vLLM): four bodies of the largest size.  Beyond it the largest body still arriving is refused
+# (503, Proxy.make_room).  A room's requests are kilobytes each; 30 learners sending a 4 MB prompt at once fit.
+MAX_BODIES = 4 * MAX_BODY
+PIPELINED_BODY = 2**20  # bytes of body read ahead on a connection while its previous request is answered
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), plus Host and the client's credentials:
 # never passed on in either direction (the proxy writes its own framing and Host).
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
@@ -94,13 +101,20 @@ def key_digest_line(key: str, comment: str = "") -> str:
 class KeyRing:
     """The keys the proxy accepts: the owner's (from a 0600 file, read once) and registered sha256 digests.
 
-    The registered ones live in a file or a directory of files (one ``sha256:<hex> [comment]`` per line;
-    blank lines, ``#`` comments and files starting with ``.`` are ignored).  They are re-read when a file's
-    name, size or mtime changes, checked at most every ``recheck`` seconds, so a revocation (deleting a line or
-    a file) takes effect within that time while a request costs no file-system calls.
+    The registered ones live in a file or a directory of files (``llmlab.serve.keyring`` says which files count).
+    They are read again when something there changed, checked at most every ``recheck`` seconds, so that a
+    revocation (deleting a line or a file) takes effect within about that time, while a request costs no
+    file-system calls.  Where an event loop runs (the proxy), the reading is done in a worker thread by
+    :meth:`watch`, never on the loop: a room's ``keys/`` is writable by every learner, and one who fills it with
+    junk and changes it every few hundred ms made each re-read cost up to a second of the loop (security-review-2,
+    finding 3).  Without a loop (``llmlab status``, tests) :meth:`accepts` reads it in place, as before.
     """
 
+    REST = 4.0  # after a re-read of t seconds, rest REST * t or more: the thread takes at most a fifth of a core
+
     def __init__(self, owner_key_file: Path, registered: Path | None = None, recheck: float = 1.0):
+        from llmlab.serve import keyring  # which files count, and how they are read: llmlab/serve/keyring.py
+
         try:
             owner = Path(owner_key_file).read_text().strip()
         except OSError as e:
@@ -112,24 +126,53 @@ class KeyRing:
         self.owner = digest(owner)
         self.registered_path = Path(registered) if registered else None
         self.recheck = recheck
+        self._reader = keyring.Reader()  # remembers user names and unchanged files between reads
         self._digests: tuple[bytes, ...] = ()
         self._signature: tuple = ()
         self._checked = float("-inf")
+        self._watcher: asyncio.Task | None = None
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> None:
-        """Re-read the registered digests if the files changed (at most every ``recheck`` seconds)."""
-        from llmlab.serve import keyring  # which files count, and how they are read: llmlab/serve/keyring.py
-
+        """Re-read the registered digests here and now if the files changed (at most every ``recheck`` seconds)."""
         now = time.monotonic()
         if not force and now - self._checked < self.recheck:
             return
         self._checked = now
-        ring = keyring.load(self.registered_path, None if force else self._signature)
+        self._install(self._read(force))
+
+    def _read(self, force: bool = False):
+        """What changed (a ``keyring.Ring``), or None; runs on the loop's worker thread under :meth:`watch`."""
+        from llmlab.serve import keyring
+
+        return keyring.load(self.registered_path, None if force else self._signature, self._reader)
+
+    def _install(self, ring) -> None:
         if ring is None:  # nothing changed (or keys/ is unreadable just now: keep what was read)
             return
         self._digests, self._signature = ring.digests, ring.signature
         log.info("%d registered key(s) from %s", len(ring.digests), self.registered_path)
+
+    def watch(self) -> asyncio.Task:
+        """Start (once) re-reading the registered keys off the running event loop; the task that does it.
+
+        One read at a time, in the loop's default executor; between two reads at least ``recheck`` seconds and
+        ``REST`` times the last read's own duration (a folder of 100,000 junk names takes a few tenths of a
+        second to list)."""
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch())
+        return self._watcher
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.registered_path is not None:
+            started = time.monotonic()
+            try:
+                self._install(await loop.run_in_executor(None, self._read))
+            except Exception:  # a bug, not the folder's content (load never raises for that): keep the old keys
+                log.exception("re-reading %s failed; the keys read before stay in force", self.registered_path)
+            took = time.monotonic() - started
+            await asyncio.sleep(max(self.recheck, self.REST * took))
 
     @property
     def registered(self) -> int:
@@ -143,12 +186,23 @@ class KeyRing:
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return False
-        self.refresh()
+        if _loop_running():
+            self.watch()  # re-read off the loop
+        else:
+            self.refresh()
         given = digest(key)
         ok = hmac.compare_digest(given, self.owner)
         for known in self._digests:
             ok |= hmac.compare_digest(given, known)
         return ok
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def check_path(raw_path: bytes, path: str) -> str | None:
@@ -256,6 +310,7 @@ class Request:
         self.keyed = False  # it carried a key the proxy accepts
         self.keep_alive = True
         self.http10 = False
+        self.counted = 0  # bytes of its body counted in Proxy.body_bytes (0 once released)
 
 
 class Upstream(asyncio.Protocol):
@@ -290,6 +345,7 @@ class Upstream(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self.client.release(self.request)  # vLLM answers after it has read the whole body: no longer ours to hold
         status = self.parser.get_status_code()
         names = {k.lower() for k, _ in self.headers}
         self.chunked = b"content-length" not in names or b"transfer-encoding" in names
@@ -355,6 +411,9 @@ class Client(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closed = True
         self.proxy.clients.pop(self, None)
+        for request in (self.current, *self.queue):  # the one being answered: _answer_queue's finally
+            self.release(request)
+        self.queue.clear()
         if self.idle:
             self.idle.cancel()
         if self.upstream and self.upstream.transport:
@@ -386,9 +445,33 @@ class Client(asyncio.Protocol):
             self.transport.close()
 
     @property
-    def idle_without_key(self) -> bool:
-        """Nothing in progress, and no key shown yet: the first to go when file descriptors run short."""
-        return not (self.keyed or self.closed or self.queue or self.worker)
+    def between_requests(self) -> bool:
+        """No request in progress: none being answered or waiting, and no body arriving (a head may be, half sent).
+        What Proxy.admit closes when file descriptors run short, those that never showed a key first."""
+        return not (self.closed or self.queue or self.worker or not self.in_head)
+
+    @property
+    def receiving(self) -> int:
+        """Bytes of the body arriving now, for a request that is being kept (Proxy.make_room refuses the largest)."""
+        return 0 if self.in_head or self.broken or self.closed else self.current.counted
+
+    def count(self, request: Request, n: int) -> None:
+        request.counted += n
+        self.proxy.body_bytes += n
+
+    def release(self, request: Request) -> None:
+        """Let go of ``request``'s body (answered, refused, sent on, or its client left): it no longer counts toward
+        MAX_BODIES, and its memory is freed now, not when the garbage collector breaks the cycle between a client
+        and its parser."""
+        self.proxy.body_bytes -= request.counted
+        request.counted, request.body = 0, bytearray()
+
+    def evict(self) -> None:
+        """Refuse the request whose body is arriving, and drop what came of it: the proxy holds too many bodies."""
+        self.release(self.current)
+        self._refuse_now(error_response(
+            503, f"Refused: the proxy holds {MAX_BODIES // 2**20} MiB of request bodies from all its clients, its "
+                 "limit, and this one was the largest still arriving; send it again in a moment.", close=True))
 
     def _arm_idle(self) -> None:
         self.idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT, self.close)
@@ -401,8 +484,9 @@ class Client(asyncio.Protocol):
         the kernel's socket buffers fill and the client's own sends block: TCP holds it back, not our memory."""
         if self.closed:
             return
+        ahead = sum(r.counted for r in self.queue) + self.current.counted  # bodies behind the one being answered
         wanted = not (self.broken or self.write_paused or len(self.queue) >= MAX_PIPELINE
-                      or sum(len(r.body) for r in self.queue) > MAX_BODY)
+                      or (self.worker is not None and ahead > PIPELINED_BODY))
         if wanted != self.transport.is_reading():
             (self.transport.resume_reading if wanted else self.transport.pause_reading)()
 
@@ -435,6 +519,7 @@ class Client(asyncio.Protocol):
         answered in turn (bytes that are not HTTP, a head too large); nothing more is read from the connection."""
         self.broken = True
         self.transport.pause_reading()
+        self.release(self.current)  # a body cut short is not kept
         request = Request()
         request.refusal, request.keep_alive = answer, False
         self.queue.append(request)
@@ -474,16 +559,19 @@ class Client(asyncio.Protocol):
         r = self.current
         if r.refusal is None and not self.broken:
             r.body += body
+            self.count(r, len(body))
             if len(r.body) > MAX_BODY:
-                r.body.clear()
+                self.release(r)
                 r.refusal = error_response(413, f"Request body larger than {MAX_BODY // 2**20} MiB.", close=True)
                 r.keep_alive = False
+            elif self.proxy.body_bytes > MAX_BODIES:
+                self.proxy.make_room()
 
     def on_message_complete(self) -> None:
         self.in_head, self.head_size = True, 0  # what follows is the next request's head
         if self.broken:  # answered by _refuse_now; nothing of this request is forwarded
             return
-        r = self.current
+        r, self.current = self.current, Request()  # ``current``: the request still arriving, if any
         self.queue.append(r)
         # A refusal that closes the connection (no key shown yet, a body too large) is the last thing answered:
         # nothing behind it is parsed or read, so a client without a key sends at most one request.
@@ -501,10 +589,13 @@ class Client(asyncio.Protocol):
         try:
             while self.queue and not self.closed:
                 request = self.queue.popleft()
-                if request.refusal is not None:
-                    self.write(request.refusal)
-                else:
-                    await self._forward(request)
+                try:
+                    if request.refusal is not None:
+                        self.write(request.refusal)
+                    else:
+                        await self._forward(request)
+                finally:
+                    self.release(request)
                 if not request.keep_alive:
                     self.close()
                 else:
@@ -537,7 +628,9 @@ class Client(asyncio.Protocol):
             return
         self.upstream = upstream
         try:
-            upstream.transport.write(self.proxy.upstream_head(request) + request.body)
+            upstream.transport.write(self.proxy.upstream_head(request))
+            upstream.transport.write(request.body)
+            request.body = bytearray()  # the transport holds what it could not send yet; no second copy here
             await upstream.done
         finally:
             self.upstream = None
@@ -573,12 +666,19 @@ class Replica:
 ROUTES = ("least-loaded", "prefix")
 PREFIX_CHARS = 256  # characters of the prompt that choose the replica: a system prompt's worth
 BALANCE = 16
+# Bytes of a body that prefix routing parses, on the event loop: a body of this size made of the smallest JSON
+# objects (the worst case) parses in about 10 ms on a 2-core machine, a 32 MiB one took 1.4-4.2 s and 900 MB
+# (security-review-2, finding 6).  A prompt of this size is some 60,000 tokens; a larger body goes least-loaded.
+PREFIX_PARSE_MAX = 256 * 2**10
 
 
 def prefix_key(body: bytes | bytearray, chars: int = PREFIX_CHARS) -> bytes | None:
     """What prefix routing hashes: the request's ``cache_salt`` and the first ``chars`` characters of its prompt
     (``prompt``, or the ``messages`` as sent), or None for a body that is not such a JSON request.  The salt counts
-    because requests with different salts never share cached blocks (notebook 13), so grouping them gains nothing."""
+    because requests with different salts never share cached blocks (notebook 13), so grouping them gains nothing.
+    A body over ``PREFIX_PARSE_MAX`` is not parsed (None)."""
+    if len(body) > PREFIX_PARSE_MAX:
+        return None
     try:
         request = json.loads(body)
     except (ValueError, RecursionError):  # not JSON: vLLM will say so; any replica can
@@ -590,8 +690,23 @@ def prefix_key(body: bytes | bytearray, chars: int = PREFIX_CHARS) -> bytes | No
         prompt = prompt[0]
     if prompt is None:
         return None
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, separators=(",", ":"))
+    text = prompt if isinstance(prompt, str) else _json_start(prompt, chars)
     return f"{request.get('cache_salt', '')}\x00{text[:chars]}".encode("utf-8", "surrogatepass")
+
+
+def _json_start(value, chars: int) -> str:
+    """At least the first ``chars`` characters of ``json.dumps(value, separators=(",", ":"))``: a list is written one
+    item at a time, only as far as needed (a chat of thousands of messages is routed by its first few)."""
+    if not isinstance(value, list):
+        return json.dumps(value, separators=(",", ":"))
+    parts, size = ["["], 1
+    for i, item in enumerate(value):
+        part = ("," if i else "") + json.dumps(item, separators=(",", ":"))
+        parts.append(part)
+        size += len(part)
+        if size >= chars:
+            return "".join(parts)
+    return "".join(parts) + "]"
 
 
 def home_replica(key: bytes, replicas: int) -> int:
@@ -621,28 +736,49 @@ class Proxy:
         self.clients: dict[Client, None] = {}  # open client connections, oldest first
         self.upstreams = 0  # open connections to vLLM
         self.fd_budget: int | None = None  # connections (both kinds) to hold before shedding; None: no limit
+        self.body_bytes = 0  # request bodies held, all connections together (MAX_BODIES)
 
     def admit(self, new: Client) -> bool:
         """Count a new connection; False if it must be closed at once.
 
         Why: every connection is a file descriptor, and at the process's limit the event loop accepts and drops
         (connection reset) whoever comes next, the owner included.  So near the limit the proxy closes idle
-        connections that never showed a key, oldest first, down to 7/8 of the budget; only when every other
-        connection is a keyed one at work is the new one turned away."""
+        connections (no request in progress), oldest first, down to 7/8 of the budget: first those that never
+        showed a key, then keyed ones too -- a learner's key must not let them hold the owner out with idle
+        keep-alive connections (security-review-2, finding 5).  A client whose idle connection was closed opens
+        a new one.  Only when every other connection has a request in progress is the new one turned away."""
         self.clients[new] = None
         if self.fd_budget is None or len(self.clients) + self.upstreams <= self.fd_budget:
             return True
-        target, shed = self.fd_budget - max(1, self.fd_budget // 8), 0
-        for client in list(self.clients):  # oldest first
-            if len(self.clients) + self.upstreams <= target:
-                break
-            if client is not new and client.idle_without_key:
-                client.close()
-                shed += 1
+        target, shed = self.fd_budget - max(1, self.fd_budget // 8), [0, 0]
+        for keyed in (False, True):
+            for client in list(self.clients):  # oldest first
+                if len(self.clients) + self.upstreams <= target:
+                    break
+                if client is not new and client.keyed == keyed and client.between_requests:
+                    client.close()
+                    shed[keyed] += 1
         admitted = len(self.clients) + self.upstreams <= self.fd_budget
-        log.warning("near the open-file limit: closed %d idle connection(s) that showed no key%s", shed,
-                    "" if admitted else "; a new connection is turned away (all others are keyed and at work)")
+        log.warning("near the open-file limit: closed %d idle connection(s) that showed no key and %d that showed a "
+                    "key%s", *shed, "" if admitted else "; a new connection is turned away (all others have a request "
+                    "in progress)")
         return admitted
+
+    def make_room(self) -> None:
+        """Refuse the largest bodies still arriving until the bodies held fit in MAX_BODIES again.
+
+        Why: the body bound is per request, and a key holder can open many connections, each with a body one byte
+        short of it, and never finish them: 12 of them took the proxy from 100 to 495 MB (security-review-2,
+        finding 6).  The largest body still arriving is the one refused: an attacker's held bodies go before a
+        learner's prompt of a few kilobytes, and whatever is complete goes on to vLLM."""
+        while self.body_bytes > MAX_BODIES:
+            largest = max(self.clients, key=lambda c: c.receiving, default=None)
+            if largest is None or largest.receiving == 0:  # what is held is complete: it is on its way out
+                return
+            log.warning("the proxy holds %d MiB of request bodies (its limit: %d MiB): refused the largest one still "
+                        "arriving (%d MiB)", self.body_bytes // 2**20, MAX_BODIES // 2**20,
+                        largest.receiving // 2**20)
+            largest.evict()
 
     async def connect(self, factory, replica: Replica) -> None:
         loop = asyncio.get_running_loop()
@@ -807,6 +943,7 @@ def serve(listen: str, upstream: str | list[str], key_file: Path, keys: Path | N
             raise ProxyError(f"Cannot listen on {listen} ({e.strerror}): another process holds that port; pick a "
                              "free one, or give port 0 to let the system choose.") from None
         proxy.fd_budget = fd_budget(limit)
+        keys_watcher = proxy.keys.watch()  # re-reads --keys in a worker thread, never on this loop
         if ready_file:
             write_ready(ready_file, server.sockets)
         log.info("listening on %s, forwarding to %s (%s)", listen, proxy.upstream, route)
@@ -815,6 +952,7 @@ def serve(listen: str, upstream: str | list[str], key_file: Path, keys: Path | N
         server.close()
         if ready_file:
             Path(ready_file).unlink(missing_ok=True)
+        keys_watcher.cancel()
         if watcher:
             watcher.cancel()
 

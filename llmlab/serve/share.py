@@ -155,9 +155,10 @@ def learners(share_dir: str | Path) -> dict[str, str]:
 def revoke(share_dir: str | Path, name: str) -> None:
     """Shut one learner out within a second, without restarting the server.
 
-    Every file of theirs in ``keys/`` is removed (copies under other names, names taken from other learners), and
-    their name gets a file of the share's owner -- which the sticky ``keys/`` keeps them from replacing -- listing
-    the digests they had there: the proxy refuses those in any file, and any file of theirs under any name."""
+    Every file of theirs in ``keys/`` is removed (copies under other names, names taken from other learners, dot
+    files and any other junk they left there), and their name gets a file of the share's owner -- which the sticky
+    ``keys/`` keeps them from replacing -- listing the digests they had there: the proxy refuses those in any file,
+    and any file of theirs under any name."""
     try:
         uid = pwd.getpwnam(name).pw_uid
     except KeyError:
@@ -165,22 +166,23 @@ def revoke(share_dir: str | Path, name: str) -> None:
     keys = Path(share_dir) / "keys"
     try:
         found, _ = keyring.entries(keys)
-        denied: list[bytes] = []
+        theirs = keyring.names_of(keys, uid)
+        denied = [d for e in found if e.trusted and e.name == name for d in e.denied]  # refused before: still
         fd = keyring.open_folder(keys)
         try:
-            for e in sorted(found, key=lambda e: e.name != name):  # theirs by name first: it is what counted
-                if e.trusted and e.name == name:
-                    denied += e.denied  # revoked before: keep refusing what was refused then
-                elif e.uid == uid and not e.trusted:
-                    denied += keyring.digests_in(fd, e.name)
+            # theirs by name first (it is what counted), then the other names; dot files hold no registration
+            for other in sorted(theirs, key=lambda n: (n != name, n.startswith("."), n)):
+                if len(denied) >= MAX_DENIED or other.startswith("."):
+                    break
+                denied += keyring.digests_in(fd, other)
         finally:
             os.close(fd)
         lines = [f"{REVOKED} by {user()} at {datetime.now(UTC):%Y-%m-%dT%H:%MZ}"]
         lines += [f"revoked sha256:{d.hex()}" for d in list(dict.fromkeys(denied))[:MAX_DENIED]]
         _replace_in(keys, name, "\n".join(lines) + "\n", 0o644)
-        for e in found:
-            if e.uid == uid and not e.trusted and e.name != name:
-                _remove_if_theirs(keys / e.name, uid)
+        for other in theirs:
+            if other != name:
+                _remove_if_theirs(keys / other, uid)
     except OSError as e:
         raise ServerError(f"Cannot revoke {name} in {keys} ({e.strerror}): run `llmlab revoke` as the user who "
                           "launched the shared server.") from None

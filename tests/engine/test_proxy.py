@@ -6,6 +6,7 @@ their revocation, streaming that is not buffered, and a client that goes away ab
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -64,6 +65,35 @@ def test_keyring_owner_registered_and_revoked(tmp_path):
     assert learner not in (keys / "alice").read_text()  # only the hash is registered
     (keys / "alice").unlink()  # revoked, without restarting anything
     assert not ring.accepts(f"Bearer {learner}") and ring.accepts("Bearer owner-key-0123456789abcdef")
+
+
+def test_keyring_reads_the_keys_folder_off_the_event_loop(tmp_path, monkeypatch):
+    """security-review-2, finding 3: a re-read of keys/ that takes a second (10,000 junk names, a slow user
+    database) held the proxy's event loop for as long, each time the folder changed.  Under a running loop the
+    key ring reads in a worker thread: the loop is never held (the bound leaves room for a loaded 2-core
+    machine's scheduling), and the new key still counts once read."""
+    from llmlab.serve import keyring
+
+    owner = write_private(tmp_path / "owner.key", "owner-key-0123456789abcdef\n")
+    keys = tmp_path / "keys.d"
+    keys.mkdir()
+    ring = proxy.KeyRing(owner, keys, recheck=0.1)
+    load = keyring.load
+    monkeypatch.setattr(keyring, "load", lambda *a, **k: time.sleep(1.0) or load(*a, **k))
+    learner = "learner-1-key-xyz-0123456789"
+    (keys / "instructor").write_text(proxy.key_digest_line(learner) + "\n")
+
+    async def probe() -> tuple[float, bool]:
+        held, accepted, end = 0.0, False, time.monotonic() + 3.5
+        while time.monotonic() < end:
+            t = time.monotonic()
+            accepted = ring.accepts(f"Bearer {learner}") or accepted
+            await asyncio.sleep(0.01)
+            held = max(held, time.monotonic() - t - 0.01)
+        return held, accepted
+
+    held, accepted = asyncio.run(probe())
+    assert held < 0.5 and accepted, f"the loop was held {held:.3f} s; the key counted: {accepted}"
 
 
 def test_keyring_refuses_an_unreadable_or_short_key(tmp_path):

@@ -38,6 +38,18 @@ def test_prefix_key_is_the_salt_and_the_start_of_the_prompt():
     for not_a_prompt in (b"not json", b"[1, 2]", body(model="m"), b"[" * 100_000):
         assert proxy.prefix_key(not_a_prompt) is None
     assert proxy.prefix_key(body(prompt="\ud800")) is not None  # a lone surrogate does not stop the proxy
+    long_chat = [{"role": "user", "content": f"message {i}"} for i in range(1000)]  # written only as far as needed
+    assert proxy.prefix_key(body(messages=long_chat)) == b"\x00" + json.dumps(long_chat, separators=(",", ":"))[
+        :256].encode()
+
+
+def test_prefix_routing_parses_no_body_over_its_bound():
+    """security-review-2, finding 6: a 32 MiB body of empty objects took 900 MB and seconds of the event loop to
+    parse; a body over PREFIX_PARSE_MAX is routed least-loaded, unparsed."""
+    empty_objects = b'{"messages":[' + b"{}," * (proxy.PREFIX_PARSE_MAX // 3) + b"{}]}"
+    assert len(empty_objects) > proxy.PREFIX_PARSE_MAX and proxy.prefix_key(empty_objects) is None
+    fits = b'{"messages":[' + b"{}," * (proxy.PREFIX_PARSE_MAX // 3 - 10) + b"{}]}"
+    assert proxy.prefix_key(fits) == b"\x00[" + b"{}," * 85  # 256 characters
 
 
 def test_rendezvous_hashing_moves_only_the_keys_a_new_replica_takes():

@@ -1,0 +1,185 @@
+"""The key-checking proxy under attack by a learner of its room (issue 37; docs/security.md): the figures behind the
+tests in tests/cluster/test_security.py, printed.
+
+Two attacks, each against a proxy of this script's own in front of a stand-in for vLLM (tests/proxy_helpers.py: no
+engine, nothing else on the machine is touched):
+
+- ``keys``: a room's ``keys/`` holds ``--junk`` names that are no user's key file, and one file is made and removed
+  every 0.3 s; a sequential keyed client (one keep-alive connection) measures each GET /v1/models, first with a
+  quiet folder, then with the churn.  The junk must belong to another user (the proxy's own files are the
+  instructor's, which count), so this attack needs root: its files are chowned to ``nobody``.
+- ``memory``: a learner with a valid key holds ``--connections`` connections, each with a 32 MiB body one byte short
+  (never finished), then sends one 32 MiB body of ten million empty JSON objects to a ``--route prefix`` proxy
+  (two stand-in replicas).  VmRSS of the proxy (/proc/PID/status) before, at its peak and a second after the
+  attacker left; the owner's own requests meanwhile (their slowest answer).
+
+    sudo PYTHONPATH=. .venv/bin/python benchmarks/proxy_under_attack.py            # both
+    PYTHONPATH=. .venv/bin/python benchmarks/proxy_under_attack.py --attack memory  # any user
+
+Figures, not pass/fail: see CONVENTIONS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import pwd
+import re
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from proxy_helpers import proxy_process, stand_in_vllm  # noqa: E402
+
+from llmlab.serve.info import write_private  # noqa: E402
+from llmlab.serve.proxy import key_digest_line  # noqa: E402
+
+MiB = 2**20
+
+
+def rss_mib(pid: int) -> float:
+    return int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())[1]) / 1024
+
+
+def latencies(port: int, key: str, seconds: float) -> list[float]:
+    """Seconds each GET /v1/models of one sequential keyed client took, on one keep-alive connection."""
+    conn, took = http.client.HTTPConnection("127.0.0.1", port, timeout=30), []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.monotonic()
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        response = conn.getresponse()
+        response.read()
+        took.append(time.monotonic() - t)
+    conn.close()
+    return took
+
+
+def summary(took: list[float]) -> str:
+    took = sorted(took)
+    p = lambda q: took[min(len(took) - 1, int(len(took) * q))] * 1000  # noqa: E731
+    return (f"{len(took)} requests, p50 {p(0.5):.1f} ms, p99 {p(0.99):.1f} ms, max {took[-1] * 1000:.1f} ms, "
+            f"mean {statistics.mean(took) * 1000:.1f} ms")
+
+
+def churn(keys: Path, uid: int, stop: threading.Event) -> None:
+    """Another user's file, made and removed every 0.3 s: a change of the folder each time."""
+    n = 0
+    while not stop.is_set():
+        path = keys / f"churn{n:06d}"
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o640))
+        os.chown(path, uid, -1)
+        time.sleep(0.15)
+        path.unlink()
+        time.sleep(0.15)
+        n += 1
+
+
+def attack_keys(folder: Path, junk: int, seconds: float) -> None:
+    if os.geteuid() != 0:
+        print("keys: skipped (run as root: the junk must be another user's, here nobody's)")
+        return
+    uid = pwd.getpwnam("nobody").pw_uid
+    keys = folder / "keys"
+    keys.mkdir()
+    for i in range(junk):
+        path = keys / f"junk{i:06d}"
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o640))
+        os.chown(path, uid, -1)
+    with stand_in_vllm(folder) as uds, proxy_process(folder, uds, "--keys", str(keys)) as (_, port, key):
+        time.sleep(2)
+        print(f"keys: {junk} junk names, quiet folder:      {summary(latencies(port, key, seconds))}")
+        stop = threading.Event()
+        worker = threading.Thread(target=churn, args=(keys, uid, stop), daemon=True)
+        worker.start()
+        try:
+            print(f"keys: {junk} junk names, a file churned:  {summary(latencies(port, key, seconds))}")
+        finally:
+            stop.set()
+            worker.join()
+
+
+def hold_bodies(port: int, key: str, n: int, said: list[str], done: threading.Event) -> None:
+    """The learner's side: ``n`` bodies of 32 MiB one byte short, held open, then one 32 MiB prefix-routed body."""
+    head = ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json"
+            "\r\nContent-Length: %d\r\n\r\n")
+    held, refused, chunk = [], 0, b"x" * MiB
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        try:
+            s.sendall((head % (key, 32 * MiB)).encode())
+            for _ in range(31):
+                s.sendall(chunk)
+            s.sendall(chunk[:-1])
+        except OSError:
+            refused += 1
+        held.append(s)
+    body = b'{"messages":[' + b"{}," * ((32 * MiB - 20) // 3) + b"{}]}"
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        try:
+            s.sendall((head % (key, len(body))).encode() + body)
+            said.append("prefix body: " + s.recv(200).split(b"\r\n")[0].decode())
+        except OSError as e:
+            said.append(f"prefix body: {e}")
+    said.append(f"held {len(held)} connections, {refused} refused while sending")
+    done.set()
+    time.sleep(1)
+    for s in held:
+        s.close()
+
+
+def attack_memory(folder: Path, connections: int) -> None:
+    learner = "learner-" + os.urandom(16).hex()
+    keys = write_private(folder / "keys.txt", key_digest_line(learner) + "\n")
+    (folder / "a").mkdir()
+    (folder / "b").mkdir()
+    with stand_in_vllm(folder / "a") as a, stand_in_vllm(folder / "b") as b, proxy_process(
+            folder, a, "--upstream", f"unix:{b}", "--route", "prefix", "--keys", str(keys)) as (proc, port, key):
+        time.sleep(1)
+        before = peak = rss_mib(proc.pid)
+        said, done = [], threading.Event()
+        attacker = threading.Thread(target=hold_bodies, args=(port, learner, connections, said, done), daemon=True)
+        attacker.start()
+        owner: list[float] = []
+        while not done.is_set():
+            peak = max(peak, rss_mib(proc.pid))
+            owner += latencies(port, key, 0.2)
+        attacker.join()
+        peak = max(peak, rss_mib(proc.pid))
+        time.sleep(1)
+        after = rss_mib(proc.pid)
+    print(f"memory: {connections} x (32 MiB - 1 byte) held + one 32 MiB prefix-routed body: VmRSS {before:.0f} MiB "
+          f"before, {peak:.0f} MiB at the peak (+{peak - before:.0f}), {after:.0f} MiB a second after")
+    print(f"memory: the attacker: {'; '.join(said)}")
+    print(f"memory: the owner meanwhile: {summary(owner)}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--attack", choices=("keys", "memory", "both"), default="both")
+    p.add_argument("--junk", type=int, default=10_000, help="junk names in keys/")
+    p.add_argument("--seconds", type=float, default=8.0, help="how long the keyed client measures, each phase")
+    p.add_argument("--connections", type=int, default=12, help="connections holding a 32 MiB body")
+    a = p.parse_args()
+    for attack, run in (("keys", lambda f: attack_keys(f, a.junk, a.seconds)),
+                        ("memory", lambda f: attack_memory(f, a.connections))):
+        if a.attack in (attack, "both"):
+            folder = Path(tempfile.mkdtemp(prefix=f"llmlab-attack-{attack}-"))
+            os.chmod(folder, 0o755)
+            try:
+                run(folder)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

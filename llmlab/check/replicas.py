@@ -6,32 +6,35 @@ from __future__ import annotations
 
 from llmlab.check.verdict import _number, _whole, require, right
 
-# Exercise 1: Llama 3.1 8B in bf16 on two H100s of 80 GB, requests of 8,192 tokens.
-CONTEXT = 8192
+# Exercise 1: Llama 3.1 8B in bf16 on two H200s of 141 GB, requests of 32,768 tokens (the lesson prints two H100s'
+# pools for 8,192-token requests: the learner redoes the arithmetic on other cards).
+CONTEXT, GPU = 32_768, "H200"
 # Exercise 2: four courses of six learners, interleaved as a room sends them, two replicas, one salt for the room.
 COURSES, LEARNERS, SALT = ["A", "B", "C", "D"], 6, "workshop-salt"
 
 
-def _kv_tokens(tp: int) -> int:
+def _kv_tokens(tp: int, gpu: str = GPU, context: int = CONTEXT) -> int:
     from llmlab import memory
 
-    fit = memory.layout_fit(memory.model_spec("llama3.1-8b"), tp, 1, memory.gpu("H100"), dtype="bfloat16",
-                            context=CONTEXT)
+    fit = memory.layout_fit(memory.model_spec("llama3.1-8b"), tp, 1, memory.gpu(gpu), dtype="bfloat16",
+                            context=context)
     return fit.kv_blocks * memory.GPU_BLOCK_SIZE
 
 
 def replica_kv(replica_tokens, tp2_tokens, replicas_fit, tp2_fit) -> None:
-    """15: KV tokens of one TP=1 replica and of the TP=2 engine, and how many 8,192-token requests each layout holds
-    at once on two H100s."""
+    """15: KV tokens of one TP=1 replica and of the TP=2 engine, and how many 32,768-token requests each layout
+    holds at once on two H200s."""
     from llmlab.memory import GPU_BLOCK_SIZE
 
     replica_tokens, tp2_tokens = _whole(replica_tokens, "replica_tokens"), _whole(tp2_tokens, "tp2_tokens")
     replicas_fit, tp2_fit = _whole(replicas_fit, "replicas_fit"), _whole(tp2_fit, "tp2_fit")
     one, two = _kv_tokens(1), _kv_tokens(2)
+    require(replica_tokens != _kv_tokens(1, "H100", 8192), "that is an H100's pool, as the lesson printed it; this "
+            f"room runs on {GPU}s: memory.gpu('{GPU}').")
     require(replica_tokens != 2 * one, "replica_tokens is one replica's pool, on one GPU: the two replicas do not "
             "pool their caches.")
-    require(replica_tokens == one, "replica_tokens: memory.layout_fit(spec, 1, 1, memory.gpu('H100'), "
-            "dtype='bfloat16', context=8192).kv_blocks, times the block of 16 tokens.")
+    require(replica_tokens == one, f"replica_tokens: memory.layout_fit(spec, 1, 1, memory.gpu('{GPU}'), "
+            f"dtype='bfloat16', context={CONTEXT}).kv_blocks, times the block of 16 tokens.")
     require(tp2_tokens != two // 2, "tp2_tokens is the whole TP=2 engine's pool: every token's KV is split over the "
             "two GPUs, so kv_blocks already counts tokens of the engine, not of one GPU.")
     require(tp2_tokens == two, "tp2_tokens: the same layout_fit with tp=2.")

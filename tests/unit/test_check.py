@@ -643,14 +643,16 @@ def test_replica_checks_name_what_is_wrong(capsys):
     the cold prefills of a room dealt in turn and routed by prefix."""
     from llmlab import memory, replicas
 
-    pools = {tp: memory.layout_fit(memory.model_spec("llama3.1-8b"), tp, 1, memory.gpu("H100"), dtype="bfloat16",
-                                   context=8192).kv_blocks * 16 for tp in (1, 2)}
-    one, two = pools[1], pools[2]
-    right(capsys, check.replica_kv, one, two, 2 * (one // 8192), two // 8192)
-    not_yet(check.replica_kv, 2 * one, two, 2 * (one // 8192), two // 8192, hint="do not pool their caches")
-    not_yet(check.replica_kv, one, two // 2, 2 * (one // 8192), two // 8192, hint="kv_blocks already counts")
-    not_yet(check.replica_kv, one, two, one // 8192, two // 8192, hint="counts both replicas")
-    not_yet(check.replica_kv, one, two, 2 * (one // 8192), two // 8192 + 1, hint=f"hold {two // 8192} requests")
+    pools = {tp: memory.layout_fit(memory.model_spec("llama3.1-8b"), tp, 1, memory.gpu("H200"), dtype="bfloat16",
+                                   context=32768).kv_blocks * 16 for tp in (1, 2)}
+    one, two, n = pools[1], pools[2], 32768
+    assert (one, two, 2 * (one // n), two // n) == (883_680, 1_889_888, 52, 57)
+    right(capsys, check.replica_kv, one, two, 2 * (one // n), two // n)
+    not_yet(check.replica_kv, 436_656, 995_856, 26, 30, hint="an H100's pool, as the lesson printed it")
+    not_yet(check.replica_kv, 2 * one, two, 2 * (one // n), two // n, hint="do not pool their caches")
+    not_yet(check.replica_kv, one, two // 2, 2 * (one // n), two // n, hint="kv_blocks already counts")
+    not_yet(check.replica_kv, one, two, one // n, two // n, hint="counts both replicas")
+    not_yet(check.replica_kv, one, two, 2 * (one // n), two // n + 1, hint=f"hold {two // n} requests")
 
 
     courses = ["A", "B", "C", "D"]

@@ -43,7 +43,7 @@ from llmlab.check.rehearse import rehearsal_kv_tokens, rehearsal_roofline, rehea
 from llmlab.check.replicas import cold_prefills, replica_crossover, replica_kv  # noqa: F401
 from llmlab.check.sampling import same_text, survivors  # noqa: F401
 from llmlab.check.speculative import draft_length, spec_savings  # noqa: F401
-from llmlab.check.structured import parsed, verse_regex  # noqa: F401
+from llmlab.check.structured import parsed_reference, verse_regex  # noqa: F401
 
 # /course:checks
 from llmlab.check.verdict import NotYet, _number, _whole, require, right  # noqa: F401

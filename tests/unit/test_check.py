@@ -515,20 +515,34 @@ def test_the_room_trusts_no_file_in_its_folder(tmp_path):
 
 
 def test_structured_output_checks_name_what_is_wrong(capsys):
-    """Notebook 10's checks: a pattern must be a reference, bounded, and the answer finished; a parsed answer a dict."""
-    good = r"[A-Z][a-z]{1,12} [0-9]{1,3}:[0-9]{1,3}"
+    """Notebook 10's checks: a pattern must take numbered books and verse ranges (the lesson's does neither), be
+    bounded, and the answer finished; a reference as compact JSON, parsed."""
+    good = r"([1-3] )?[A-Z][a-z]{1,12} [0-9]{1,3}:[0-9]{1,3}(-[0-9]{1,3})?"
     right(capsys, check.verse_regex, good, "Judah 12:4", "stop")
-    not_yet(check.verse_regex, r"[A-Z][a-z]{1,12} [0-9]{1,3}", "Judah 12", "stop", hint="does not match 'John 3:16'")
-    not_yet(check.verse_regex, r"[A-Za-z]{1,12} [0-9]{1,3}:[0-9]{1,3}", "Judah 12:4", "stop", hint="'john 3:16'")
-    not_yet(check.verse_regex, r"[A-Z][a-z]+ [0-9]+:[0-9]+", "Judah 12:4", "stop", hint="bound every repetition")
-    not_yet(check.verse_regex, r"[A-Z][a-z]{1,} [0-9]{1,3}:[0-9]{1,3}", "Judah 12:4", "stop",
+    right(capsys, check.verse_regex, good, "1 Kings 2:3-5", "stop")
+    lesson = r"[A-Z][a-z]{1,10} [0-9]{1,3}:[0-9]{1,3}"  # lesson 10's own pattern, copied
+    not_yet(check.verse_regex, lesson, "Judah 12:4", "stop", hint="does not match '1 Kings 2:3'")
+    not_yet(check.verse_regex, r"([1-3] )?[A-Z][a-z]{1,12} [0-9]{1,3}:[0-9]{1,3}", "Judah 12:4", "stop",
+            hint="does not match 'John 3:16-18'")
+    not_yet(check.verse_regex, r"([0-9] )?[A-Z][a-z]{1,12} [0-9]{1,3}:[0-9]{1,3}(-[0-9]{1,3})?", "Judah 12:4", "stop",
+            hint="'4 Kings 1:1'")
+    not_yet(check.verse_regex, r"([1-3] )?[A-Za-z]{1,12} [0-9]{1,3}:[0-9]{1,3}(-[0-9]{1,3})?", "Judah 12:4", "stop",
+            hint="'john 3:16'")
+    not_yet(check.verse_regex, r"([1-3] )?[A-Z][a-z]+ [0-9]+:[0-9]+(-[0-9]+)?", "Judah 12:4", "stop",
+            hint="bound every repetition")
+    not_yet(check.verse_regex, r"([1-3] )?[A-Z][a-z]{1,} [0-9]{1,3}:[0-9]{1,3}(-[0-9]{1,3})?", "Judah 12:4", "stop",
             hint="bound every repetition")  # {1,} is as open as +
-    right(capsys, check.verse_regex, r"[A-Z][a-z]{1,12} [0-9]{1,3}:[0-9]{1,3}\+?", "Judah 12:4", "stop")  # \+ is a +
     not_yet(check.verse_regex, good, "Judahite", "length", hint="does not match your pattern")
     not_yet(check.verse_regex, good, "Judah 12:4", "length", hint="the answer was cut")
-    right(capsys, check.parsed, {"name": "Elijah", "age": 40}, '{"name": "Elijah", "age": 40}')
-    not_yet(check.parsed, '{"name": "Elijah", "age": 40}', '{"name": "Elijah", "age": 40}', hint="json.loads")
-    not_yet(check.parsed, {"name": "Elijah"}, '{"name": "Elijah"}', hint="name and age")
+    ref = '{"book": "John", "chapter": 3, "verse": 16}'
+    right(capsys, check.parsed_reference, {"book": "John", "chapter": 3, "verse": 16}, ref)
+    not_yet(check.parsed_reference, ref, ref, hint="json.loads")
+    not_yet(check.parsed_reference, {"name": "Elijah", "age": 40}, '{"name": "Elijah", "age": 40}',
+            hint="book, chapter and verse")  # the lesson's object
+    not_yet(check.parsed_reference, {"book": "John", "chapter": "3", "verse": 16},
+            '{"book": "John", "chapter": "3", "verse": 16}', hint="not a string in quotes")
+    not_yet(check.parsed_reference, {"book": "John", "chapter": 3, "verse": 16},
+            '{ "book": "John", "chapter": 3, "verse": 16}', hint="not the compact layout")
 
 
 # --- notebook 11: quantization ------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -35,7 +37,7 @@ from slurm_helpers import (
 
 from llmlab import cluster, memory
 from llmlab.ops import launcher
-from llmlab.serve.info import servers_dir
+from llmlab.serve.info import new_key_file, servers_dir
 from llmlab.serve.proc import free_port
 
 # --------------------------------------------------------------------------------------------------
@@ -443,3 +445,37 @@ def test_the_readiness_check_sends_the_key_only_to_the_jobs_own_proxy(tmp_path, 
         squatter.server_close()
         if proxy.poll() is None:
             proxy.kill()
+
+
+def test_the_printed_curl_line_keeps_the_key_out_of_curls_arguments(tmp_path):
+    """Before: ``curl URL -H "Authorization: Bearer $(cat KEY)"``, whose expansion put the key into curl's argv,
+    readable in ``ps`` by every user of the node (finding 10 of security-review-2)."""
+    import http.server
+    import threading
+
+    key_file = tmp_path / "keys" / "job-41.key"
+    key = new_key_file(key_file)
+    seen = []
+
+    class Echo(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/v1"
+    line = launcher.curl_line(url, key_file)
+    config = tmp_path / "keys" / "job-41.curl"
+    assert line == f"curl --config {config} {url}/models" and key not in line
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    assert '"${key_file%.key}.curl"' in (SLURM / "llmlab-serve.sh").read_text()  # the clean-up removes it
+    if shutil.which("curl"):  # the printed line works as printed, and its argv holds no key
+        argv = shlex.split(line)
+        assert not any(key in a for a in argv)
+        assert subprocess.run(argv + ["-sf"], timeout=30).returncode == 0 and seen == [f"Bearer {key}"]
+    server.server_close()

@@ -29,6 +29,10 @@
 set -euo pipefail
 umask 077  # everything this job writes (key, connection file, logs) is readable by its user only
 unset VLLM_API_KEY  # vLLM behind the proxy takes no key; one inherited from the user's shell would refuse the proxy
+# Ray takes RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH: one inherited from the user's shell (sbatch passes it on) would
+# replace the job's own token (its 0600 file) in Ray, vLLM and every srun step, and is passed to processes that Ray
+# starts in their environment.  The job's token comes from its file only.
+unset RAY_AUTH_TOKEN
 
 say() { printf '[llmlab %(%H:%M:%S)T] %s\n' -1 "$*"; }
 die() { say "FAILED: $*"; exit 1; }

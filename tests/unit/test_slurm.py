@@ -479,3 +479,22 @@ def test_the_printed_curl_line_keeps_the_key_out_of_curls_arguments(tmp_path):
         assert not any(key in a for a in argv)
         assert subprocess.run(argv + ["-sf"], timeout=30).returncode == 0 and seen == [f"Bearer {key}"]
     server.server_close()
+
+
+def test_the_job_passes_no_inherited_ray_token_to_anything_it_starts(tmp_path):
+    """sbatch passes the user's environment to the job; Ray takes RAY_AUTH_TOKEN before the job's token file
+    (RAY_AUTH_TOKEN_PATH), so an inherited one replaced the job's own token everywhere (finding 10 of
+    security-review-2).  Every process the launcher starts (Ray, vLLM, srun steps, the proxy) is a child of its
+    shell: the Python it runs first records the environment it got."""
+    dump = tmp_path / "env"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/bash\nenv -0 >>{shlex.quote(str(dump))}\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o700)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(LLMLAB_DRY_RUN="1", LLMLAB_PYTHON=str(python), RAY_AUTH_TOKEN="the-users-own-ray-token",
+               VLLM_API_KEY="a-key")
+    out = subprocess.run(["bash", str(SLURM / f"{CPU_JOB}.sh")], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = dump.read_text()
+    assert "RAY_AUTH_TOKEN_PATH" in out.stdout and "LLMLAB_DRY_RUN=1" in seen  # a Ray layout; the probe ran
+    assert "the-users-own-ray-token" not in seen and "RAY_AUTH_TOKEN=" not in seen and "VLLM_API_KEY=" not in seen

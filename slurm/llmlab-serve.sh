@@ -28,6 +28,14 @@
 # slurm/README.md explains each.  Partition, account and time come from sbatch's own flags or SBATCH_*.
 set -euo pipefail
 umask 077  # everything this job writes (key, connection file, logs) is readable by its user only
+# The job's output.  slurmstepd creates a job's --output file before the script runs, under the umask of the shell
+# that ran sbatch (often 0644), so the shipped scripts send it to /dev/null, and the launcher writes its own output
+# to a file it creates now, under umask 077, in ~/.llmlab/logs (0700): where `llmlab launch` puts it too, and where
+# `llmlab status` and `llmlab logs` read it.  An --output of your own (sbatch --output=FILE) is kept as you chose.
+if [[ -n ${SLURM_JOB_ID:-} && $(readlink -f "/proc/$$/fd/1") == /dev/null ]]; then
+  mkdir -p "${LLMLAB_HOME:-$HOME/.llmlab}/logs"  # 0700: umask 077
+  exec >>"${LLMLAB_HOME:-$HOME/.llmlab}/logs/llmlab-$SLURM_JOB_ID.out" 2>&1
+fi
 unset VLLM_API_KEY  # vLLM behind the proxy takes no key; one inherited from the user's shell would refuse the proxy
 # Ray takes RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH: one inherited from the user's shell (sbatch passes it on) would
 # replace the job's own token (its 0600 file) in Ray, vLLM and every srun step, and is passed to processes that Ray

@@ -332,7 +332,7 @@ def status(job_id: str) -> JobStatus:
         known = "SLURM knows it as " + repr(info.get("JobName")) if info else "SLURM does not know it"
         raise JobError(f"Job {job_id} is not an llmlab server ({known}, and {llmlab_home()} has no record of it): "
                        "`llmlab status` lists yours.")
-    out_path = (rec.output if rec else None) or (info or {}).get("StdOut")
+    out_path = output_file(job_id, rec, info)
     output, vllm_log = _read(out_path), _read(log_dir / "vllm.log")
     slurm_state = (info or {}).get("JobState")
     st = JobStatus(job_id, "STARTING", "", name=name, slurm_state=slurm_state, output=out_path, log_dir=str(log_dir))
@@ -512,13 +512,18 @@ def metrics_rows(mx: dict) -> list[tuple[str, str]]:
             ("TTFT p50/p90/p99", " / ".join(s(mx[f"ttft_p{q}_s"]) for q in (50, 90, 99)))]
 
 
+def output_file(job_id: str, rec: Submitted | None, info: dict | None) -> str | None:
+    """The job's output: ``llmlab launch``'s record says where; a job of a plain ``sbatch slurm/NAME.sh`` has
+    SLURM's ``StdOut`` at /dev/null, and its launcher writes ``~/.llmlab/logs/llmlab-ID.out`` itself (so that the
+    file is private from its creation: slurm/llmlab-serve.sh says why)."""
+    out = (rec.output if rec else None) or (info or {}).get("StdOut")
+    return str(llmlab_home() / "logs" / f"llmlab-{job_id}.out") if out == "/dev/null" else out
+
+
 def log_files(job_id: str) -> list[Path]:
     """The job's SLURM output, then vLLM's log, then each node's Ray log: those that exist."""
     rec, log_dir = record_of(job_id), cluster.job_log_dir(job_id)
-    out = rec.output if rec else None
-    if not out:
-        info = scontrol_job(job_id)
-        out = (info or {}).get("StdOut")
+    out = output_file(job_id, rec, None if rec else scontrol_job(job_id))
     paths = [Path(out)] if out else []
     paths += [log_dir / "vllm.log", *sorted(log_dir.glob("ray-*.log"))]
     found = [p for p in paths if p.exists()]

@@ -498,3 +498,38 @@ def test_the_job_passes_no_inherited_ray_token_to_anything_it_starts(tmp_path):
     seen = dump.read_text()
     assert "RAY_AUTH_TOKEN_PATH" in out.stdout and "LLMLAB_DRY_RUN=1" in seen  # a Ray layout; the probe ran
     assert "the-users-own-ray-token" not in seen and "RAY_AUTH_TOKEN=" not in seen and "VLLM_API_KEY=" not in seen
+
+
+def test_plain_sbatch_output_is_private_from_its_creation(tmp_path):
+    """slurmstepd creates a job's --output file before the script runs, under the submitting shell's umask
+    (0644 from a umask 022 shell, seen under the test bed), so the job's ``umask 077`` came too late for it
+    (finding 10 of security-review-2).  The shipped scripts send it to /dev/null; the launcher makes its own."""
+    for path in SLURM.glob("*.sh"):
+        if path.name != "llmlab-serve.sh":
+            assert sbatch_directives(path)["output"] == "/dev/null", path
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(LLMLAB_DRY_RUN="1", LLMLAB_PYTHON=sys.executable, SLURM_JOB_ID="4242", LLMLAB_HOME=str(home),
+               LLMLAB_SLURM_DIR=str(SLURM))
+    run = subprocess.run(["bash", "-c", 'umask 022; exec bash "$0"', str(SLURM / f"{CPU_JOB}.sh")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert run.returncode == 0 and run.stderr == ""  # stderr too goes to the private file
+    out = home / "logs" / "llmlab-4242.out"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600 and stat.S_IMODE(out.parent.stat().st_mode) == 0o700
+    assert "vLLM:" in out.read_text()
+    chosen = tmp_path / "mine.out"  # sbatch --output=FILE of the user's own: kept
+    with chosen.open("w") as f:
+        subprocess.run(["bash", str(SLURM / f"{CPU_JOB}.sh")], stdout=f, env=env, timeout=120, check=True)
+    assert "vLLM:" in chosen.read_text()
+
+
+def test_status_and_logs_find_a_plain_sbatch_jobs_own_output(monkeypatch):
+    from llmlab.ops import jobs
+    from llmlab.serve.info import llmlab_home
+
+    own = llmlab_home() / "logs" / "llmlab-5151.out"
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.write_text("[llmlab 10:00:00] job 5151 on node1\n")
+    assert jobs.output_file("5151", None, {"StdOut": "/dev/null"}) == str(own)
+    assert jobs.output_file("5151", None, None) is None  # SLURM forgot the job, and no record of llmlab launch
+    assert jobs.output_file("5151", None, {"StdOut": "/scratch/me/x.out"}) == "/scratch/me/x.out"

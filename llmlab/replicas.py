@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import tempfile
@@ -30,7 +29,7 @@ import pandas as pd
 from llmlab import kvcache, loadtest, prefixcache
 from llmlab.connection import connect
 from llmlab.serve.embedded import EmbeddedServer
-from llmlab.serve.info import ServerError, llmlab_home, read_key, write_private
+from llmlab.serve.info import ServerError, llmlab_home, new_key_file, read_key
 from llmlab.serve.metrics import fetch_metrics
 from llmlab.serve.paths import RESULTS_DIR
 from llmlab.serve.proxy import BALANCE, PREFIX_CHARS, ROUTES, home_replica, prefix_key, proxy_command, wait_bound
@@ -87,7 +86,7 @@ class Router:
     def start(self) -> Router:
         self.run_dir = Path(tempfile.mkdtemp(prefix="llmlab-router-"))  # 0700: the ready file and the key
         self.key_file = self.run_dir / "router.key"
-        write_private(self.key_file, secrets.token_urlsafe(32) + "\n")
+        new_key_file(self.key_file)
         self.log_path = llmlab_home() / "logs" / f"router-{self.run_dir.name}.log"
         ready = self.run_dir / "ready"
         cmd = proxy_command("127.0.0.1:0", self.sockets, self.key_file, ready_file=ready, route=self.route,

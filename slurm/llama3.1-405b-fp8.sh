@@ -9,7 +9,7 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-gpu=8
 #SBATCH --time=04:00:00
-#SBATCH --output=%x-%j.out
+#SBATCH --output=/dev/null
 
 # sbatch runs a copy of this file: find the launcher beside the original that was submitted.
 if [[ -n ${LLMLAB_SLURM_DIR:-} ]]; then

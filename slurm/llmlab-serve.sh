@@ -17,8 +17,8 @@
 #      private (0700) directory behind the proxy, prints the model-load progress, waits for /health, rewrites
 #      the connection file as "ready" and prints how to use the server;
 #   6. ends the job when vLLM or the proxy exits on its own (a dead proxy must not hold the GPUs);
-#   7. on exit, scancel or the time limit, within SLURM's KillWait: removes the connection file, the key and the
-#      Ray token first, then stops vLLM, the proxy and Ray at once, and removes the socket and Ray's folders.
+#   7. on exit, scancel or the time limit, within SLURM's KillWait: removes the connection file (leaving
+#      servers/job-ID.ended: connect() says the job ended), the key (and its curl config) and the Ray token first, then stops vLLM, the proxy and Ray at once, and removes the socket and Ray's folders.
 #
 # Knobs (environment; sbatch passes yours to the job): LLMLAB_HOME, LLMLAB_PYTHON, LLMLAB_MODEL_PATH,
 # LLMLAB_MODEL_DIR, LLMLAB_CACHE_DIR, LLMLAB_MAX_MODEL_LEN, LLMLAB_EXTRA_VLLM_ARGS, LLMLAB_RAY_TIMEOUT,
@@ -28,7 +28,19 @@
 # slurm/README.md explains each.  Partition, account and time come from sbatch's own flags or SBATCH_*.
 set -euo pipefail
 umask 077  # everything this job writes (key, connection file, logs) is readable by its user only
+# The job's output.  slurmstepd creates a job's --output file before the script runs, under the umask of the shell
+# that ran sbatch (often 0644), so the shipped scripts send it to /dev/null, and the launcher writes its own output
+# to a file it creates now, under umask 077, in ~/.llmlab/logs (0700): where `llmlab launch` puts it too, and where
+# `llmlab status` and `llmlab logs` read it.  An --output of your own (sbatch --output=FILE) is kept as you chose.
+if [[ -n ${SLURM_JOB_ID:-} && $(readlink -f "/proc/$$/fd/1") == /dev/null ]]; then
+  mkdir -p "${LLMLAB_HOME:-$HOME/.llmlab}/logs"  # 0700: umask 077
+  exec >>"${LLMLAB_HOME:-$HOME/.llmlab}/logs/llmlab-$SLURM_JOB_ID.out" 2>&1
+fi
 unset VLLM_API_KEY  # vLLM behind the proxy takes no key; one inherited from the user's shell would refuse the proxy
+# Ray takes RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH: one inherited from the user's shell (sbatch passes it on) would
+# replace the job's own token (its 0600 file) in Ray, vLLM and every srun step, and is passed to processes that Ray
+# starts in their environment.  The job's token comes from its file only.
+unset RAY_AUTH_TOKEN
 
 say() { printf '[llmlab %(%H:%M:%S)T] %s\n' -1 "$*"; }
 die() { say "FAILED: $*"; exit 1; }
@@ -141,7 +153,9 @@ cleanup() {
   local t0=$SECONDS procs=()
   # First, in milliseconds: the published address (nobody connects to a server that is going away) and the
   # secrets (the proxy holds the key in memory, Ray its token), before anything that can take seconds.
-  rm -f "$conn_file" "$key_file"
+  rm -f "$conn_file" "$key_file" "${key_file%.key}.curl"
+  # In its place, a word that the job ended: llmlab.connect() then says so instead of starting the tiny model.
+  printf '%s\n' "$served_model" >"$home/servers/job-$job_id.ended" 2>/dev/null || true
   [[ -n ${LLMLAB_SHARE_DIR:-} ]] && rm -f "$LLMLAB_SHARE_DIR/server.json"
   [[ -n $ray_head_cmd ]] && rm -f "$RAY_AUTH_TOKEN_PATH"
   # Then every process at once, under one grace period: SLURM's SIGKILL comes KillWait seconds after its SIGTERM.

@@ -7,7 +7,7 @@
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --time=00:30:00
-#SBATCH --output=%x-%j.out
+#SBATCH --output=/dev/null
 
 # sbatch runs a copy of this file: find the launcher beside the original that was submitted.
 if [[ -n ${LLMLAB_SLURM_DIR:-} ]]; then

@@ -29,3 +29,14 @@ def slurm_file(tmp_path):
                                 api_key_file=key, job_id="4242", nodes=2)
     yield path
     path.unlink(missing_ok=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_word_of_an_earlier_tests_ended_job():
+    """A SLURM job that ends leaves ``servers/job-ID.ended``, and ``connect()`` then refuses the embedded tiny model
+    (as it must for a learner); each test starts without the word of another test's job."""
+    yield
+    from llmlab.serve.info import ended_jobs
+
+    for marker in ended_jobs():
+        marker.unlink(missing_ok=True)

@@ -3,9 +3,11 @@
 Why: notebooks are committed without outputs, so on the repository's web page a reader sees no plot and no
 answer.  The book (Sphinx + MyST-NB, settings in ``docs/book/conf.py``) shows what the lessons printed and drew,
 so the course can be read without installing anything.  It executes nothing: ``make test`` already ran every
-lesson and solution once and kept the executed copies (``build/executed/``, written by ``llmlab.ops.testing``,
-which also searched them for every engine's API key).  A copy that is missing, failed, holds a key, or was
-executed from other sources than the repository's is refused with one sentence.
+lesson and solution once and kept the executed copies (``build/executed/``, written by ``llmlab.ops.testing``),
+with ``keys.sha256``: the digest of every API key an engine of that run made (``llmlab.serve.info.note_key``:
+the embedded server's, and every engine, router and replica lessons 11-15 start, wherever its key file was).
+A copy that is missing, failed, holds one of those keys, or was executed from other sources than the
+repository's is refused with one sentence that names it (never the key).
 
 The sources are staged in a folder of their own (``build/book-src``): the executed lessons and solutions, the
 exercises as a learner gets them (unrun), the SLURM guide.  A cell tagged ``cluster-only`` (it needs a GPU
@@ -15,17 +17,21 @@ cluster) was skipped by the run and is shown unrun.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
 
 from llmlab.ops.exercises import source_text
+from llmlab.serve.info import key_digest, noted_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ("notebooks", "exercises", "solutions")
 
 
 EXECUTED = ROOT / "build" / "executed"
+KEY_DIGESTS = "keys.sha256"  # beside the executed copies: the digest of every key the run's engines made
+KEY_CHARACTERS = re.compile(r"[A-Za-z0-9_-]+")  # what secrets.token_urlsafe and token_hex are made of
 
 
 class StaleCopy(RuntimeError):
@@ -75,19 +81,58 @@ def executed_copy(nb: Path, root: Path = ROOT, executed: Path = EXECUTED) -> dic
         raise StaleCopy(f"{rel} changed since it was executed ({meta.get('executed', 'unknown time')}): {run}.")
     if not_run := [t["cell"] for t in meta.get("cells", []) if t["outcome"] == "not run"]:
         raise StaleCopy(f"cells {not_run} of {rel} were not run (a run stopped part-way, or -k chose cells): {run}.")
+    if holds_key(page_text(done), run_keys(executed)):
+        raise StaleCopy(f"the executed copy of {rel} cannot go into the book: it holds the API key of an engine "
+                        f"the run started; fix the cell that prints it, then {run}.")
     return done
 
 
-def build(out: Path = ROOT / "build" / "book", src: Path = ROOT / "build" / "book-src") -> int:
-    """Stage the executed copies and run Sphinx (warnings are errors).  Returns Sphinx's exit status; the site is
-    ``out/index.html``."""
-    from sphinx.cmd.build import build_main
+def run_keys(executed: Path = EXECUTED) -> dict[int, set[str]]:
+    """The digests of every key the run's engines made (``executed/keys.sha256``), by key length.
 
+    Why read at build time, not only the run's verdict in each copy's metadata: the book is what gets published,
+    so it checks what it is about to publish against every key, also of engines long stopped."""
+    path = executed / KEY_DIGESTS
+    if not path.is_file():
+        raise StaleCopy(f"{path} is missing: the run kept no record of its engines' keys, so the copies cannot be "
+                        "checked for them; run `make test` (or `make executed`) again.")
+    return noted_keys(path)
+
+
+def page_text(nb: dict) -> str:
+    """The notebook's JSON without the data of its pictures (base64 of PNGs: seconds of hashing, and no printed
+    key hides there); every source, text output, HTML and traceback stays."""
+    def text_only(out: dict) -> dict:
+        data = {k: v for k, v in out.get("data", {}).items() if not k.startswith("image/") or k.endswith("svg+xml")}
+        return {**out, "data": data} if "data" in out else out
+
+    cells = [{**c, "outputs": [text_only(o) for o in c.get("outputs", [])]} for c in nb.get("cells", [])]
+    return json.dumps({**nb, "cells": cells})
+
+
+def holds_key(text: str, digests: dict[int, set[str]]) -> bool:
+    """Whether ``text`` holds one of the keys whose ``sha256:`` digests ``digests`` lists by key length.
+
+    Every run of key characters is hashed at each window of a listed length, so a key glued to other letters
+    (``key=abc...``, a URL) is found too; the key itself is never needed, only its digest."""
+    for run in KEY_CHARACTERS.findall(text):
+        for length, known in digests.items():
+            if any(key_digest(run[i:i + length]) in known for i in range(len(run) - length + 1)):
+                return True
+    return False
+
+
+def build(out: Path = ROOT / "build" / "book", src: Path = ROOT / "build" / "book-src",
+          executed: Path = EXECUTED) -> int:
+    """Stage the executed copies and run Sphinx (warnings are errors).  Returns Sphinx's exit status (2: a copy
+    was refused, with the sentence on stderr); the site is ``out/index.html``."""
     try:
-        stage(src)
+        stage(src, executed=executed)
     except StaleCopy as e:
         print(e, file=sys.stderr)
         return 2
+    from sphinx.cmd.build import build_main
+
     return build_main(["-b", "html", "-W", "--keep-going", str(src), str(out)])  # its progress: a line a page
 
 

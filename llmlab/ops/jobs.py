@@ -44,7 +44,7 @@ from llmlab.cluster.plan import (  # noqa: F401 -- the planning moved to the les
     settings_toml,
     table,
 )
-from llmlab.serve.info import ServerInfo, llmlab_home
+from llmlab.serve.info import ServerError, ServerInfo, ended_jobs, ended_marker, llmlab_home, write_private
 
 # SLURM states of a job that still holds its nodes, and those that mean it ended badly.
 ACTIVE = {"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "RESIZING", "SIGNALING"}
@@ -147,6 +147,8 @@ def publish_queued(job_id: str, name: str, shared: tuple[str, Path] | None = Non
     Why: a notebook that connects while the job waits for nodes must hear that the server is on its way, not get
     the embedded tiny model in its place.  The launcher rewrites the file with its address once its proxy
     listens; ``stop`` and ``status`` remove it when the job ends before the launcher ran."""
+    for marker in ended_jobs():  # a new job: connect() waits for it, no longer says an old one ended
+        marker.unlink(missing_ok=True)
     info = ServerInfo(kind="slurm", host="", port=0, model=name, job_id=job_id, status="loading",
                       api_key_file=str(llmlab_home() / "keys" / f"job-{job_id}.key"), extra={"phase": QUEUED})
     info.write(cluster.connection_file_of(job_id))
@@ -156,10 +158,17 @@ def publish_queued(job_id: str, name: str, shared: tuple[str, Path] | None = Non
         share.publish(shared[1], info.updated(group=shared[0]))
 
 
-def forget(job_id: str) -> None:
+def forget(job_id: str, ended: bool = False) -> None:
     """Remove what a job published, for a job whose launcher cannot do it any more: cancelled while queued, or
-    killed before its clean-up ran.  ``connect()`` would otherwise keep saying that its server is loading."""
-    cluster.connection_file_of(job_id).unlink(missing_ok=True)
+    killed before its clean-up ran.  ``connect()`` would otherwise keep saying that its server is loading.
+
+    ``ended``: the job ended on its own (not ``llmlab stop``): its connection file is replaced by the marker its
+    clean-up would have left (:func:`~llmlab.serve.info.ended_marker`), so ``connect()`` says it ended."""
+    conn = cluster.connection_file_of(job_id)
+    if ended and conn.exists():
+        with contextlib.suppress(OSError, ServerError):
+            write_private(ended_marker(job_id), ServerInfo.read(conn).model + "\n")
+    conn.unlink(missing_ok=True)
     rec = record_of(job_id)
     shared = rec.share if rec else None
     if not shared:
@@ -332,7 +341,7 @@ def status(job_id: str) -> JobStatus:
         known = "SLURM knows it as " + repr(info.get("JobName")) if info else "SLURM does not know it"
         raise JobError(f"Job {job_id} is not an llmlab server ({known}, and {llmlab_home()} has no record of it): "
                        "`llmlab status` lists yours.")
-    out_path = (rec.output if rec else None) or (info or {}).get("StdOut")
+    out_path = output_file(job_id, rec, info)
     output, vllm_log = _read(out_path), _read(log_dir / "vllm.log")
     slurm_state = (info or {}).get("JobState")
     st = JobStatus(job_id, "STARTING", "", name=name, slurm_state=slurm_state, output=out_path, log_dir=str(log_dir))
@@ -343,7 +352,7 @@ def status(job_id: str) -> JobStatus:
         return replace(st, state="PENDING", detail="waiting for nodes" + ("" if reason == "None" else
                                                                           f" (SLURM's reason: {reason})"))
     if slurm_state in ENDED:
-        forget(job_id)
+        forget(job_id, ended=True)
     conn = cluster.connection_file_of(job_id)
     failed = failure(output, vllm_log)
     if slurm_state in ACTIVE and conn.exists():
@@ -512,13 +521,18 @@ def metrics_rows(mx: dict) -> list[tuple[str, str]]:
             ("TTFT p50/p90/p99", " / ".join(s(mx[f"ttft_p{q}_s"]) for q in (50, 90, 99)))]
 
 
+def output_file(job_id: str, rec: Submitted | None, info: dict | None) -> str | None:
+    """The job's output: ``llmlab launch``'s record says where; a job of a plain ``sbatch slurm/NAME.sh`` has
+    SLURM's ``StdOut`` at /dev/null, and its launcher writes ``~/.llmlab/logs/llmlab-ID.out`` itself (so that the
+    file is private from its creation: slurm/llmlab-serve.sh says why)."""
+    out = (rec.output if rec else None) or (info or {}).get("StdOut")
+    return str(llmlab_home() / "logs" / f"llmlab-{job_id}.out") if out == "/dev/null" else out
+
+
 def log_files(job_id: str) -> list[Path]:
     """The job's SLURM output, then vLLM's log, then each node's Ray log: those that exist."""
     rec, log_dir = record_of(job_id), cluster.job_log_dir(job_id)
-    out = rec.output if rec else None
-    if not out:
-        info = scontrol_job(job_id)
-        out = (info or {}).get("StdOut")
+    out = output_file(job_id, rec, None if rec else scontrol_job(job_id))
     paths = [Path(out)] if out else []
     paths += [log_dir / "vllm.log", *sorted(log_dir.glob("ray-*.log"))]
     found = [p for p in paths if p.exists()]
@@ -529,7 +543,15 @@ def log_files(job_id: str) -> list[Path]:
 
 def stop(job_id: str, timeout: float = 120.0) -> JobStatus:
     """``scancel`` the job, then wait until the launcher has removed the connection file and key, stopped Ray
-    and vLLM, and SLURM has released the nodes.  Raises if any of that is not confirmed in time."""
+    and vLLM, and SLURM has released the nodes.  Raises if any of that is not confirmed in time.  The job's end is
+    the user's wish: ``connect()`` is not told it ended (its marker goes), it falls back as without a job."""
+    try:
+        return _stop(job_id, timeout)
+    finally:
+        ended_marker(job_id).unlink(missing_ok=True)
+
+
+def _stop(job_id: str, timeout: float) -> JobStatus:
     st = status(job_id)
     if st.slurm_state not in ACTIVE and st.slurm_state != "PENDING":
         return st

@@ -33,7 +33,7 @@ from llmlab.cluster.render import (  # noqa: F401 -- moved to the lesson; tests 
     parse_ray_status,
     render,
 )
-from llmlab.serve.info import ServerError, ServerInfo, read_key
+from llmlab.serve.info import ServerError, ServerInfo, read_key, write_private
 
 
 def node_addresses() -> list[str]:
@@ -377,8 +377,25 @@ def _cmd_wait_ready(a) -> int:
     say(f"READY: {a.model} at {url} (job {a.job_id}, {info['ready_after_s']:g} s after the job started)")
     print(f"  notebook:  client, model = llmlab.connect()    # finds {a.connection_file}\n"
           f"  pinned:    LLMLAB_CONNECTION_FILE={a.connection_file}\n"
-          f"  curl:      curl {url}/models -H \"Authorization: Bearer $(cat {a.key_file})\"", flush=True)
+          f"  curl:      {curl_line(url, a.key_file)}", flush=True)
     return 0
+
+
+def curl_config_file(key_file: Path | str) -> Path:
+    """The curl config beside the key (``job-ID.curl``): the launcher's clean-up removes it with the key."""
+    return Path(key_file).with_suffix(".curl")
+
+
+def curl_line(url: str, key_file: Path | str) -> str:
+    """The ``curl`` line the job prints at READY, after writing the key's header into a 0600 curl config.
+
+    Why a config file: ``-H "Authorization: Bearer $(cat KEY)"`` puts the key into curl's arguments, which every
+    user of the node reads in ``ps`` while curl runs; ``curl --config FILE`` reads the header from the file (any
+    curl, RHEL 7's 7.29 included, knows ``--config``)."""
+    config = curl_config_file(key_file)
+    write_private(config, "# llmlab: this job's API key for curl (removed when the job ends)\n"
+                          f'header = "Authorization: Bearer {read_key(key_file)}"\n')
+    return f"curl --config {config} {url}/models"
 
 
 def _cmd_progress(a) -> int:

@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import statistics
@@ -55,7 +54,7 @@ from llmlab.rehearse import (
     require_kv,
     roofline_tok_s,
 )
-from llmlab.serve.info import write_private
+from llmlab.serve.info import new_key_file
 from llmlab.serve.proxy import pair_command, proxy_command, wait_bound
 from llmlab.serve.vllm import VLLMProcess, serve_line, set_flag, vllm_env, vllm_serve
 
@@ -308,8 +307,8 @@ def server(argv: list[str], env: dict[str, str], log_path: Path, run_dir: Path) 
     Why the proxy: vLLM's own TCP port answers /pause, /invocations, ... without a key to every user of the node,
     and a port chosen before anyone binds it may be another user's by then (who would get the key with the first
     /health).  The caller reads the bound port with :func:`bound_port` before it sends anything."""
-    key = secrets.token_urlsafe(24)
-    key_file = write_private(run_dir / "key", key + "\n")
+    key_file = run_dir / "key"
+    key = new_key_file(key_file, 24)
     proxy = proxy_command("127.0.0.1:0", run_dir / "vllm.sock", key_file, ready_file=run_dir / "proxy.ready")
     return VLLMProcess(pair_command(proxy, argv, log_path.with_name("proxy.log"), run_dir / "proxy.ready"),
                        env, log_path, host="127.0.0.1", api_key=key,

@@ -13,8 +13,11 @@
   cell printed and drew, and how long it took, and writes the executed copy of every notebook to
   ``build/executed/`` (``build/executed-cluster/`` in cluster mode; ``LLMLAB_EXECUTED_DIR`` elsewhere).  ``make
   book`` renders those copies instead of running the lessons a second time.  Every API key of every engine the
-  session started (a thread reads each key file under ``LLMLAB_HOME`` while it exists) is searched for in every
-  copy: a copy that holds one fails the session, so no key reaches the book.
+  session started is searched for in every copy: a copy that holds one fails the session, and ``make book``
+  checks again, so no key reaches the book.  Which keys: every key llmlab made (``llmlab.serve.info.new_key_file``
+  notes each one's digest in ``keys.sha256`` beside the copies, through ``LLMLAB_KEY_DIGESTS``, which the
+  notebooks' kernels inherit: a router's key in its own run folder, an engine that stopped long before the end),
+  and every key file a thread sees under ``LLMLAB_HOME`` while it exists (a SLURM job's, made by its launcher).
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ def _cluster_mode(config):
 
 def pytest_configure(config):
     global _HOME
+    digests = executed_dir(config) / "keys.sha256"  # kept across runs: a copy of an earlier run is checked too
+    digests.parent.mkdir(parents=True, exist_ok=True)
+    digests.touch(mode=0o600)
+    os.environ["LLMLAB_KEY_DIGESTS"] = str(digests)
     if "LLMLAB_TEST_HOME" in os.environ:
         os.environ["LLMLAB_HOME"] = os.environ["LLMLAB_TEST_HOME"]
     else:
@@ -81,6 +88,10 @@ def pytest_sessionfinish(session, exitstatus):
     """Write the executed copies; a copy that holds a key fails the session."""
     _WATCH.set()
     _read_keys(Path(os.environ.get("LLMLAB_HOME", "/nonexistent")))
+    from llmlab.serve.info import note_key
+
+    for key in _KEYS:  # a job's key, made by its launcher: noted with the rest, for `make book`
+        note_key(key)
     if not _CELLS:
         return
     leaked = write_executed(executed_dir(session.config), session.config.rootpath)
@@ -141,6 +152,10 @@ def executed_dir(config) -> Path:
 def write_executed(dest: Path, root: Path) -> list[str]:
     """One executed copy per notebook run (``dest/<folder>/<name>.ipynb``) with outputs, execution counts and, in
     the notebook's metadata, each cell's seconds and outcome; returns the copies that hold a key."""
+    from llmlab.ops import book
+    from llmlab.serve.info import noted_keys
+
+    digests = noted_keys(Path(os.environ.get("LLMLAB_KEY_DIGESTS", dest / book.KEY_DIGESTS)))
     leaked = []
     for path, cells in sorted(_CELLS.items()):
         src = Path(path)
@@ -155,12 +170,12 @@ def write_executed(dest: Path, root: Path) -> list[str]:
             cell["execution_count"] = count
             cell["outputs"] = [_output(o, count) for o in ran["outputs"]]
             timing.append({"cell": i, "outcome": ran["outcome"], "seconds": ran["seconds"]})
-        text = json.dumps(nb)
-        found = any(key in text for key in _KEYS)
+        found = any(key in json.dumps(nb) for key in _KEYS) or book.holds_key(book.page_text(nb), digests)
         nb["metadata"]["llmlab"] = {
             "executed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "server": "cluster" if _cluster() else "embedded",
             "cells": timing, "failed": [t["cell"] for t in timing if t["outcome"] == "failed"],
-            "seconds": round(sum(t["seconds"] for t in timing), 1), "keys_searched": len(_KEYS), "key_found": found}
+            "seconds": round(sum(t["seconds"] for t in timing), 1), "keys_searched": sum(map(len, digests.values())),
+            "key_found": found}
         rel = src.relative_to(root) if src.is_relative_to(root) else Path(src.parent.name) / src.name
         out = dest / rel
         out.parent.mkdir(parents=True, exist_ok=True)

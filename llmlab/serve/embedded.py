@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import secrets
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from llmlab.serve.info import ServerError, ServerInfo, llmlab_home, read_key, write_private
+from llmlab.serve.info import ServerError, ServerInfo, llmlab_home, new_key_file, read_key
 from llmlab.serve.paths import TINY_MODEL, TINY_NAME
 from llmlab.serve.proc import free_port, health, pid_alive
 from llmlab.serve.proxy import pair_command, proxy_command, proxy_cpus, wait_bound
@@ -86,7 +85,7 @@ class EmbeddedServer:
         if not (self.model / "config.json").is_file():
             raise ServerError(f"No model at {self.model} (config.json missing). Pass the directory of a "
                               "Hugging Face model, or reinstall llmlab to get the shipped tiny model.")
-        write_private(self.key_file, secrets.token_urlsafe(32) + "\n")
+        new_key_file(self.key_file)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Local disk, short path (a socket path has at most 107 bytes), mode 0700 (mkdtemp's).
         self.run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))

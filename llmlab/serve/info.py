@@ -21,8 +21,10 @@ Connection file format (JSON, one object, written atomically with mode 0600)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -71,6 +73,55 @@ def write_private(path: Path, text: str, mode: int = 0o600) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+KEY_DIGESTS = "LLMLAB_KEY_DIGESTS"  # a file where every key made here is noted, as a digest (the course's tests)
+
+
+def key_digest(key: str) -> str:
+    """``sha256:<hex>`` of a key: what may be written down where the key itself must not be."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key_file(path: Path, nbytes: int = 32) -> str:
+    """A random API key in a new 0600 file at ``path`` (:func:`write_private`); returns the key.
+
+    Why one function for every engine's key: the course's own test run must find every key that the notebooks'
+    engines used in what the notebooks printed, also the keys of engines that stopped long ago, whose files are
+    gone, and of those that keep their key outside ``LLMLAB_HOME`` (a router's run folder).  So each key made here
+    is noted, as its length and digest, never the key, in the file ``$LLMLAB_KEY_DIGESTS`` names (set by the
+    course's pytest plugin, ``llmlab.ops.testing``; unset, nothing is noted)."""
+    key = secrets.token_urlsafe(nbytes)
+    write_private(Path(path), key + "\n")
+    note_key(key)
+    return key
+
+
+def note_key(key: str) -> None:
+    """Append ``<length> sha256:<hex>`` of ``key`` to ``$LLMLAB_KEY_DIGESTS`` (nothing when it is unset): one
+    ``O_APPEND`` write per key, so engines started side by side do not mix their lines."""
+    log = os.environ.get(KEY_DIGESTS)
+    if not log:
+        return
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, f"{len(key)} {key_digest(key)}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def noted_keys(path: Path) -> dict[int, set[str]]:
+    """The digests :func:`note_key` wrote to ``path``, by key length (empty when there is no such file)."""
+    out: dict[int, set[str]] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        length, _, digest = line.partition(" ")
+        if length.isdigit() and digest.startswith("sha256:"):
+            out.setdefault(int(length), set()).add(digest)
+    return out
 
 
 def root_url(host: str, port: int) -> str:
@@ -158,8 +209,8 @@ class ServerInfo(Address, Mapping):
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise ServerUnavailable(f"The connection file {path} does not exist: the job that wrote it has ended "
-                                    "(its clean-up removes it). Start a server, or unset LLMLAB_CONNECTION_FILE."
-                                    ) from None
+                                    "(its clean-up removes it). Relaunch the job, or unset LLMLAB_CONNECTION_FILE "
+                                    "to use the embedded tiny model.") from None
         except PermissionError:
             raise ServerError(f"You cannot read the connection file {path} (permission denied): a shared server's "
                               "file is readable by its group only; ask its owner to add you to the group.") from None
@@ -204,6 +255,18 @@ def write_connection_file(path: Path, *, kind: str, host: str, port: int, model:
 def read_connection_file(path: Path) -> ServerInfo:
     """``ServerInfo.read(path)``: a malformed file is an error that names the file and the field."""
     return ServerInfo.read(path)
+
+
+def ended_marker(job_id: str) -> Path:
+    """``servers/job-ID.ended`` (the served model's name in it): what a SLURM job leaves when it ends, in place of
+    its connection file, so that ``connect()`` says the job ended instead of starting the embedded tiny model."""
+    return servers_dir() / f"job-{job_id}.ended"
+
+
+def ended_jobs() -> list[Path]:
+    """The :func:`ended_marker` files, newest first: jobs that ended since the last ``llmlab launch`` or
+    ``llmlab stop`` (both remove them)."""
+    return sorted(servers_dir().glob("job-*.ended"), key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def find_connection_file() -> Path | None:

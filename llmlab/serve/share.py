@@ -44,7 +44,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmlab.serve import keyring
-from llmlab.serve.info import AuthenticationFailed, ServerError, ServerInfo, llmlab_home, read_key, write_private
+from llmlab.serve.info import AuthenticationFailed, ServerError, ServerInfo, llmlab_home, new_key_file, read_key
 
 REVOKED = keyring.REVOKED
 MAX_DENIED = 1000  # digests a revocation lists: its file stays far below keyring.MAX_TRUSTED_BYTES
@@ -229,9 +229,7 @@ def learner_key(info: ServerInfo) -> tuple[str, bool]:
     if key_file.exists():
         key = read_key(key_file)
     else:
-        key = secrets.token_urlsafe(32)
-        key_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        write_private(key_file, key + "\n")
+        key = new_key_file(key_file)
     keys, me = root / "keys", user()
     not_in_group = ServerError(f"You cannot register a key with the shared server in {root}: you are not in its "
                                f"group {group!r} (`id -Gn` lists yours); ask your instructor to add you.")

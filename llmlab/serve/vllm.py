@@ -177,14 +177,19 @@ def vllm_env(platform: str, *, kv_cache_gib: float = 1, run_dir: Path | str | No
     return env
 
 
+INHERITED_SECRETS = ("VLLM_API_KEY", "RAY_AUTH_TOKEN")  # never passed on from the user's shell (local_env)
+
+
 def local_env(recipe: dict[str, str]) -> dict[str, str]:
     """This process's environment with ``recipe`` (:func:`vllm_env`) on top, for a vLLM started on this machine.
 
     No ``VLLM_API_KEY`` inherited from the shell: nobody but this user reaches vLLM's socket, and its proxy checks
-    llmlab's own key.  ``VLLM_LOGGING_LEVEL`` as set, else INFO: the start-up phases (:data:`PHASES`) and the
-    memory figures are INFO lines."""
+    llmlab's own key.  No ``RAY_AUTH_TOKEN`` either: a Ray this vLLM starts or joins takes that before a job's token
+    file, and hands it on to every process it starts.  ``VLLM_LOGGING_LEVEL`` as set, else INFO: the start-up
+    phases (:data:`PHASES`) and the memory figures are INFO lines."""
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **recipe}
-    env.pop("VLLM_API_KEY", None)
+    for secret in INHERITED_SECRETS:
+        env.pop(secret, None)
     return env
 
 

@@ -242,6 +242,8 @@ def test_a_queued_job_is_announced_as_loading_and_forgotten_when_cancelled(slurm
         subprocess.run(["scancel", held[0]], check=True)  # behind llmlab's back
         wait_for(lambda: jobs.status(held[0]).state == "STOPPED", 60, f"job {held[0]} to be cancelled")
         assert not conn[0].exists()
+        with pytest.raises(llmlab.ServerUnavailable, match=f"The server of SLURM job {held[0]} .* ended at"):
+            llmlab.connect(quiet=True)  # it ended behind llmlab's back: said, not replaced by the tiny model
     finally:
         subprocess.run(["scancel", *held], check=False)
 

@@ -307,3 +307,22 @@ def test_a_learner_of_a_room_whose_server_is_loading_is_told_so(tmp_path, monkey
         llmlab.connect(quiet=True)
     assert "The room's server (job 88) is still loading the model (loading weights: 3/8 shards" in str(err.value)
     assert "llmlab status --wait" in str(err.value) and "\n" not in str(err.value)
+
+
+@needs_slurm
+def test_a_plain_sbatch_jobs_output_is_private_from_its_creation(slurm_env, tmp_path):
+    """``sbatch slurm/llmlab-tiny-cpu.sh`` from a umask 022 shell (LLMLAB_DRY_RUN: the job prints its plan and
+    ends): slurmstepd made ``%x-%j.out`` 0644 in the submit folder before the script's umask 077 ran; now nothing
+    lands there, and the job's output is the launcher's own 0600 file in LLMLAB_HOME/logs."""
+    submit_dir = tmp_path / "submit"
+    submit_dir.mkdir()
+    res = subprocess.run(["bash", "-c", 'umask 022; exec sbatch --parsable "$0"', str(SLURM / f"{CPU_JOB}.sh")],
+                         capture_output=True, text=True, cwd=submit_dir, timeout=60,
+                         env={**slurm_env, "LLMLAB_DRY_RUN": "1"})
+    assert res.returncode == 0, res.stderr
+    job_id = res.stdout.strip().split(";")[0]
+    out = Path(os.environ["LLMLAB_HOME"]) / "logs" / f"llmlab-{job_id}.out"
+    wait_for(lambda: job_state(slurm_env, job_id)[0] not in {"PENDING", "RUNNING", "COMPLETING", "CONFIGURING"},
+             300, f"job {job_id} to end")
+    assert list(submit_dir.iterdir()) == []
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600 and "vLLM:" in out.read_text()

@@ -4,13 +4,17 @@ CI builds the whole book from the copies ``make test`` wrote (.ci/run)."""
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
 import pytest
 
+from llmlab import replicas
 from llmlab.ops import book
 from llmlab.ops.testing import CLUSTER_ONLY
+from llmlab.serve import embedded
+from llmlab.serve.info import key_digest, new_key_file, noted_keys
 
 
 def notebook(*cells: str, tags: dict | None = None) -> dict:
@@ -85,6 +89,7 @@ def copies(tmp_path):
                                           "cells": [{"cell": i, "outcome": "passed"} for i in range(len(code))]}
             (tmp_path / part).mkdir(exist_ok=True)
             (tmp_path / part / nb.name).write_text(json.dumps(done))
+    (tmp_path / book.KEY_DIGESTS).touch()  # the run's record of its engines' keys (none here)
     return tmp_path
 
 
@@ -130,3 +135,67 @@ def test_the_book_executes_nothing_and_stages_the_copies_and_the_exercises_as_le
     (tmp_path / "src" / "notebooks" / "renamed_lesson.ipynb").write_text("{}")  # a lesson since renamed
     book.stage(tmp_path / "src", executed=copies)  # staging again starts from an empty folder
     assert not (src / "notebooks" / "renamed_lesson.ipynb").exists()
+
+
+class _Stop(Exception):
+    """Raised where the engine's processes would start: the key is made by then, and nothing runs."""
+
+
+@pytest.mark.parametrize("engine", ["engine of lessons 11-13 (engines.start)", "router of lesson 15"])
+def test_every_engine_a_lesson_starts_notes_its_keys_digest_never_the_key(engine, tmp_path, monkeypatch):
+    """The router keeps its key in a run folder of its own, outside LLMLAB_HOME, where the run's watcher of key
+    files never looked: its key could reach the book."""
+    log = tmp_path / "keys.sha256"
+    monkeypatch.setenv("LLMLAB_KEY_DIGESTS", str(log))
+
+    def stop(*args, **kwargs):
+        raise _Stop
+
+    if engine.startswith("router"):
+        monkeypatch.setattr(replicas, "proxy_command", stop)
+        server = replicas.Router([tmp_path / "replica.sock"])
+    else:
+        monkeypatch.setattr(embedded, "engine_command", stop)
+        server = embedded.EmbeddedServer(extra_args=["--kv-cache-dtype", "fp8"])
+    with pytest.raises(_Stop):
+        server.start()
+    key = server.key_file.read_text().strip()
+    server.stop()
+    assert noted_keys(log) == {len(key): {key_digest(key)}}
+    assert key not in log.read_text() and stat.S_IMODE(log.stat().st_mode) == 0o600
+
+
+def test_a_book_page_holding_a_stopped_secondary_engines_key_fails_the_build_naming_the_file(copies, tmp_path,
+                                                                                            monkeypatch, capsys):
+    """Lesson 15's router: its key file sat outside LLMLAB_HOME and is gone once the router stops, so the run's
+    verdict in the copy's metadata says no key; the book checks the page against the run's record of digests."""
+    monkeypatch.setenv("LLMLAB_KEY_DIGESTS", str(copies / book.KEY_DIGESTS))
+    key_file = tmp_path / "llmlab-router-x" / "router.key"
+    key = new_key_file(key_file)
+    key_file.unlink()  # the router stopped
+    copy = copies / "notebooks" / "15_replicas_and_routing.ipynb"
+    done = json.loads(copy.read_text())
+    cell = next(c for c in done["cells"] if c["cell_type"] == "code")
+    cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": f"curl -H 'Authorization: Bearer {key}'\n"}]
+    copy.write_text(json.dumps(done))
+    assert done["metadata"]["llmlab"]["key_found"] is False
+
+    assert book.build(tmp_path / "out", tmp_path / "src", executed=copies) == 2
+    said = capsys.readouterr()
+    assert "the executed copy of notebooks/15_replicas_and_routing.ipynb cannot go into the book" in said.err
+    assert "API key of an engine the run started" in said.err and key not in said.err + said.out
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_book_refuses_copies_without_the_runs_record_of_its_keys(copies):
+    (copies / book.KEY_DIGESTS).unlink()
+    nb = next((book.ROOT / "notebooks").glob("09_*.ipynb"))
+    with pytest.raises(book.StaleCopy, match="keys.sha256 is missing.*make test"):
+        book.executed_copy(nb, book.ROOT, copies)
+
+
+def test_a_key_glued_to_other_characters_is_found_by_its_digest():
+    key = "Zq3" + "x" * 40
+    digests = {len(key): {key_digest(key)}}
+    assert book.holds_key(f"url?key={key}abc", digests) and book.holds_key(f'"{key}"', digests)
+    assert not book.holds_key(f"{key[:-1]}", digests) and not book.holds_key("no key here", digests)

@@ -52,3 +52,68 @@ def test_server_info_is_the_connection_file_typed(tmp_path):
     assert shared.kind == "shared" and shared["share_dir"] == "/ws" and info.kind == "slurm"
     with pytest.raises(llmlab.AuthenticationFailed, match="Cannot read the API key file"):
         info.updated(api_key_file=str(tmp_path / "gone.key")).key()
+
+
+@pytest.fixture
+def no_tiny_model(monkeypatch):
+    """connect()'s last step, the embedded tiny model, recorded instead of started."""
+    started = []
+
+    def ensure_embedded(*args, **kwargs):
+        started.append(True)
+        raise RuntimeError("the embedded tiny model would start here")
+
+    monkeypatch.setattr(connection.embedded, "ensure_embedded", ensure_embedded)
+    monkeypatch.delenv("LLMLAB_CONNECTION_FILE", raising=False)
+    for stale in files.servers_dir().glob("*"):
+        stale.unlink()
+    return started
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_after_a_job_ended_connect_says_so_instead_of_starting_the_tiny_model(no_tiny_model, quiet):
+    """Before: the job's clean-up removed its connection file, and connect(quiet=True) started the tiny model
+    without a word (finding 10 of security-review-2); a lesson then measured it as if it were the job's model."""
+    files.ended_marker("4242").write_text("llama3.1-70b\n")  # what the job's clean-up leaves
+    with pytest.raises(llmlab.ServerUnavailable) as err:
+        llmlab.connect(quiet=quiet)
+    said = str(err.value)
+    assert said.startswith("The server of SLURM job 4242 (llama3.1-70b) ended at ") and "\n" not in said
+    assert "`llmlab launch llama3.1-70b`" in said and "`llmlab stop 4242`" in said and not no_tiny_model
+
+
+def test_with_no_job_at_all_connect_still_starts_the_tiny_model(no_tiny_model):
+    with pytest.raises(RuntimeError, match="the embedded tiny model would start here"):
+        llmlab.connect(quiet=True)
+    assert no_tiny_model == [True]
+
+
+def test_a_pinned_connection_file_of_an_ended_job_is_one_sentence_even_quiet(no_tiny_model, monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(tmp_path / "server.json"))
+    with pytest.raises(llmlab.ServerUnavailable, match="has ended.*Relaunch the job, or unset "
+                                                       "LLMLAB_CONNECTION_FILE to use the embedded tiny model"):
+        llmlab.connect(quiet=True)
+    assert not no_tiny_model
+
+
+def test_the_ended_word_is_left_by_the_clean_up_or_status_and_goes_with_a_new_launch_or_stop(no_tiny_model,
+                                                                                              monkeypatch):
+    from llmlab.ops import jobs
+
+    script = (jobs.cluster.slurm_dir() / "llmlab-serve.sh").read_text()
+    cleanup = script[script.index("cleanup() {"):script.index("on_signal() {")]
+    assert '>"$home/servers/job-$job_id.ended"' in cleanup  # the launcher's clean-up, in place of the file
+    key = files.write_private(files.llmlab_home() / "keys" / "job-77.key", "k\n")
+    files.write_connection_file(jobs.cluster.connection_file_of("77"), kind="slurm", host="n1", port=1,
+                                model="llama3.1-8b", api_key_file=key, job_id="77")
+    jobs.forget("77", ended=True)  # `llmlab status` of a job killed before its clean-up ran
+    assert [p.name for p in files.ended_jobs()] == ["job-77.ended"]
+    assert not jobs.cluster.connection_file_of("77").exists()
+    jobs.forget("77", ended=True)  # again (status runs often): no file, so no new word after a stop
+    monkeypatch.setattr(jobs, "_stop", lambda job_id, timeout: None)
+    jobs.stop("77")
+    assert files.ended_jobs() == []
+    files.ended_marker("78").write_text("x\n")
+    monkeypatch.setattr(jobs.ServerInfo, "write", lambda self, path: path)
+    jobs.publish_queued("79", "llama3.1-8b")  # a new launch: connect() waits for it instead
+    assert files.ended_jobs() == []

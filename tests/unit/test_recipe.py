@@ -87,10 +87,11 @@ def test_the_offline_engine_adds_only_what_an_in_process_engine_needs(monkeypatc
 
 def test_a_local_vllm_gets_this_environment_without_a_key(monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "secret")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "the-users-own-ray-token")  # Ray would take it before any token file
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     monkeypatch.setenv("LLMLAB_RECIPE_TEST", "kept")
     for env in (vllm.engine_env(Path("/run"), 1), generate.engine_env(1, "cpu")):
-        assert "VLLM_API_KEY" not in env
+        assert "VLLM_API_KEY" not in env and "RAY_AUTH_TOKEN" not in env
         assert (env["VLLM_LOGGING_LEVEL"], env["LLMLAB_RECIPE_TEST"]) == ("DEBUG", "kept")
     assert generate.engine_env(1, "cpu")["PYTHONUNBUFFERED"] == "1"
 

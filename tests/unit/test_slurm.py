@@ -18,6 +18,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -35,7 +37,7 @@ from slurm_helpers import (
 
 from llmlab import cluster, memory
 from llmlab.ops import launcher
-from llmlab.serve.info import servers_dir
+from llmlab.serve.info import new_key_file, servers_dir
 from llmlab.serve.proc import free_port
 
 # --------------------------------------------------------------------------------------------------
@@ -443,3 +445,91 @@ def test_the_readiness_check_sends_the_key_only_to_the_jobs_own_proxy(tmp_path, 
         squatter.server_close()
         if proxy.poll() is None:
             proxy.kill()
+
+
+def test_the_printed_curl_line_keeps_the_key_out_of_curls_arguments(tmp_path):
+    """Before: ``curl URL -H "Authorization: Bearer $(cat KEY)"``, whose expansion put the key into curl's argv,
+    readable in ``ps`` by every user of the node (finding 10 of security-review-2)."""
+    import http.server
+    import threading
+
+    key_file = tmp_path / "keys" / "job-41.key"
+    key = new_key_file(key_file)
+    seen = []
+
+    class Echo(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/v1"
+    line = launcher.curl_line(url, key_file)
+    config = tmp_path / "keys" / "job-41.curl"
+    assert line == f"curl --config {config} {url}/models" and key not in line
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    assert '"${key_file%.key}.curl"' in (SLURM / "llmlab-serve.sh").read_text()  # the clean-up removes it
+    if shutil.which("curl"):  # the printed line works as printed, and its argv holds no key
+        argv = shlex.split(line)
+        assert not any(key in a for a in argv)
+        assert subprocess.run(argv + ["-sf"], timeout=30).returncode == 0 and seen == [f"Bearer {key}"]
+    server.server_close()
+
+
+def test_the_job_passes_no_inherited_ray_token_to_anything_it_starts(tmp_path):
+    """sbatch passes the user's environment to the job; Ray takes RAY_AUTH_TOKEN before the job's token file
+    (RAY_AUTH_TOKEN_PATH), so an inherited one replaced the job's own token everywhere (finding 10 of
+    security-review-2).  Every process the launcher starts (Ray, vLLM, srun steps, the proxy) is a child of its
+    shell: the Python it runs first records the environment it got."""
+    dump = tmp_path / "env"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/bash\nenv -0 >>{shlex.quote(str(dump))}\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o700)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(LLMLAB_DRY_RUN="1", LLMLAB_PYTHON=str(python), RAY_AUTH_TOKEN="the-users-own-ray-token",
+               VLLM_API_KEY="a-key")
+    out = subprocess.run(["bash", str(SLURM / f"{CPU_JOB}.sh")], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seen = dump.read_text()
+    assert "RAY_AUTH_TOKEN_PATH" in out.stdout and "LLMLAB_DRY_RUN=1" in seen  # a Ray layout; the probe ran
+    assert "the-users-own-ray-token" not in seen and "RAY_AUTH_TOKEN=" not in seen and "VLLM_API_KEY=" not in seen
+
+
+def test_plain_sbatch_output_is_private_from_its_creation(tmp_path):
+    """slurmstepd creates a job's --output file before the script runs, under the submitting shell's umask
+    (0644 from a umask 022 shell, seen under the test bed), so the job's ``umask 077`` came too late for it
+    (finding 10 of security-review-2).  The shipped scripts send it to /dev/null; the launcher makes its own."""
+    for path in SLURM.glob("*.sh"):
+        if path.name != "llmlab-serve.sh":
+            assert sbatch_directives(path)["output"] == "/dev/null", path
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(LLMLAB_DRY_RUN="1", LLMLAB_PYTHON=sys.executable, SLURM_JOB_ID="4242", LLMLAB_HOME=str(home),
+               LLMLAB_SLURM_DIR=str(SLURM))
+    run = subprocess.run(["bash", "-c", 'umask 022; exec bash "$0"', str(SLURM / f"{CPU_JOB}.sh")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert run.returncode == 0 and run.stderr == ""  # stderr too goes to the private file
+    out = home / "logs" / "llmlab-4242.out"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600 and stat.S_IMODE(out.parent.stat().st_mode) == 0o700
+    assert "vLLM:" in out.read_text()
+    chosen = tmp_path / "mine.out"  # sbatch --output=FILE of the user's own: kept
+    with chosen.open("w") as f:
+        subprocess.run(["bash", str(SLURM / f"{CPU_JOB}.sh")], stdout=f, env=env, timeout=120, check=True)
+    assert "vLLM:" in chosen.read_text()
+
+
+def test_status_and_logs_find_a_plain_sbatch_jobs_own_output(monkeypatch):
+    from llmlab.ops import jobs
+    from llmlab.serve.info import llmlab_home
+
+    own = llmlab_home() / "logs" / "llmlab-5151.out"
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.write_text("[llmlab 10:00:00] job 5151 on node1\n")
+    assert jobs.output_file("5151", None, {"StdOut": "/dev/null"}) == str(own)
+    assert jobs.output_file("5151", None, None) is None  # SLURM forgot the job, and no record of llmlab launch
+    assert jobs.output_file("5151", None, {"StdOut": "/scratch/me/x.out"}) == "/scratch/me/x.out"

@@ -52,7 +52,8 @@ def summary(r: dict) -> str:
     rev, rst = r.get("revocation") or {}, r.get("restart") or {}
     lines = [f"learners            {r['learners']} ({', '.join(r['names'])})",
              f"cells failed        {len(r['cells_failed'])}"]
-    lines += [f"  {c['learner']} {c['notebook']} cell {c['cell']}: {c['error']}" for c in r["cells_failed"]]
+    lines += [f"  {c['learner']} {c['notebook']} cell {c['cell']}: {c['error']} (at: {c['raised_at']})"
+              for c in r["cells_failed"]]
     lines += ["path seconds        " + ", ".join(f"{k.rsplit('-', 1)[-1]}: {v:.0f}" for k, v in
                                                   r["path_seconds"].items()),
               f"fairness            {r['fairness']} (slowest / median path time)",

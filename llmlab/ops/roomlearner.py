@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,12 +46,20 @@ def hidden_cell(trace: str, notebook: str):
     return nbformat.v4.new_code_cell(code, metadata={"tags": ["room-trace"]})
 
 
-def error_of(cell) -> tuple[str, str] | None:
-    """(exception name, last line of the error) of an executed cell, or None."""
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def error_of(cell) -> tuple[str, str, str] | None:
+    """(exception name, last line of the error, the cell's line that raised it) of an executed cell, or None.
+    The line matters where the message is empty: a bare ``assert`` says only ``AssertionError``."""
     for out in cell.get("outputs", []):
         if out.get("output_type") == "error":
             value = (out.get("evalue") or "").strip().splitlines()
-            return out.get("ename", "Error"), f"{out.get('ename', 'Error')}: {value[-1] if value else ''}".strip()
+            frames = [ANSI.sub("", f) for f in out.get("traceback", [])]
+            arrows = [line for f in frames for line in f.splitlines() if line.lstrip().startswith("---->")]
+            raised = re.sub(r"^\s*---->\s*\d*\s*", "", arrows[0]) if arrows else ""
+            return (out.get("ename", "Error"), f"{out.get('ename', 'Error')}: {value[-1] if value else ''}".strip(),
+                    raised.strip())
     return None
 
 
@@ -81,19 +90,20 @@ def run_notebook(path: Path, spec: dict, restart_after: int | None) -> dict:
                 err = error_of(cell)
             except Exception as e:  # noqa: BLE001 -- a cell past its time-out, a kernel that died: the learner's problem
                 lines = str(e).strip().splitlines()
-                err = (type(e).__name__, f"{type(e).__name__}: {lines[-1] if lines else ''}")
+                err = (type(e).__name__, f"{type(e).__name__}: {lines[-1] if lines else ''}", "")
             if index == 0:  # the hidden cell: the learner never sees it (an error in it is the room's, raise it)
                 if err:
                     raise RuntimeError(f"the room's hidden first cell failed in {name}: {err[1]}")
                 continue
             out["cells"] += 1
-            event(Path(spec["events"]), kind="cell", notebook=name, cell=shown, error=err[1] if err else None)
-            if err and is_refusal(*err):
+            refused = bool(err) and is_refusal(err[0], err[1])
+            event(Path(spec["events"]), kind="cell", notebook=name, cell=shown, error=err[1] if err else None,
+                  refused=refused)
+            if refused:
                 out["refused"] = {"cell": shown, "sentence": err[1]}
                 break
             if err:
-                source = cell.source.strip().splitlines()
-                out["failed"].append({"cell": shown, "error": err[1], "first_line": source[0] if source else ""})
+                out["failed"].append({"cell": shown, "error": err[1], "raised_at": err[2]})
             if restart_after is not None and shown >= restart_after:
                 raise Restart(shown, out["failed"])
     out["end"] = time.time()

@@ -68,9 +68,9 @@ def cells_failed(results: dict[str, dict]) -> list[dict]:
         before = (r.get("restarted") or {})
         for f in before.get("failed_before", []):
             out.append({"learner": name, "notebook": before["notebook"], "cell": f["cell"], "error": f["error"],
-                        "first_line": f.get("first_line", ""), "before_restart": True})
+                        "raised_at": f.get("raised_at", ""), "before_restart": True})
         out += [{"learner": name, "notebook": nb["notebook"], "cell": f["cell"], "error": f["error"],
-                 "first_line": f.get("first_line", "")} for nb in r.get("notebooks", []) for f in nb.get("failed", [])]
+                 "raised_at": f.get("raised_at", "")} for nb in r.get("notebooks", []) for f in nb.get("failed", [])]
     return out
 
 
@@ -176,13 +176,13 @@ def plot_timelines(out: Path, report: dict) -> Path:
             if e["kind"] == "restart":
                 ax.plot(e["t"] - t0, row, "x", color="red", ms=10, mew=2)
             if e["kind"] == "cell" and e.get("error"):
-                ax.plot(e["t"] - t0, row, "v", color="darkred", ms=6)
+                ax.plot(e["t"] - t0, row, "s" if e.get("refused") else "v", color="darkred", ms=6)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors(i % 10), alpha=0.55) for i in order.values()]
     ax.legend(handles, list(order), loc="upper right", fontsize=7, ncol=4)
     ax.set_yticks(range(len(names)), [n.rsplit("-", 1)[-1] for n in names])
     ax.invert_yaxis()
     ax.set(ylabel="learner", title="The room: a bar per notebook, a tick per request (x: kernel restart, "
-                                   "v: a failed cell)")
+                                   "v: a failed cell, square: the key refused)")
     if samples:
         ts = [s["t"] - t0 for s in samples]
         server.plot(ts, [s["running"] for s in samples], label="running")

@@ -106,11 +106,11 @@ def test_usage_of_a_stream_without_usage_counts_its_events():
 
 def test_report_figures():
     results = {"a": {"start": 0, "end": 100, "notebooks": [{"notebook": "03", "failed": [
-                   {"cell": 4, "error": "AssertionError: x", "first_line": "assert x"}]}]},
+                   {"cell": 4, "error": "AssertionError: x", "raised_at": "assert x"}]}]},
                "b": {"start": 5, "end": 125, "notebooks": []},
                "c": {"start": 9, "end": 40, "notebooks": [], "refused": {"notebook": "03", "cell": 1, "sentence": "s"}}}
     assert roomreport.cells_failed(results) == [{"learner": "a", "notebook": "03", "cell": 4,
-                                                 "error": "AssertionError: x", "first_line": "assert x"}]
+                                                 "error": "AssertionError: x", "raised_at": "assert x"}]
     seconds = roomreport.path_seconds(results)
     assert seconds == {"a": 100, "b": 120, "c": 31}
     assert roomreport.fairness(seconds, ["a", "b"]) == round(120 / 110, 3)  # the revoked learner c is left out

@@ -222,6 +222,14 @@ def start_learner(room: Room, name: str, spec: Path, python: str) -> subprocess.
                             start_new_session=True)
 
 
+def last_line_of(room: Room, name: str) -> str:
+    """The last line of a learner's driver log: what a driver that died says about why."""
+    with contextlib.suppress(OSError):
+        lines = (room.out / "learners" / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "(its log is empty)"
+    return "(no log)"
+
+
 def events_of(room: Room, name: str) -> list[dict]:
     path = room.files(name) / "events.jsonl"
     return roomreport.read_jsonl(path)
@@ -287,8 +295,12 @@ def run_learners(room: Room, notebooks: list[Path], server: dict, *, stagger: fl
             spec = learner_spec(room, name, notebooks, RESTART_AT if name == restarted else None)
             procs[name] = start_learner(room, name, spec, python)
             say(room, f"{name} sat down (pid {procs[name].pid})")
-        deadline, last_line = time.monotonic() + timeout, 0.0
+        deadline, last_line, ended = time.monotonic() + timeout, 0.0, set()
         while any(p.poll() is None for p in procs.values()):
+            for name in [n for n, p in procs.items() if p.poll() is not None and n not in ended]:
+                ended.add(name)
+                say(room, f"{name} is done" if procs[name].returncode == 0 else
+                    f"{name}'s driver failed (exit {procs[name].returncode}): {last_line_of(room, name)}")
             if revoked and plan["revocation"] is None and any(
                     e["kind"] == "notebook" and e["notebook"] == REVOKE_AT for e in events_of(room, revoked)):
                 plan["revocation"] = {"t": time.time(), "said": jobs.revoke(room.job_id, revoked)}
@@ -456,8 +468,11 @@ def _interrupted(signum, frame):
 
 
 def prepare_out(out: Path) -> Path:
+    """The report folder, emptied -- only if it is empty or an earlier room's report (never another folder)."""
     out = Path(out)
-    if out.exists():
+    if out.exists() and any(out.iterdir()):
+        if not (out / "report.json").exists() and not (out / "traces").is_dir():
+            raise RoomError(f"{out} holds files that are not a room's report: choose an empty or new folder (--out).")
         shutil.rmtree(out)
     for sub in ("", "traces", "learners", "path"):
         (out / sub).mkdir(parents=True, exist_ok=True)
@@ -473,11 +488,11 @@ def rehearse(learners: int = 3, out: str | Path = "build/room", *, stagger: floa
     check_machine()
     out = prepare_out(Path(out).resolve())
     room = new_room(learners, out)
-    notebooks = course.write_path(course.load(), out / "path")
+    course.write_path(course.load(), out / "path")  # the record of what was run
+    notebooks = course.write_path(course.load(), room.work / "path")  # what the learners open: a folder they reach
     for nb in notebooks:
         os.chmod(nb, 0o644)
-    os.chmod(out, 0o755)
-    os.chmod(out / "path", 0o755)
+    os.chmod(room.work / "path", 0o755)
     names = [p.stem for p in notebooks]
     for wanted in (REVOKE_AT, RESTART_AT[0]):
         if wanted not in names:

@@ -127,3 +127,22 @@ def test_replay_schedule_cycles_learners_and_keeps_their_offsets():
     assert [(at, job.id, job.max_tokens) for at, job in plan] == [
         (0.0, "0-0", 7), (1.0, "1-0", 3), (2.0, "2-0", 7), (2.5, "0-1", 9), (4.5, "2-1", 9)]
     assert plan[3][1].prompt == "hi"
+
+
+def test_replay_sends_the_traces_for_each_room_size(fake_url, tmp_path):
+    import openai
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    lines = [{"start": 10.0, "method": "POST", "path": "/v1/completions", "prompt": "a", "completion_tokens": 3},
+             {"start": 10.2, "method": "GET", "path": "/v1/models"},
+             {"start": 10.3, "method": "POST", "path": "/v1/chat/completions", "messages": [{"content": "b"}],
+              "completion_tokens": 3}]
+    (traces / "x.trace.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    client = openai.OpenAI(base_url=fake_url, api_key="k")
+    report = roomreport.replay(tmp_path, (1, 3), stagger=0.05, client=client, model="m", out=tmp_path,
+                               progress=lambda s: None)
+    assert report["learners"] == [1, 3] and json.loads((tmp_path / "replay.json").read_text()) == report
+    assert [(r["learners"], r["requests"], r["ok"], r["failures"]) for r in report["runs"]] == [(1, 2, 2, 0),
+                                                                                                  (3, 6, 6, 0)]
+    assert report["runs"][1]["ttft_ms"]["p50"] is not None

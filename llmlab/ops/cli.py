@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmlab.ops import cli_jobs, course, doctor, exercises, jobs
+from llmlab.ops import cli_jobs, cli_room, course, doctor, exercises, jobs
 from llmlab.serve import embedded
 from llmlab.serve.info import ServerError
 
@@ -432,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print rehearsal.json instead of progress lines")
     p.set_defaults(func=cmd_rehearse)
     cli_jobs.add_commands(sub)
+    cli_room.add_commands(sub)
     return parser
 
 

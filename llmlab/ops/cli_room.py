@@ -1,0 +1,85 @@
+"""``llmlab room``: rehearse a workshop room on this machine, or replay its traces for a larger one.
+
+A thin shell over :func:`llmlab.ops.room.rehearse` and :func:`llmlab.ops.roomreport.replay`: arguments and
+printing here, the logic there.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"llmlab room: --learners {text!r}: give a number of learners (3), or for --replay a "
+                         "comma-separated list (30,100,300).")
+    return counts
+
+
+def cmd_room(args) -> int:
+    from llmlab.ops import room, roomreport
+
+    counts = _counts(args.learners)
+    try:
+        if args.replay:
+            report = roomreport.replay(args.replay, counts, stagger=args.stagger if args.stagger is not None else 1.0,
+                                       out=args.out or args.replay, progress=lambda s: print(s, flush=True))
+        else:
+            if len(counts) != 1:
+                raise room.RoomError("a rehearsed room has one size (--learners 3); lists are for --replay.")
+            report = room.rehearse(counts[0], args.out or "build/room",
+                                   stagger=args.stagger if args.stagger is not None else 4.0,
+                                   revoke=not args.no_revoke, restart=not args.no_restart, timeout=args.timeout)
+    except (room.RoomError, FileNotFoundError) as e:
+        print(f"llmlab room: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=1))
+    elif not args.replay:
+        print(summary(report))
+    if args.replay:
+        return 0 if all(r["failures"] == 0 for r in report["runs"]) else 1
+    return 0 if not report["cells_failed"] and not report["left_behind"] else 1
+
+
+def summary(r: dict) -> str:
+    """The report's key figures, a line each."""
+    rev, rst = r.get("revocation") or {}, r.get("restart") or {}
+    lines = [f"learners            {r['learners']} ({', '.join(r['names'])})",
+             f"cells failed        {len(r['cells_failed'])}"]
+    lines += [f"  {c['learner']} {c['notebook']} cell {c['cell']}: {c['error']} (at: {c['raised_at']})"
+              for c in r["cells_failed"]]
+    lines += ["path seconds        " + ", ".join(f"{k.rsplit('-', 1)[-1]}: {v:.0f}" for k, v in
+                                                  r["path_seconds"].items()),
+              f"fairness            {r['fairness']} (slowest / median path time)",
+              f"latency ms          p50 {r['latency_ms']['p50']}, p99 {r['latency_ms']['p99']} "
+              f"({r['latency_ms']['requests']} generation requests; first byte p50 {r['ttfb_ms']['p50']})",
+              f"server peaks        {r['server']['peak_running']} running, {r['server']['peak_waiting']} waiting, "
+              f"KV {r['server']['peak_kv_pct']} %",
+              f"revoked             {rev.get('learner')}: {rev.get('sentence')!r}" if rev else "revoked             -",
+              f"kernel restarted    {rst.get('learner')} in {rst.get('notebook')} after cell {rst.get('after_cell')}; "
+              f"path completed: {rst.get('path_completed')}" if rst else "kernel restarted    -",
+              f"handed in (--room)  {', '.join(map(str, r['handed_in'])) or 'nobody'}",
+              f"left behind         {r['left_behind'] or 'nothing'}",
+              f"wall time           {r['wall_s']:.0f} s"]
+    return "\n".join(lines)
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("room", help="rehearse a workshop room here (root, SLURM): N learners run the path on one "
+                                    "shared server; or --replay its traces for K learners")
+    p.add_argument("--learners", default="3", help="how many learners (default 3); with --replay a list, 30,100,300")
+    p.add_argument("--out", help="report folder (default build/room; with --replay, the trace folder)")
+    p.add_argument("--stagger", type=float, help="seconds between two learners sitting down (default 4; replay 1)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds the learners may take in all")
+    p.add_argument("--no-revoke", action="store_true", help="do not revoke the last learner mid-run")
+    p.add_argument("--no-restart", action="store_true", help="do not restart a learner's kernel mid-path")
+    p.add_argument("--replay", metavar="TRACE_DIR", help="replay a room's traces (its report folder) against the "
+                                                         "server llmlab.connect() finds, for each K of --learners")
+    p.add_argument("--json", action="store_true", help="print the whole report as JSON")
+    p.set_defaults(func=cmd_room)

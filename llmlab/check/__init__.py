@@ -17,7 +17,7 @@ from llmlab.check import progress
 
 # course:checks (rendered from llmlab/course.toml by `llmlab course`)
 from llmlab.check.cluster import load_eta_minutes, pp_boundary, tp8_allreduce_bytes, tp_link_times  # noqa: F401
-from llmlab.check.determinism import first_varying_batch, seeded_answers  # noqa: F401
+from llmlab.check.determinism import first_varying_batch, seeded_choice  # noqa: F401
 from llmlab.check.kvcache import (  # noqa: F401
     cache_matches_arithmetic,
     prefix_hits,

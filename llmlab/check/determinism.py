@@ -24,11 +24,21 @@ def first_varying_batch(n) -> None:
     right(f"from {n} rows on, the product takes another path and row 0 moves in its last bits.")
 
 
-def seeded_answers(a: str, b: str, c: str) -> None:
-    """14: two sampled answers with the same seed, and one with another seed."""
-    require(all(isinstance(t, str) for t in (a, b, c)), "pass the three answers' texts (choices[0].text).")
-    require(a == b, "the two answers with the same seed differ: send both with seed=7 and the same prompt, "
-            "temperature and max_tokens.")
-    require(c != a, "the third answer is the same as the first: give it another seed (or none), so that it draws "
-            "other random numbers.")
-    right("the same seed drew the same tokens; another seed drew others.")
+def seeded_choice(choices, seed, again) -> None:
+    """14: the three choices of one request (n=3, seed=7), and the seed of a single request that repeats the third.
+
+    vLLM hands the n choices of a seeded request the seeds seed, seed + 1, ... (``v1/engine/parallel_sampling.py``),
+    so choice i is a request of its own with seed + i: the step the learner finds by reasoning or by trying."""
+    require(isinstance(choices, list | tuple) and len(choices) == 3 and all(isinstance(t, str) for t in choices),
+            "choices should be the three texts of the one request with n=3: [c.text for c in r.choices].")
+    require(len(set(choices)) > 1, "the three choices are the same: sample them (temperature=1.0); at temperature 0 "
+            "every choice is the greedy answer.")
+    require(isinstance(again, str), "again should be the text of your single request (choices[0].text).")
+    require(seed != 7, "seed 7 repeats the first choice, not the third: each choice of a seeded request draws with "
+            "a seed of its own. Which?")
+    require(seed == 9, "vLLM gives choice i of a request with seed s the seed s + i "
+            "(vllm/v1/engine/parallel_sampling.py): the third choice, index 2, drew with 7 + 2.")
+    require(again == choices[2], "with seed 9 your answer should be the third choice: send the same prompt, "
+            "temperature and max_tokens, n=1. (On a GPU, three sequences in one batch can differ in the last bits "
+            "from one alone: sections 3 and 4 of this lesson.)")
+    right("choice i of a seeded request is the request with seed + i: a sampled answer you can repeat one by one.")

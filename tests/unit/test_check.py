@@ -644,10 +644,14 @@ def test_determinism_checks_name_what_is_wrong(capsys):
         if want > 1:
             not_yet(check.first_varying_batch, want - 1, hint="0-based index")
         not_yet(check.first_varying_batch, want + 1, hint="already differs with fewer rows")
-    right(capsys, check.seeded_answers, "x y", "x y", "z")
-    not_yet(check.seeded_answers, "x y", "x z", "z", hint="with the same seed differ")
-    not_yet(check.seeded_answers, "x y", "x y", "x y", hint="give it another seed")
-    not_yet(check.seeded_answers, "x y", "x y", None, hint="texts")
+    three = ["a b", "c d", "e f"]  # one request, n=3, seed=7: the choices drew with seeds 7, 8 and 9
+    right(capsys, check.seeded_choice, three, 9, "e f")
+    not_yet(check.seeded_choice, three, 7, "a b", hint="repeats the first choice")
+    not_yet(check.seeded_choice, three, 8, "c d", hint="the third choice, index 2, drew with 7 + 2")
+    not_yet(check.seeded_choice, three, 9, "a b", hint="should be the third choice")
+    not_yet(check.seeded_choice, ["a b"] * 3, 9, "a b", hint="temperature=1.0")
+    not_yet(check.seeded_choice, three[:2], 9, "e f", hint="the three texts")
+    not_yet(check.seeded_choice, three, 9, None, hint="the text of your single request")
 
 
 # --- notebook 15: replicas behind a router ------------------------------------------------------------------------

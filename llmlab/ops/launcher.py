@@ -20,6 +20,7 @@ import argparse
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -216,6 +217,72 @@ def port_holder(port: int, pid: int) -> str:
     return "ours" if listening <= socket_inodes(pid) else "other"
 
 
+def port_is_free(port: int) -> bool:
+    """Nobody listens on ``port`` on this node and it can be bound on every address, as torch's TCPStore binds its
+    master port (``*:PORT``).  Used to draw backend "mp"'s master port (``render.choose_mp_port``)."""
+    if listening_inodes(port):
+        return False
+    try:
+        with socket.socket() as s:
+            s.bind(("", port))
+    except OSError:
+        return False
+    return True
+
+
+def group_socket_inodes(pgid: int) -> set[str]:
+    """Inodes of the sockets that the processes of process group ``pgid`` hold: vLLM runs under ``setsid``, so its
+    API server, engine and worker processes are one group, and no other user's process can join it."""
+    from llmlab.serve.proc import _stat
+
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(entry.name)) and stat[2] == str(pgid):
+            found |= socket_inodes(int(entry.name))
+    return found
+
+
+def group_port_holder(port: int, pgid: int) -> str:
+    """Like :func:`port_holder`, for a process group: "ours" when every socket listening on ``port`` belongs to a
+    process of group ``pgid``, "nobody" (yet) or "other"."""
+    listening = listening_inodes(port)
+    if not listening:
+        return "nobody"
+    return "ours" if listening <= group_socket_inodes(pgid) else "other"
+
+
+def wait_for_master_port(port: int, pgid: int, log: Path, timeout: float, poll: float = 0.5) -> bool:
+    """Backend "mp": wait until the head's own vLLM (process group ``pgid``) listens on its master ``port``, before
+    any headless worker is started.
+
+    Why: the workers dial that port and trust whatever answers (torch.distributed's store, then vLLM's pickled
+    message queues).  Started first, as before, they would connect to anyone who took the port before the head's
+    vLLM bound it.  So the head starts first, and a port held by any process outside the head's vLLM fails the
+    job at once, with no worker started.  Returns True once the port is the head's."""
+    from llmlab.serve.proc import pid_alive
+
+    start = time.monotonic()
+    while True:
+        holder = group_port_holder(port, pgid)
+        if holder == "ours":
+            say(f"vLLM's master port {port} is held by the head's own vLLM: starting the headless workers")
+            return True
+        if holder == "other":
+            say(f"FAILED: another process, not this job's vLLM, listens on the master port {port}: the headless "
+                "workers were not started (they would have connected to it). Submit the job again (it draws another "
+                "port), and tell the cluster's administrators if it happens again.")
+            return False
+        if not pid_alive(pgid):
+            say(f"FAILED: vLLM exited before it listened on its master port {port}. Last lines of {log}:\n"
+                f"{tail(log, 25)}")
+            return False
+        if time.monotonic() - start > timeout:
+            say(f"FAILED: vLLM did not listen on its master port {port} within {timeout:g} s; the headless workers "
+                f"were not started. Last lines of {log}:\n{tail(log, 15)}")
+            return False
+        time.sleep(poll)
+
+
 def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, poll: float = 2.0,
                      api_key: str | None = None, proxy_pid: int | None = None, proxy_log: Path | None = None,
                      on_phase=None, steps: dict[str, tuple[int, str]] | None = None) -> bool:
@@ -269,7 +336,7 @@ def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, 
 
 def _cmd_render(a) -> int:
     rendered = render(a.job, job_id=a.job_id, nodes=a.nodes.split() if a.nodes else None, port=a.port,
-                      python=a.python, addresses=node_addresses)
+                      python=a.python, addresses=node_addresses, port_free=port_is_free)
     print(rendered.shell() if a.shell else rendered.summary() + "\n" + rendered.serve_line)
     from llmlab.serve.vllm import installed_vllm, vllm_outside_range
 
@@ -381,6 +448,10 @@ def _cmd_wait_ready(a) -> int:
     return 0
 
 
+def _cmd_wait_master(a) -> int:
+    return 0 if wait_for_master_port(a.port, a.pid, Path(a.log), a.timeout, a.poll) else 1
+
+
 def _cmd_progress(a) -> int:
     print(load_progress(Path(a.log)))
     return 0
@@ -436,6 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--stop-grace", type=float, default=20, help="seconds the clean-up may take (LLMLAB_STOP_GRACE)")
     h.add_argument("--step", action="append", default=[], help="NODE:PID:LOG of each node's headless vLLM (mp)")
     h.set_defaults(func=_cmd_wait_ready)
+    m = sub.add_parser("wait-master", help="backend mp: wait until the head's vLLM holds its master port")
+    m.add_argument("--port", type=int, required=True)
+    m.add_argument("--pid", type=int, required=True, help="the head's vLLM, leader of its process group (setsid)")
+    m.add_argument("--log", required=True)
+    m.add_argument("--timeout", type=float, default=600)
+    m.add_argument("--poll", type=float, default=0.5)
+    m.set_defaults(func=_cmd_wait_master)
     g = sub.add_parser("progress")
     g.add_argument("log")
     g.set_defaults(func=_cmd_progress)

@@ -34,6 +34,7 @@ from slurm_helpers import (
 )
 
 from llmlab import cluster, memory
+from llmlab.cluster.render import MP_PORTS
 from llmlab.ops import launcher
 from llmlab.serve.info import servers_dir
 from llmlab.serve.proc import free_port
@@ -169,12 +170,101 @@ def test_backend_mp_runs_vllm_on_every_node_without_ray(tmp_path):
                                                                "--node-rank", "--master-addr", "--master-port")}
         assert list(flag.values()) == ["mp", "2", rank, "10.1.2.3", port], flag
     assert node[0] == "gpu-b" and node[-1] == "--headless" and "--uds" not in node and "--uds" in head
+    shown = out.stdout.index  # the head first; the workers once it holds its master port
+    assert shown("vLLM:") < shown(f"then, once the head's vLLM holds port {port}:") < shown("vLLM node:")
     assert node[3:6] == ["vllm.entrypoints.cli.main", "serve", "meta-llama/Llama-3.1-405B-Instruct"]
 
     settings.write_text('["x"]\nmodel = "llama3.1-70b"\nnodes = 2\ngpus_per_node = 4\ntp = 4\npp = 2\n'
                         'backend = "mpi"\n')
     with pytest.raises(cluster.SettingsError, match=r"\[x\]: backend must be 'ray' .* or 'mp'"):
         cluster.load_settings(settings)
+
+
+MP_ENV = {"LLMLAB_RAY_HEAD_IP": "10.1.2.3"}
+
+
+def mp_job():
+    return cluster.JobSettings(**{**cluster.job_settings("llama3.1-405b").as_dict(), "backend": "mp"})
+
+
+def test_mp_master_port_is_drawn_at_random_not_derived_from_the_public_job_id():
+    """Finding 7: the master port was 20000 + (job id % 6) * 2000, the job id is public (squeue), and the headless
+    workers connect to whoever listens there.  Now it is drawn with secrets from a documented range, per job."""
+    ports = [launcher.render(mp_job(), job_id="12345", nodes=["a", "b"], env=MP_ENV).mp_port for _ in range(6)]
+    assert len(set(ports)) > 1, ports  # the same job id, different ports
+    lo, hi = MP_PORTS
+    assert all(lo <= p <= hi for p in ports) and hi < 32768  # below Linux's ephemeral range
+    r = launcher.render(mp_job(), job_id="12345", nodes=["a", "b"], env=MP_ENV)
+    assert r.flags[r.flags.index("--master-port") + 1] == str(r.mp_port) and r.mp_master == f"10.1.2.3:{r.mp_port}"
+    assert f"mp_port={r.mp_port}" in r.shell().splitlines()
+    assert all(w[w.index("--master-port") + 1] == str(r.mp_port) for w in r.mp_workers)
+
+
+def test_mp_master_port_is_drawn_again_when_taken_and_the_range_is_an_admins_choice():
+    from llmlab.cluster.render import choose_mp_port
+
+    taken = {20001, 20002}
+    drawn = iter([20001, 20002, 20003])
+
+    class Rng:
+        def randint(self, lo, hi):
+            assert (lo, hi) == (20001, 20003)
+            return next(drawn)
+
+    assert choose_mp_port({"LLMLAB_MP_PORTS": "20001-20003"}, lambda p: p not in taken, Rng()) == 20003
+    with pytest.raises(cluster.SettingsError, match=r"No free port .* drawn from 20001-20001 .* LLMLAB_MP_PORTS"):
+        choose_mp_port({"LLMLAB_MP_PORTS": "20001-20001"}, lambda p: False)
+    with pytest.raises(cluster.SettingsError, match=r"LLMLAB_MP_PORTS='80-90' is not a port range: write it LO-HI"):
+        choose_mp_port({"LLMLAB_MP_PORTS": "80-90"})
+
+
+def test_a_port_someone_listens_on_is_not_free_for_the_master_port():
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        assert launcher.port_is_free(port) is False
+    assert launcher.port_is_free(port) is True
+
+
+def _listener_in_its_own_session(tmp_path):
+    """A process that listens on a port in a process group of its own, as the head's vLLM does under setsid."""
+    ready = tmp_path / "port"
+    code = ("import socket, sys, time, pathlib; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+            "pathlib.Path(sys.argv[1]).write_text(str(s.getsockname()[1])); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ready)], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not ready.exists() or not ready.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    return proc, int(ready.read_text())
+
+
+def test_headless_workers_start_only_once_the_heads_own_vllm_holds_the_master_port(tmp_path, capsys):
+    """The launcher's wait before `srun`ing the headless workers: the port must be held by the head's vLLM (its
+    process group, under setsid); a squatter on it fails the job in one sentence, no worker started."""
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    head, port = _listener_in_its_own_session(tmp_path)
+    try:
+        assert launcher.wait_for_master_port(port, head.pid, log, timeout=20, poll=0.1)
+        assert "held by the head's own vLLM" in capsys.readouterr().out
+        other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # the head's vLLM: alive, not holding it
+        try:
+            t0 = time.monotonic()
+            assert launcher.wait_for_master_port(port, other.pid, log, timeout=20, poll=0.1) is False
+            assert time.monotonic() - t0 < 5
+        finally:
+            other.kill()
+            other.wait()
+        out = capsys.readouterr().out
+        assert (f"FAILED: another process, not this job's vLLM, listens on the master port {port}: the headless "
+                "workers were not started") in out
+    finally:
+        head.kill()
+        head.wait()
 
 
 def test_rendered_shell_survives_quotes_and_spaces():

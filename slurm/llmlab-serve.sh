@@ -24,9 +24,10 @@
 #
 # Knobs (environment; sbatch passes yours to the job): LLMLAB_HOME, LLMLAB_PYTHON, LLMLAB_MODEL_PATH,
 # LLMLAB_MODEL_DIR, LLMLAB_CACHE_DIR, LLMLAB_MAX_MODEL_LEN, LLMLAB_EXTRA_VLLM_ARGS, LLMLAB_RAY_TIMEOUT,
-# LLMLAB_READY_TIMEOUT, LLMLAB_NCCL_IB=1, LLMLAB_MP_PORTS, LLMLAB_RAY_*, LLMLAB_KEYS (a file or directory of registered
+# LLMLAB_READY_TIMEOUT, LLMLAB_NCCL_IB=1, LLMLAB_RAY_*, LLMLAB_KEYS (a file or directory of registered
 # 'sha256:<hex>' key digests the proxy also accepts), LLMLAB_SHARE_DIR + LLMLAB_SHARE_GROUP (a workshop server:
-# llmlab.serve.share); LLMLAB_DRY_RUN=1 prints what would run and exits.
+# llmlab.serve.share), LLMLAB_MP_PORTS + LLMLAB_HOST_IFACE (backend "mp": the master port's range, the private
+# interface vLLM binds on); LLMLAB_DRY_RUN=1 prints what would run and exits.
 # slurm/README.md explains each.  Partition, account and time come from sbatch's own flags or SBATCH_*.
 set -euo pipefail
 umask 077  # everything this job writes (key, connection file, logs) is readable by its user only

@@ -214,6 +214,35 @@ def choose_mp_port(env: dict, is_free: Callable[[int], bool] | None = None,
                         "ports, or use backend 'ray'.")
 
 
+def on_node_prefix(python: str, env: dict, loopback: bool) -> list[str]:
+    """What runs before a headless node's vLLM: ``llmlab.ops.launcher on-node``, which sets ``VLLM_HOST_IP`` to
+    this node's own address and then execs vLLM.
+
+    Why: vLLM binds its message queues (ZeroMQ XPUB sockets, unauthenticated) on ``VLLM_HOST_IP``, else on the
+    address of the node's default route, often the one every user of the cluster reaches.  The address must be each
+    node's own (one address exported by the head would reach every node through srun), so each node looks it up:
+    on the interface ``LLMLAB_HOST_IFACE`` names (the cluster's private network, e.g. ``ib0``), else the address
+    its hostname resolves to; loopback in the CPU test bed."""
+    if loopback:
+        where = ["--ip", LOOPBACK_RAY_IP]
+    elif env.get("LLMLAB_HOST_IFACE"):
+        where = ["--iface", env["LLMLAB_HOST_IFACE"]]
+    else:
+        where = []
+    return [python, "-m", "llmlab.ops.launcher", "on-node", *where, "--"]
+
+
+def mp_head_ip(env: dict, loopback: bool, addresses: Callable[[], list[str]] | None,
+               iface_address: Callable[[str], str] | None, head: str) -> str:
+    """The head's address for backend "mp": its ``--master-addr`` and its ``VLLM_HOST_IP``.  On the interface
+    ``LLMLAB_HOST_IFACE`` names where it is set (``iface_address`` looks it up on this node; without one, as in a
+    dry run or a notebook, the address is shown as a placeholder), else as :func:`head_ip` says."""
+    iface = env.get("LLMLAB_HOST_IFACE")
+    if env.get("LLMLAB_RAY_HEAD_IP") or loopback or not iface:
+        return head_ip(env, loopback, addresses)
+    return iface_address(iface) if iface_address else f"<{iface} address of {head}>"
+
+
 # The InfiniBand settings of the seeds' 405B run, applied only when asked for (LLMLAB_NCCL_IB=1): NCCL
 # finds InfiniBand by itself on most clusters, and a wrong HCA or interface name makes it fail or fall back.
 NCCL_IB_ENV = {"NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "0", "NCCL_IB_HCA": "mlx5", "NCCL_SOCKET_IFNAME": "ib0"}
@@ -307,7 +336,8 @@ class RenderedJob(Address):
 def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None = None, port: int = 0,
            env: dict | None = None, python: str = "python3",
            addresses: Callable[[], list[str]] | None = None,
-           port_free: Callable[[int], bool] | None = None) -> RenderedJob:
+           port_free: Callable[[int], bool] | None = None,
+           iface_address: Callable[[str], str] | None = None) -> RenderedJob:
     """Settings + the job's nodes -> the exact commands.  ``port=0`` leaves the port to the proxy, which binds a
     free one when the job starts and only then is it published (``wait-bound``).
 
@@ -315,9 +345,11 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     and vLLM caches), ``LLMLAB_MAX_MODEL_LEN``, ``LLMLAB_EXTRA_VLLM_ARGS``, ``LLMLAB_BIND_HOST``,
     ``LLMLAB_ADVERTISE_HOST``, ``LLMLAB_LOOPBACK``, ``LLMLAB_RAY_HEAD_IP``, ``LLMLAB_RAY_PORT_BASE``,
     ``LLMLAB_RAY_HEAD_ARGS``, ``LLMLAB_RAY_WORKER_ARGS``, ``LLMLAB_RAY_TIMEOUT``, ``LLMLAB_READY_TIMEOUT``,
-    ``LLMLAB_NCCL_IB``, ``LLMLAB_MP_PORTS``; ``LLMLAB_RUN_DIR`` (the launcher's private directory for vLLM's socket).
+    ``LLMLAB_NCCL_IB``, ``LLMLAB_MP_PORTS``,
+    ``LLMLAB_HOST_IFACE``; ``LLMLAB_RUN_DIR`` (the launcher's private directory for vLLM's socket).
     ``addresses``: the node's own addresses, where its hostname resolves to loopback (:func:`head_ip`).
-    ``port_free``: backend "mp" only, whether a port is free on this (the head) node (:func:`choose_mp_port`).
+    ``port_free``: backend "mp" only, whether a port is free on this (the head) node (:func:`choose_mp_port`);
+    ``iface_address``: this node's IPv4 address on an interface (``LLMLAB_HOST_IFACE``, :func:`mp_head_ip`).
     """
     env = dict(os.environ if env is None else env)
     if isinstance(job, str):
@@ -385,10 +417,13 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
         # vLLM's own multi-node mode: the head runs the API server and its GPUs' workers, every other node
         # `--headless` workers; they meet at the head's torch.distributed port, drawn at random (the launcher starts
         # the workers only once the head's own process listens there).
-        master_host, master_port = head_ip(env, loopback, addresses), choose_mp_port(env, port_free)
+        master_host = mp_head_ip(env, loopback, addresses, iface_address, nodes[0])
+        master_port = choose_mp_port(env, port_free)
         rendered.flags += ["--node-rank", "0", "--master-addr", master_host, "--master-port", str(master_port)]
         rendered.mp_master, rendered.mp_port = f"{master_host}:{master_port}", master_port
-        rendered.mp_workers = [rendered.worker_argv(i) for i in range(1, len(nodes))]
+        run_env["VLLM_HOST_IP"] = master_host  # the head's message queues; each other node sets its own (on-node)
+        prefix = on_node_prefix(python, env, loopback)
+        rendered.mp_workers = [prefix + rendered.worker_argv(i) for i in range(1, len(nodes))]
     return rendered
 
 

@@ -43,6 +43,29 @@ def node_addresses() -> list[str]:
     return subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
 
 
+def ipv4_on(ip_output: str) -> str | None:
+    """The first IPv4 address in ``ip -4 -o addr show dev IFACE``'s output, None if it lists none."""
+    m = re.search(r"\binet (\d+\.\d+\.\d+\.\d+)/", ip_output)
+    return m[1] if m else None
+
+
+def interface_address(iface: str) -> str:
+    """This node's IPv4 address on ``iface`` (``LLMLAB_HOST_IFACE``), or a :class:`SettingsError` that says what to
+    set instead: a node without that interface would otherwise bind vLLM's queues on its default address."""
+    try:
+        out = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", iface], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    ip = ipv4_on(out)
+    if ip is None:
+        raise SettingsError(f"LLMLAB_HOST_IFACE={iface}: {socket.gethostname()} has no IPv4 address on {iface} "
+                            f"(`ip -4 addr show dev {iface}` lists none): set LLMLAB_HOST_IFACE to the interface of "
+                            "the cluster's private network that every node of the job has (`ip -br addr` lists "
+                            "them), or unset it.")
+    return ip
+
+
 def say(message: str, file=None) -> None:
     """One line in the job's output, time-stamped like the launcher's own lines."""
     print(f"[llmlab {time.strftime('%H:%M:%S')}] {message}", flush=True, file=file or sys.stdout)
@@ -336,7 +359,8 @@ def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, 
 
 def _cmd_render(a) -> int:
     rendered = render(a.job, job_id=a.job_id, nodes=a.nodes.split() if a.nodes else None, port=a.port,
-                      python=a.python, addresses=node_addresses, port_free=port_is_free)
+                      python=a.python, addresses=node_addresses, port_free=port_is_free,
+                      iface_address=None if os.environ.get("LLMLAB_DRY_RUN") == "1" else interface_address)
     print(rendered.shell() if a.shell else rendered.summary() + "\n" + rendered.serve_line)
     from llmlab.serve.vllm import installed_vllm, vllm_outside_range
 
@@ -452,6 +476,19 @@ def _cmd_wait_master(a) -> int:
     return 0 if wait_for_master_port(a.port, a.pid, Path(a.log), a.timeout, a.poll) else 1
 
 
+def _cmd_on_node(a) -> int:
+    """A headless node's vLLM (backend "mp") with ``VLLM_HOST_IP`` set to this node's own address, then exec'd:
+    vLLM binds its unauthenticated message queues there (``render.on_node_prefix`` says why)."""
+    from llmlab.cluster.render import head_ip
+
+    ip = a.ip or (interface_address(a.iface) if a.iface else head_ip({}, False, node_addresses))
+    os.environ["VLLM_HOST_IP"] = ip
+    say(f"{socket.gethostname()}: vLLM's message queues bind to {ip} (VLLM_HOST_IP"
+        f"{f', the address of {a.iface}' if a.iface else ''})", file=sys.stderr)
+    argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv
+    os.execvp(argv[0], argv)
+
+
 def _cmd_progress(a) -> int:
     print(load_progress(Path(a.log)))
     return 0
@@ -514,6 +551,11 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--timeout", type=float, default=600)
     m.add_argument("--poll", type=float, default=0.5)
     m.set_defaults(func=_cmd_wait_master)
+    n = sub.add_parser("on-node", help="backend mp: set VLLM_HOST_IP to this node's address, then run the command")
+    n.add_argument("--ip", help="the address itself (the CPU test bed's loopback)")
+    n.add_argument("--iface", help="the interface whose address vLLM binds to (LLMLAB_HOST_IFACE)")
+    n.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND...")
+    n.set_defaults(func=_cmd_on_node)
     g = sub.add_parser("progress")
     g.add_argument("log")
     g.set_defaults(func=_cmd_progress)

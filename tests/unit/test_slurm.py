@@ -14,6 +14,7 @@ tests/cluster/test_slurm.py (the tests under the SLURM test bed).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -172,7 +173,8 @@ def test_backend_mp_runs_vllm_on_every_node_without_ray(tmp_path):
     assert node[0] == "gpu-b" and node[-1] == "--headless" and "--uds" not in node and "--uds" in head
     shown = out.stdout.index  # the head first; the workers once it holds its master port
     assert shown("vLLM:") < shown(f"then, once the head's vLLM holds port {port}:") < shown("vLLM node:")
-    assert node[3:6] == ["vllm.entrypoints.cli.main", "serve", "meta-llama/Llama-3.1-405B-Instruct"]
+    vllm_argv = node[node.index("--") + 1:]
+    assert vllm_argv[2:5] == ["vllm.entrypoints.cli.main", "serve", "meta-llama/Llama-3.1-405B-Instruct"]
 
     settings.write_text('["x"]\nmodel = "llama3.1-70b"\nnodes = 2\ngpus_per_node = 4\ntp = 4\npp = 2\n'
                         'backend = "mpi"\n')
@@ -265,6 +267,38 @@ def test_headless_workers_start_only_once_the_heads_own_vllm_holds_the_master_po
     finally:
         head.kill()
         head.wait()
+
+
+def test_mp_binds_vllms_queues_on_each_nodes_address_on_the_interface_the_admin_names():
+    """Finding 7: vLLM's broadcast queue binds its XPUB on VLLM_HOST_IP, else on the default route's address; llmlab
+    set none.  Now the head exports its own (the address of LLMLAB_HOST_IFACE, e.g. ib0) and every other node's
+    vLLM starts through `on-node`, which sets that node's own before it execs vLLM."""
+    env = {"LLMLAB_HOST_IFACE": "ib0"}
+    r = launcher.render(mp_job(), nodes=["a", "b"], env=env, python="/py", iface_address=lambda i: f"10.10.0.1-{i}")
+    assert r.env["VLLM_HOST_IP"] == "10.10.0.1-ib0" and r.mp_master.startswith("10.10.0.1-ib0:")
+    assert "export VLLM_HOST_IP=10.10.0.1-ib0" in r.shell().splitlines()
+    (worker,) = r.mp_workers
+    assert worker[:7] == ["/py", "-m", "llmlab.ops.launcher", "on-node", "--iface", "ib0", "--"]
+    assert worker[7:] == r.worker_argv(1)
+    shown = launcher.render(mp_job(), nodes=["a", "b"], env=env)  # a dry run looks nothing up
+    assert shown.env["VLLM_HOST_IP"] == "<ib0 address of a>"
+    loop = launcher.render(dataclasses.replace(mp_job(), engine="cpu", gpus_per_node=0), nodes=["a", "b"], env={})
+    assert loop.env["VLLM_HOST_IP"] == cluster.LOOPBACK_RAY_IP
+    assert loop.mp_workers[0][4:7] == ["--ip", cluster.LOOPBACK_RAY_IP, "--"]
+
+
+def test_on_node_sets_this_nodes_own_address_over_the_heads_inherited_one():
+    show = [sys.executable, "-c", "import os; print(os.environ['VLLM_HOST_IP'])"]
+    env = {**os.environ, "VLLM_HOST_IP": "10.0.0.1"}  # the head's, as srun hands it on
+    run = [sys.executable, "-m", "llmlab.ops.launcher", "on-node"]
+    out = subprocess.run([*run, "--ip", "10.0.0.2", "--", *show], capture_output=True, text=True, env=env)
+    assert out.stdout == "10.0.0.2\n" and "vLLM's message queues bind to 10.0.0.2" in out.stderr
+    out = subprocess.run([*run, "--iface", "lo", "--", *show], capture_output=True, text=True, env=env)
+    assert out.stdout == "127.0.0.1\n", out.stderr
+    out = subprocess.run([*run, "--iface", "nosuch0", "--", *show], capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "LLMLAB_HOST_IFACE=nosuch0: " in out.stderr and "has no IPv4 address on nosuch0" in out.stderr
+    assert launcher.ipv4_on("3: ib0    inet 10.10.1.5/16 brd 10.10.255.255 scope global ib0\\") == "10.10.1.5"
 
 
 def test_rendered_shell_survives_quotes_and_spaces():

@@ -243,6 +243,14 @@ def mp_head_ip(env: dict, loopback: bool, addresses: Callable[[], list[str]] | N
     return iface_address(iface) if iface_address else f"<{iface} address of {head}>"
 
 
+# Said wherever an mp job is planned or started (``llmlab launch``, its dry run, the job's output): what it exposes.
+MP_EXPOSURE = ("warning: backend mp on a shared cluster: vLLM's message queues (ZeroMQ, unauthenticated) carry "
+               "pickled scheduler outputs, prompt token ids included, on each node's address, and the workers "
+               "unpickle what they receive, so anyone who reaches the nodes' ports can read the prompts and likely run "
+               "code in the workers; Ray, token-authenticated, is the default (backend 'ray'): use mp only where a "
+               "firewall keeps other users off the nodes (docs/security.md).")
+
+
 # The InfiniBand settings of the seeds' 405B run, applied only when asked for (LLMLAB_NCCL_IB=1): NCCL
 # finds InfiniBand by itself on most clusters, and a wrong HCA or interface name makes it fail or fall back.
 NCCL_IB_ENV = {"NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "0", "NCCL_IB_HCA": "mlx5", "NCCL_SOCKET_IFNAME": "ib0"}
@@ -298,6 +306,7 @@ class RenderedJob(Address):
         elif self.mp_workers:
             lines.append(f"no Ray: vLLM's own processes on each node (--nnodes {len(self.nodes)}), the head on "
                          f"{self.nodes[0]} ({self.mp_master}), headless workers on {', '.join(self.nodes[1:])}")
+            lines.append(MP_EXPOSURE)
         else:
             lines.append("Ray: not needed (one node: vLLM starts its own worker processes)")
         if self.port:

@@ -15,7 +15,9 @@
 #      every node and GPU; a node whose Ray exits is retried (a bad argument is not), and the job fails with
 #      that node's log, or with the missing nodes after the time-out; then starts vLLM on a Unix socket in a
 #      private (0700) directory behind the proxy, prints the model-load progress, waits for /health, rewrites
-#      the connection file as "ready" and prints how to use the server;
+#      the connection file as "ready" and prints how to use the server.  Backend "mp" (no Ray): vLLM starts on the
+#      head first, with a master port drawn at random for the job; the other nodes' headless vLLM start only once
+#      the head's own vLLM listens on that port (anyone else there fails the job before they start);
 #   6. ends the job when vLLM or the proxy exits on its own (a dead proxy must not hold the GPUs);
 #   7. on exit, scancel or the time limit, within SLURM's KillWait: removes the connection file (leaving
 #      servers/job-ID.ended: connect() says the job ended), the key (and its curl config) and the Ray token first, then stops vLLM, the proxy and Ray at once, and removes the socket and Ray's folders.
@@ -24,7 +26,8 @@
 # LLMLAB_MODEL_DIR, LLMLAB_CACHE_DIR, LLMLAB_MAX_MODEL_LEN, LLMLAB_EXTRA_VLLM_ARGS, LLMLAB_RAY_TIMEOUT,
 # LLMLAB_READY_TIMEOUT, LLMLAB_NCCL_IB=1, LLMLAB_RAY_*, LLMLAB_KEYS (a file or directory of registered
 # 'sha256:<hex>' key digests the proxy also accepts), LLMLAB_SHARE_DIR + LLMLAB_SHARE_GROUP (a workshop server:
-# llmlab.serve.share); LLMLAB_DRY_RUN=1 prints what would run and exits.
+# llmlab.serve.share), LLMLAB_MP_PORTS + LLMLAB_HOST_IFACE (backend "mp": the master port's range, the private
+# interface vLLM binds on); LLMLAB_DRY_RUN=1 prints what would run and exits.
 # slurm/README.md explains each.  Partition, account and time come from sbatch's own flags or SBATCH_*.
 set -euo pipefail
 umask 077  # everything this job writes (key, connection file, logs) is readable by its user only
@@ -67,7 +70,7 @@ fi
 # Set by the rendered settings below (declared here for readers and for shellcheck).
 summary='' engine='' served_model='' host='' port='' expected_nodes='' tp='' pp='' ray_timeout='' ready_timeout=''
 serve_line='' ray_address='' ray_expected_gpus=0 ray_head_cmd='' ray_temp_dir='' bind_host='' uds=''
-serve_argv=() nodes=() ray_worker_cmds=() mp_master='' mp_worker_cmds=()
+serve_argv=() nodes=() ray_worker_cmds=() mp_master='' mp_port=0 mp_worker_cmds=()
 run_dir='' ray_dir=''
 if [[ $dry_run != 1 ]]; then  # vLLM's socket: a private directory on the head node's local disk (mktemp -d makes it 0700)
   run_dir=$(mktemp -d "${TMPDIR:-/tmp}/llmlab-run-$job_id.XXXXXX")
@@ -97,10 +100,11 @@ if [[ $dry_run == 1 ]]; then
     done
     echo "Ray wait:   $expected_nodes nodes, $ray_expected_gpus GPUs at $ray_address (time-out ${ray_timeout} s)"
   fi
+  echo "vLLM:       $serve_line"
+  ((${#mp_worker_cmds[@]})) && echo "then, once the head's vLLM holds port $mp_port:"
   for i in "${!mp_worker_cmds[@]}"; do
     echo "vLLM node:  srun --overlap --nodes=1 --ntasks=1 -w ${nodes[i + 1]} ${mp_worker_cmds[i]}"
   done
-  echo "vLLM:       $serve_line"
   echo "runs as:    ${serve_argv[*]}"
   echo "proxy:      $PY -m llmlab.serve.proxy --listen $bind_host:$port --upstream unix:$uds --key-file KEY_FILE" \
     "--watch-pid JOB_SHELL --ready-file RUN_DIR/proxy.ready   (started first; its bound port is then published)"
@@ -317,10 +321,19 @@ fi
 
 if ((${#mp_worker_cmds[@]})); then
   # Backend "mp": vLLM's own multi-node mode.  Each other node runs `vllm serve --headless` (its GPUs' workers,
-  # no API server); they meet the head at $mp_master (torch.distributed).  Started first: the head waits for them.
+  # no API server); they meet the head at $mp_master (torch.distributed), a port drawn at random for this job.
   say "no Ray: vLLM's own processes on ${#nodes[@]} nodes, meeting at $mp_master"
-  say "note: these processes take no token on their ports (torch.distributed at $mp_master, vLLM's message queues," \
-    "NCCL): use backend mp only where no other user reaches the nodes' ports; Ray's backend authenticates with a token"
+fi
+say "starting vLLM (log: $vllm_log)"
+echo "$serve_line"
+# setsid makes vLLM and its engine processes one group, so the clean-up can stop them all.  vLLM listens on
+# $uds only; the proxy is the job's one listener that other users can reach (its key comes from the key file).
+setsid "${serve_argv[@]}" >"$vllm_log" 2>&1 </dev/null &
+vllm_pid=$!
+if ((${#mp_worker_cmds[@]})); then
+  # The head first: the workers dial $mp_master and trust whatever answers there, so they start only once the
+  # head's own vLLM (its process group) listens on that port; anyone else there fails the job before they start.
+  run_helper wait-master --port "$mp_port" --pid "$vllm_pid" --log "$vllm_log" --timeout "$ready_timeout" || exit 1
   for i in "${!mp_worker_cmds[@]}"; do
     node=${nodes[i + 1]}
     eval "args=(${mp_worker_cmds[i]})"
@@ -330,12 +343,6 @@ if ((${#mp_worker_cmds[@]})); then
     mp_steps+=(--step "$node:$!:$log_dir/vllm-$node.log")
   done
 fi
-say "starting vLLM (log: $vllm_log)"
-echo "$serve_line"
-# setsid makes vLLM and its engine processes one group, so the clean-up can stop them all.  vLLM listens on
-# $uds only; the proxy is the job's one listener that other users can reach (its key comes from the key file).
-setsid "${serve_argv[@]}" >"$vllm_log" 2>&1 </dev/null &
-vllm_pid=$!
 # The wait ends before the job's time limit does (squeue's %L: the time left), so a load that cannot finish in
 # time fails with that reason instead of being killed mid-load.
 time_left=$(squeue -h -j "$job_id" -o %L 2>/dev/null || true)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shlex
 import socket
 from collections.abc import Callable
@@ -173,6 +174,83 @@ def head_ip(env: dict, loopback: bool, addresses: Callable[[], list[str]] | None
     return ip
 
 
+# Backend "mp": the head's torch.distributed port (``--master-port``), drawn at random per job from this range
+# (``LLMLAB_MP_PORTS=LO-HI`` changes it).  Below Linux's ephemeral range (32768+), so that no outgoing
+# connection holds it by chance; wide, so that a user who reads the public job id cannot guess it.  Why it must not
+# be guessed: the headless workers dial it, and whoever listens there first receives their connections.
+MP_PORTS = (20000, 32767)
+MP_PORT_TRIES = 50
+
+
+def mp_port_range(env: dict) -> tuple[int, int]:
+    """``LLMLAB_MP_PORTS`` ("LO-HI", e.g. the range a cluster's firewall opens between its nodes), else
+    :data:`MP_PORTS`."""
+    text = env.get("LLMLAB_MP_PORTS", "").strip()
+    if not text:
+        return MP_PORTS
+    m = re.fullmatch(r"(\d+)\s*-\s*(\d+)", text)
+    if not m or not 1024 <= int(m[1]) <= int(m[2]) <= 65535:
+        raise SettingsError(f"LLMLAB_MP_PORTS={text!r} is not a port range: write it LO-HI, e.g. 20000-32767 "
+                            "(ports 1024-65535, LO <= HI).")
+    return int(m[1]), int(m[2])
+
+
+def choose_mp_port(env: dict, is_free: Callable[[int], bool] | None = None,
+                   rng: secrets.SystemRandom | None = None) -> int:
+    """A master port nobody can predict: drawn with :mod:`secrets` from :func:`mp_port_range`, and free on this
+    node where ``is_free`` can tell (the launcher passes a bind test; a dry run has none, so it only draws).
+
+    Why not the job id: it is public (``squeue``), and a port derived from it can be taken before the job starts by
+    anyone who wants the headless workers' connections.  A draw that is taken is drawn again; a range with
+    nothing free after :data:`MP_PORT_TRIES` draws fails with the range named."""
+    lo, hi = mp_port_range(env)
+    rng = rng or secrets.SystemRandom()
+    for _ in range(MP_PORT_TRIES):
+        port = rng.randint(lo, hi)
+        if is_free is None or is_free(port):
+            return port
+    raise SettingsError(f"No free port for vLLM's master port among {MP_PORT_TRIES} drawn from {lo}-{hi} on this "
+                        "node (another user may be holding the range): set LLMLAB_MP_PORTS to a range with free "
+                        "ports, or use backend 'ray'.")
+
+
+def on_node_prefix(python: str, env: dict, loopback: bool) -> list[str]:
+    """What runs before a headless node's vLLM: ``llmlab.ops.launcher on-node``, which sets ``VLLM_HOST_IP`` to
+    this node's own address and then execs vLLM.
+
+    Why: vLLM binds its message queues (ZeroMQ XPUB sockets, unauthenticated) on ``VLLM_HOST_IP``, else on the
+    address of the node's default route, often the one every user of the cluster reaches.  The address must be each
+    node's own (one address exported by the head would reach every node through srun), so each node looks it up:
+    on the interface ``LLMLAB_HOST_IFACE`` names (the cluster's private network, e.g. ``ib0``), else the address
+    its hostname resolves to; loopback in the CPU test bed."""
+    if loopback:
+        where = ["--ip", LOOPBACK_RAY_IP]
+    elif env.get("LLMLAB_HOST_IFACE"):
+        where = ["--iface", env["LLMLAB_HOST_IFACE"]]
+    else:
+        where = []
+    return [python, "-m", "llmlab.ops.launcher", "on-node", *where, "--"]
+
+
+def mp_head_ip(env: dict, loopback: bool, addresses: Callable[[], list[str]] | None,
+               iface_address: Callable[[str], str] | None, head: str) -> str:
+    """The head's address for backend "mp": its ``--master-addr`` and its ``VLLM_HOST_IP``.  On the interface
+    ``LLMLAB_HOST_IFACE`` names where it is set (``iface_address`` looks it up on this node; without one, as in a
+    dry run or a notebook, the address is shown as a placeholder), else as :func:`head_ip` says."""
+    iface = env.get("LLMLAB_HOST_IFACE")
+    if env.get("LLMLAB_RAY_HEAD_IP") or loopback or not iface:
+        return head_ip(env, loopback, addresses)
+    return iface_address(iface) if iface_address else f"<{iface} address of {head}>"
+
+
+# Said wherever an mp job is planned or started (``llmlab launch``, its dry run, the job's output): what it exposes.
+MP_EXPOSURE = ("warning: backend mp on a shared cluster: vLLM's message queues (ZeroMQ, unauthenticated) carry "
+               "pickled scheduler outputs, prompt token ids included, on each node's address, and the workers "
+               "unpickle what they receive, so anyone who reaches the nodes' ports can read the prompts and likely run "
+               "code in the workers; Ray, token-authenticated, is the default (backend 'ray'): use mp only where a "
+               "firewall keeps other users off the nodes (docs/security.md).")
+
+
 # The InfiniBand settings of the seeds' 405B run, applied only when asked for (LLMLAB_NCCL_IB=1): NCCL
 # finds InfiniBand by itself on most clusters, and a wrong HCA or interface name makes it fail or fall back.
 NCCL_IB_ENV = {"NCCL_IB_DISABLE": "0", "NCCL_IB_GID_INDEX": "0", "NCCL_IB_HCA": "mlx5", "NCCL_SOCKET_IFNAME": "ib0"}
@@ -195,6 +273,7 @@ class RenderedJob(Address):
     ray: RayLayout | None
     python: str = "python3"
     mp_master: str = ""      # backend "mp" across nodes: the head's host:port for torch.distributed
+    mp_port: int = 0         # ... that port (drawn at random per job: :func:`choose_mp_port`)
     mp_workers: list[list[str]] = field(default_factory=list)  # ... and each other node's headless vLLM
 
     def worker_argv(self, rank: int) -> list[str]:
@@ -227,6 +306,7 @@ class RenderedJob(Address):
         elif self.mp_workers:
             lines.append(f"no Ray: vLLM's own processes on each node (--nnodes {len(self.nodes)}), the head on "
                          f"{self.nodes[0]} ({self.mp_master}), headless workers on {', '.join(self.nodes[1:])}")
+            lines.append(MP_EXPOSURE)
         else:
             lines.append("Ray: not needed (one node: vLLM starts its own worker processes)")
         if self.port:
@@ -257,14 +337,16 @@ class RenderedJob(Address):
                                                    for i in range(1, len(self.nodes))) + ")"]
         else:
             out += ["ray_address=", "ray_expected_gpus=0", "ray_temp_dir=", "ray_head_cmd=", "ray_worker_cmds=()"]
-        out += [f"mp_master={q(self.mp_master)}",
+        out += [f"mp_master={q(self.mp_master)}", f"mp_port={self.mp_port}",
                 "mp_worker_cmds=(" + " ".join(q(shlex.join(argv)) for argv in self.mp_workers) + ")"]
         return "\n".join(out) + "\n"
 
 
 def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None = None, port: int = 0,
            env: dict | None = None, python: str = "python3",
-           addresses: Callable[[], list[str]] | None = None) -> RenderedJob:
+           addresses: Callable[[], list[str]] | None = None,
+           port_free: Callable[[int], bool] | None = None,
+           iface_address: Callable[[str], str] | None = None) -> RenderedJob:
     """Settings + the job's nodes -> the exact commands.  ``port=0`` leaves the port to the proxy, which binds a
     free one when the job starts and only then is it published (``wait-bound``).
 
@@ -272,8 +354,11 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     and vLLM caches), ``LLMLAB_MAX_MODEL_LEN``, ``LLMLAB_EXTRA_VLLM_ARGS``, ``LLMLAB_BIND_HOST``,
     ``LLMLAB_ADVERTISE_HOST``, ``LLMLAB_LOOPBACK``, ``LLMLAB_RAY_HEAD_IP``, ``LLMLAB_RAY_PORT_BASE``,
     ``LLMLAB_RAY_HEAD_ARGS``, ``LLMLAB_RAY_WORKER_ARGS``, ``LLMLAB_RAY_TIMEOUT``, ``LLMLAB_READY_TIMEOUT``,
-    ``LLMLAB_NCCL_IB``; ``LLMLAB_RUN_DIR`` (the launcher's private directory for vLLM's socket).
+    ``LLMLAB_NCCL_IB``, ``LLMLAB_MP_PORTS``,
+    ``LLMLAB_HOST_IFACE``; ``LLMLAB_RUN_DIR`` (the launcher's private directory for vLLM's socket).
     ``addresses``: the node's own addresses, where its hostname resolves to loopback (:func:`head_ip`).
+    ``port_free``: backend "mp" only, whether a port is free on this (the head) node (:func:`choose_mp_port`);
+    ``iface_address``: this node's IPv4 address on an interface (``LLMLAB_HOST_IFACE``, :func:`mp_head_ip`).
     """
     env = dict(os.environ if env is None else env)
     if isinstance(job, str):
@@ -339,11 +424,15 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     rendered = RenderedJob(job, str(job_id), nodes, bind_host, host, port, uds, path, flags, run_env, ray, python)
     if job.uses_mp_nodes:
         # vLLM's own multi-node mode: the head runs the API server and its GPUs' workers, every other node
-        # `--headless` workers; they meet at the head's torch.distributed port (the first of the job's block).
-        master_host, master_port = head_ip(env, loopback, addresses), ray_port_base(job_id, env)
+        # `--headless` workers; they meet at the head's torch.distributed port, drawn at random (the launcher starts
+        # the workers only once the head's own process listens there).
+        master_host = mp_head_ip(env, loopback, addresses, iface_address, nodes[0])
+        master_port = choose_mp_port(env, port_free)
         rendered.flags += ["--node-rank", "0", "--master-addr", master_host, "--master-port", str(master_port)]
-        rendered.mp_master = f"{master_host}:{master_port}"
-        rendered.mp_workers = [rendered.worker_argv(i) for i in range(1, len(nodes))]
+        rendered.mp_master, rendered.mp_port = f"{master_host}:{master_port}", master_port
+        run_env["VLLM_HOST_IP"] = master_host  # the head's message queues; each other node sets its own (on-node)
+        prefix = on_node_prefix(python, env, loopback)
+        rendered.mp_workers = [prefix + rendered.worker_argv(i) for i in range(1, len(nodes))]
     return rendered
 
 

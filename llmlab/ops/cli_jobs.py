@@ -187,7 +187,8 @@ def add_commands(sub) -> None:
         p.add_argument(flag, type=kind, help=text)
     p.add_argument("--gpu-type", help="the GPU the plan is checked against: H100-80, A100-40, H200-141, custom:<GiB>")
     p.add_argument("--backend", choices=("ray", "mp"), help="across nodes: Ray's executor (token-authenticated; the "
-                   "default) or vLLM's own processes (--nnodes, no Ray; their ports take no token)")
+                   "default) or vLLM's own processes (--nnodes, no Ray: their unauthenticated ports carry the "
+                   "prompts; only where a firewall keeps other users off the nodes, see docs/security.md)")
     p.add_argument("--dtype", help="weight dtype for vLLM: bfloat16, float16, fp8 ...")
     p.add_argument("--expert-parallel", action="store_true", help="a mixture of experts: deal whole experts out to "
                    "the TP group's GPUs (vLLM's --enable-expert-parallel)")

@@ -20,6 +20,7 @@ import argparse
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,29 @@ def node_addresses() -> list[str]:
     """This node's addresses, as ``hostname -I`` lists them: where the head's hostname resolves to loopback,
     the first real one is what the workers dial (``llmlab.cluster.render.head_ip``)."""
     return subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+
+
+def ipv4_on(ip_output: str) -> str | None:
+    """The first IPv4 address in ``ip -4 -o addr show dev IFACE``'s output, None if it lists none."""
+    m = re.search(r"\binet (\d+\.\d+\.\d+\.\d+)/", ip_output)
+    return m[1] if m else None
+
+
+def interface_address(iface: str) -> str:
+    """This node's IPv4 address on ``iface`` (``LLMLAB_HOST_IFACE``), or a :class:`SettingsError` that says what to
+    set instead: a node without that interface would otherwise bind vLLM's queues on its default address."""
+    try:
+        out = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", iface], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    ip = ipv4_on(out)
+    if ip is None:
+        raise SettingsError(f"LLMLAB_HOST_IFACE={iface}: {socket.gethostname()} has no IPv4 address on {iface} "
+                            f"(`ip -4 addr show dev {iface}` lists none): set LLMLAB_HOST_IFACE to the interface of "
+                            "the cluster's private network that every node of the job has (`ip -br addr` lists "
+                            "them), or unset it.")
+    return ip
 
 
 def say(message: str, file=None) -> None:
@@ -216,6 +240,72 @@ def port_holder(port: int, pid: int) -> str:
     return "ours" if listening <= socket_inodes(pid) else "other"
 
 
+def port_is_free(port: int) -> bool:
+    """Nobody listens on ``port`` on this node and it can be bound on every address, as torch's TCPStore binds its
+    master port (``*:PORT``).  Used to draw backend "mp"'s master port (``render.choose_mp_port``)."""
+    if listening_inodes(port):
+        return False
+    try:
+        with socket.socket() as s:
+            s.bind(("", port))
+    except OSError:
+        return False
+    return True
+
+
+def group_socket_inodes(pgid: int) -> set[str]:
+    """Inodes of the sockets that the processes of process group ``pgid`` hold: vLLM runs under ``setsid``, so its
+    API server, engine and worker processes are one group, and no other user's process can join it."""
+    from llmlab.serve.proc import _stat
+
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(entry.name)) and stat[2] == str(pgid):
+            found |= socket_inodes(int(entry.name))
+    return found
+
+
+def group_port_holder(port: int, pgid: int) -> str:
+    """Like :func:`port_holder`, for a process group: "ours" when every socket listening on ``port`` belongs to a
+    process of group ``pgid``, "nobody" (yet) or "other"."""
+    listening = listening_inodes(port)
+    if not listening:
+        return "nobody"
+    return "ours" if listening <= group_socket_inodes(pgid) else "other"
+
+
+def wait_for_master_port(port: int, pgid: int, log: Path, timeout: float, poll: float = 0.5) -> bool:
+    """Backend "mp": wait until the head's own vLLM (process group ``pgid``) listens on its master ``port``, before
+    any headless worker is started.
+
+    Why: the workers dial that port and trust whatever answers (torch.distributed's store, then vLLM's pickled
+    message queues).  Started first, as before, they would connect to anyone who took the port before the head's
+    vLLM bound it.  So the head starts first, and a port held by any process outside the head's vLLM fails the
+    job at once, with no worker started.  Returns True once the port is the head's."""
+    from llmlab.serve.proc import pid_alive
+
+    start = time.monotonic()
+    while True:
+        holder = group_port_holder(port, pgid)
+        if holder == "ours":
+            say(f"vLLM's master port {port} is held by the head's own vLLM: starting the headless workers")
+            return True
+        if holder == "other":
+            say(f"FAILED: another process, not this job's vLLM, listens on the master port {port}: the headless "
+                "workers were not started (they would have connected to it). Submit the job again (it draws another "
+                "port), and tell the cluster's administrators if it happens again.")
+            return False
+        if not pid_alive(pgid):
+            say(f"FAILED: vLLM exited before it listened on its master port {port}. Last lines of {log}:\n"
+                f"{tail(log, 25)}")
+            return False
+        if time.monotonic() - start > timeout:
+            say(f"FAILED: vLLM did not listen on its master port {port} within {timeout:g} s; the headless workers "
+                f"were not started. Last lines of {log}:\n{tail(log, 15)}")
+            return False
+        time.sleep(poll)
+
+
 def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, poll: float = 2.0,
                      api_key: str | None = None, proxy_pid: int | None = None, proxy_log: Path | None = None,
                      on_phase=None, steps: dict[str, tuple[int, str]] | None = None) -> bool:
@@ -269,7 +359,8 @@ def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, 
 
 def _cmd_render(a) -> int:
     rendered = render(a.job, job_id=a.job_id, nodes=a.nodes.split() if a.nodes else None, port=a.port,
-                      python=a.python, addresses=node_addresses)
+                      python=a.python, addresses=node_addresses, port_free=port_is_free,
+                      iface_address=None if os.environ.get("LLMLAB_DRY_RUN") == "1" else interface_address)
     print(rendered.shell() if a.shell else rendered.summary() + "\n" + rendered.serve_line)
     from llmlab.serve.vllm import installed_vllm, vllm_outside_range
 
@@ -398,6 +489,23 @@ def curl_line(url: str, key_file: Path | str) -> str:
     return f"curl --config {config} {url}/models"
 
 
+def _cmd_wait_master(a) -> int:
+    return 0 if wait_for_master_port(a.port, a.pid, Path(a.log), a.timeout, a.poll) else 1
+
+
+def _cmd_on_node(a) -> int:
+    """A headless node's vLLM (backend "mp") with ``VLLM_HOST_IP`` set to this node's own address, then exec'd:
+    vLLM binds its unauthenticated message queues there (``render.on_node_prefix`` says why)."""
+    from llmlab.cluster.render import head_ip
+
+    ip = a.ip or (interface_address(a.iface) if a.iface else head_ip({}, False, node_addresses))
+    os.environ["VLLM_HOST_IP"] = ip
+    say(f"{socket.gethostname()}: vLLM's message queues bind to {ip} (VLLM_HOST_IP"
+        f"{f', the address of {a.iface}' if a.iface else ''})", file=sys.stderr)
+    argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv
+    os.execvp(argv[0], argv)
+
+
 def _cmd_progress(a) -> int:
     print(load_progress(Path(a.log)))
     return 0
@@ -453,6 +561,18 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--stop-grace", type=float, default=20, help="seconds the clean-up may take (LLMLAB_STOP_GRACE)")
     h.add_argument("--step", action="append", default=[], help="NODE:PID:LOG of each node's headless vLLM (mp)")
     h.set_defaults(func=_cmd_wait_ready)
+    m = sub.add_parser("wait-master", help="backend mp: wait until the head's vLLM holds its master port")
+    m.add_argument("--port", type=int, required=True)
+    m.add_argument("--pid", type=int, required=True, help="the head's vLLM, leader of its process group (setsid)")
+    m.add_argument("--log", required=True)
+    m.add_argument("--timeout", type=float, default=600)
+    m.add_argument("--poll", type=float, default=0.5)
+    m.set_defaults(func=_cmd_wait_master)
+    n = sub.add_parser("on-node", help="backend mp: set VLLM_HOST_IP to this node's address, then run the command")
+    n.add_argument("--ip", help="the address itself (the CPU test bed's loopback)")
+    n.add_argument("--iface", help="the interface whose address vLLM binds to (LLMLAB_HOST_IFACE)")
+    n.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND...")
+    n.set_defaults(func=_cmd_on_node)
     g = sub.add_parser("progress")
     g.add_argument("log")
     g.set_defaults(func=_cmd_progress)

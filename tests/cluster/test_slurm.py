@@ -326,3 +326,68 @@ def test_a_plain_sbatch_jobs_output_is_private_from_its_creation(slurm_env, tmp_
              300, f"job {job_id} to end")
     assert list(submit_dir.iterdir()) == []
     assert stat.S_IMODE(out.stat().st_mode) == 0o600 and "vLLM:" in out.read_text()
+
+
+# --------------------------------------------------------------------------------------------------
+# Backend "mp" (security review 2, finding 7): the head holds its master port before any worker dials it
+# --------------------------------------------------------------------------------------------------
+
+FAKE_VLLM = r'''
+import os, socket, subprocess, sys, time
+port = int(sys.argv[sys.argv.index("--master-port") + 1])
+listen = ("import socket, sys, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+          "s.bind(('', int(sys.argv[1]))); s.listen(); open(sys.argv[2], 'a').write(sys.argv[3] + '\\n'); "
+          "time.sleep(120)")
+events = os.environ["FAKE_EVENTS"]
+if os.environ["FAKE_MODE"] == "squatted":  # another user takes the port first: a process outside vLLM's group
+    subprocess.Popen([sys.executable, "-c", listen, str(port), events, "squatter listens"], start_new_session=True)
+else:  # vLLM's rank-0 worker, a child in vLLM's process group, binds it as torch's TCPStore does (*:PORT)
+    subprocess.Popen([sys.executable, "-c", listen, str(port), events, "head listens"])
+time.sleep(120)
+'''
+
+
+def mp_launcher(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """The launcher itself on a two-node mp job, without SLURM: ``srun`` is a stand-in that records its call and
+    exits, and vLLM a stand-in whose rank-0 worker listens on the master port (or a squatter does, ``mode``)."""
+    bin_dir, events = tmp_path / "bin", tmp_path / "events"
+    bin_dir.mkdir()
+    (tmp_path / "fake_vllm.py").write_text(FAKE_VLLM)
+    (bin_dir / "srun").write_text('#!/bin/bash\necho "srun $*" >>"$FAKE_EVENTS"\n')
+    (bin_dir / "python").write_text(f'#!/bin/bash\nfor a in "$@"; do [[ $a == vllm.entrypoints.* ]] && '
+                                    f'exec {sys.executable} {tmp_path / "fake_vllm.py"} "$@"; done\n'
+                                    f'exec {sys.executable} "$@"\n')
+    for name in ("srun", "python"):
+        (bin_dir / name).chmod(0o755)
+    settings = tmp_path / "models.toml"
+    settings.write_text('["mp2"]\nmodel = "llmlab-tiny"\nengine = "cpu"\nnodes = 2\ngpus_per_node = 0\n'
+                        'tp = 1\npp = 2\nbackend = "mp"\nready_timeout = 20\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", LLMLAB_PYTHON=str(bin_dir / "python"),
+               LLMLAB_HOME=str(tmp_path / "home"), LLMLAB_SETTINGS_FILE=str(settings), SLURM_JOB_ID="4711",
+               LLMLAB_NODES="node1 node2",
+               LLMLAB_STOP_GRACE="3", FAKE_MODE=mode, FAKE_EVENTS=str(events))
+    job = subprocess.run(["bash", str(SLURM / "llmlab-serve.sh"), "mp2"], capture_output=True, text=True, env=env,
+                         timeout=180, start_new_session=True)
+    return job, events
+
+
+def test_mp_headless_workers_are_started_only_after_the_head_holds_the_master_port(tmp_path):
+    """Before, the launcher `srun`ed the headless workers first, then the head: whoever listened on the master port
+    in between received the workers' connections.  Now the head's own vLLM listens there first."""
+    job, events = mp_launcher(tmp_path, "good")
+    text = job.stdout + job.stderr
+    lines = events.read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["head", "srun"], text + "\n".join(lines)
+    assert "-w node2" in lines[1] and "held by the head's own vLLM: starting the headless workers" in text
+
+
+def test_mp_job_fails_fast_when_another_process_holds_the_master_port(tmp_path):
+    t0 = time.monotonic()
+    job, events = mp_launcher(tmp_path, "squatted")
+    text = job.stdout + job.stderr
+    assert job.returncode != 0 and time.monotonic() - t0 < 60, text
+    assert events.read_text().splitlines() == ["squatter listens"], "a headless worker was started"
+    port = re.search(r"listens on the master port (\d+)", text)
+    assert port and f"FAILED: another process, not this job's vLLM, listens on the master port {port[1]}: the " \
+                    "headless workers were not started" in text, text

@@ -105,6 +105,19 @@ def test_launch_dry_run_renders_the_job_scripts_serve_line_and_ray_layout(name):
     assert "--- job script (not submitted: --dry-run) ---" in out.stdout
 
 
+def test_launch_of_backend_mp_says_in_one_sentence_what_it_exposes_and_that_ray_is_the_default():
+    """Finding 7: mp's exposure was a note in the job's output only, after the job had started, and it understated
+    it.  Now `llmlab launch` and its dry run say it before anything is submitted; mp stays available."""
+    from llmlab.cluster.render import MP_EXPOSURE
+
+    out = llmlab_cli("launch", "llama3.1-405b", "--backend", "mp", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count(MP_EXPOSURE) == 1 and "--distributed-executor-backend mp" in out.stdout
+    assert MP_EXPOSURE.count(". ") == 0 and "pickled scheduler outputs, prompt token ids included" in MP_EXPOSURE
+    assert "Ray, token-authenticated, is the default" in MP_EXPOSURE
+    assert "backend mp on a shared cluster" not in llmlab_cli("launch", "llama3.1-405b", "--dry-run").stdout
+
+
 UNLISTED = [m for m in memory.shipped_models() if m not in {j.model for j in cluster.load_settings().values()}]
 
 

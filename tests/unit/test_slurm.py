@@ -14,6 +14,7 @@ tests/cluster/test_slurm.py (the tests under the SLURM test bed).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -36,6 +37,7 @@ from slurm_helpers import (
 )
 
 from llmlab import cluster, memory
+from llmlab.cluster.render import MP_PORTS
 from llmlab.ops import launcher
 from llmlab.serve.info import new_key_file, servers_dir
 from llmlab.serve.proc import free_port
@@ -171,12 +173,134 @@ def test_backend_mp_runs_vllm_on_every_node_without_ray(tmp_path):
                                                                "--node-rank", "--master-addr", "--master-port")}
         assert list(flag.values()) == ["mp", "2", rank, "10.1.2.3", port], flag
     assert node[0] == "gpu-b" and node[-1] == "--headless" and "--uds" not in node and "--uds" in head
-    assert node[3:6] == ["vllm.entrypoints.cli.main", "serve", "meta-llama/Llama-3.1-405B-Instruct"]
+    shown = out.stdout.index  # the head first; the workers once it holds its master port
+    assert shown("vLLM:") < shown(f"then, once the head's vLLM holds port {port}:") < shown("vLLM node:")
+    vllm_argv = node[node.index("--") + 1:]
+    assert vllm_argv[2:5] == ["vllm.entrypoints.cli.main", "serve", "meta-llama/Llama-3.1-405B-Instruct"]
 
     settings.write_text('["x"]\nmodel = "llama3.1-70b"\nnodes = 2\ngpus_per_node = 4\ntp = 4\npp = 2\n'
                         'backend = "mpi"\n')
     with pytest.raises(cluster.SettingsError, match=r"\[x\]: backend must be 'ray' .* or 'mp'"):
         cluster.load_settings(settings)
+
+
+MP_ENV = {"LLMLAB_RAY_HEAD_IP": "10.1.2.3"}
+
+
+def mp_job():
+    return cluster.JobSettings(**{**cluster.job_settings("llama3.1-405b").as_dict(), "backend": "mp"})
+
+
+def test_mp_master_port_is_drawn_at_random_not_derived_from_the_public_job_id():
+    """Finding 7: the master port was 20000 + (job id % 6) * 2000, the job id is public (squeue), and the headless
+    workers connect to whoever listens there.  Now it is drawn with secrets from a documented range, per job."""
+    ports = [launcher.render(mp_job(), job_id="12345", nodes=["a", "b"], env=MP_ENV).mp_port for _ in range(6)]
+    assert len(set(ports)) > 1, ports  # the same job id, different ports
+    lo, hi = MP_PORTS
+    assert all(lo <= p <= hi for p in ports) and hi < 32768  # below Linux's ephemeral range
+    r = launcher.render(mp_job(), job_id="12345", nodes=["a", "b"], env=MP_ENV)
+    assert r.flags[r.flags.index("--master-port") + 1] == str(r.mp_port) and r.mp_master == f"10.1.2.3:{r.mp_port}"
+    assert f"mp_port={r.mp_port}" in r.shell().splitlines()
+    assert all(w[w.index("--master-port") + 1] == str(r.mp_port) for w in r.mp_workers)
+
+
+def test_mp_master_port_is_drawn_again_when_taken_and_the_range_is_an_admins_choice():
+    from llmlab.cluster.render import choose_mp_port
+
+    taken = {20001, 20002}
+    drawn = iter([20001, 20002, 20003])
+
+    class Rng:
+        def randint(self, lo, hi):
+            assert (lo, hi) == (20001, 20003)
+            return next(drawn)
+
+    assert choose_mp_port({"LLMLAB_MP_PORTS": "20001-20003"}, lambda p: p not in taken, Rng()) == 20003
+    with pytest.raises(cluster.SettingsError, match=r"No free port .* drawn from 20001-20001 .* LLMLAB_MP_PORTS"):
+        choose_mp_port({"LLMLAB_MP_PORTS": "20001-20001"}, lambda p: False)
+    with pytest.raises(cluster.SettingsError, match=r"LLMLAB_MP_PORTS='80-90' is not a port range: write it LO-HI"):
+        choose_mp_port({"LLMLAB_MP_PORTS": "80-90"})
+
+
+def test_a_port_someone_listens_on_is_not_free_for_the_master_port():
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        assert launcher.port_is_free(port) is False
+    assert launcher.port_is_free(port) is True
+
+
+def _listener_in_its_own_session(tmp_path):
+    """A process that listens on a port in a process group of its own, as the head's vLLM does under setsid."""
+    ready = tmp_path / "port"
+    code = ("import socket, sys, time, pathlib; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+            "pathlib.Path(sys.argv[1]).write_text(str(s.getsockname()[1])); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ready)], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not ready.exists() or not ready.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    return proc, int(ready.read_text())
+
+
+def test_headless_workers_start_only_once_the_heads_own_vllm_holds_the_master_port(tmp_path, capsys):
+    """The launcher's wait before `srun`ing the headless workers: the port must be held by the head's vLLM (its
+    process group, under setsid); a squatter on it fails the job in one sentence, no worker started."""
+    log = tmp_path / "vllm.log"
+    log.write_text("")
+    head, port = _listener_in_its_own_session(tmp_path)
+    try:
+        assert launcher.wait_for_master_port(port, head.pid, log, timeout=20, poll=0.1)
+        assert "held by the head's own vLLM" in capsys.readouterr().out
+        other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # the head's vLLM: alive, not holding it
+        try:
+            t0 = time.monotonic()
+            assert launcher.wait_for_master_port(port, other.pid, log, timeout=20, poll=0.1) is False
+            assert time.monotonic() - t0 < 5
+        finally:
+            other.kill()
+            other.wait()
+        out = capsys.readouterr().out
+        assert (f"FAILED: another process, not this job's vLLM, listens on the master port {port}: the headless "
+                "workers were not started") in out
+    finally:
+        head.kill()
+        head.wait()
+
+
+def test_mp_binds_vllms_queues_on_each_nodes_address_on_the_interface_the_admin_names():
+    """Finding 7: vLLM's broadcast queue binds its XPUB on VLLM_HOST_IP, else on the default route's address; llmlab
+    set none.  Now the head exports its own (the address of LLMLAB_HOST_IFACE, e.g. ib0) and every other node's
+    vLLM starts through `on-node`, which sets that node's own before it execs vLLM."""
+    env = {"LLMLAB_HOST_IFACE": "ib0"}
+    r = launcher.render(mp_job(), nodes=["a", "b"], env=env, python="/py", iface_address=lambda i: f"10.10.0.1-{i}")
+    assert r.env["VLLM_HOST_IP"] == "10.10.0.1-ib0" and r.mp_master.startswith("10.10.0.1-ib0:")
+    assert "export VLLM_HOST_IP=10.10.0.1-ib0" in r.shell().splitlines()
+    (worker,) = r.mp_workers
+    assert worker[:7] == ["/py", "-m", "llmlab.ops.launcher", "on-node", "--iface", "ib0", "--"]
+    assert worker[7:] == r.worker_argv(1)
+    shown = launcher.render(mp_job(), nodes=["a", "b"], env=env)  # a dry run looks nothing up
+    assert shown.env["VLLM_HOST_IP"] == "<ib0 address of a>"
+    loop = launcher.render(dataclasses.replace(mp_job(), engine="cpu", gpus_per_node=0), nodes=["a", "b"], env={})
+    assert loop.env["VLLM_HOST_IP"] == cluster.LOOPBACK_RAY_IP
+    assert loop.mp_workers[0][4:7] == ["--ip", cluster.LOOPBACK_RAY_IP, "--"]
+
+
+def test_on_node_sets_this_nodes_own_address_over_the_heads_inherited_one():
+    show = [sys.executable, "-c", "import os; print(os.environ['VLLM_HOST_IP'])"]
+    env = {**os.environ, "VLLM_HOST_IP": "10.0.0.1"}  # the head's, as srun hands it on
+    run = [sys.executable, "-m", "llmlab.ops.launcher", "on-node"]
+    out = subprocess.run([*run, "--ip", "10.0.0.2", "--", *show], capture_output=True, text=True, env=env)
+    assert out.stdout == "10.0.0.2\n" and "vLLM's message queues bind to 10.0.0.2" in out.stderr
+    out = subprocess.run([*run, "--iface", "lo", "--", *show], capture_output=True, text=True, env=env)
+    assert out.stdout == "127.0.0.1\n", out.stderr
+    out = subprocess.run([*run, "--iface", "nosuch0", "--", *show], capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "LLMLAB_HOST_IFACE=nosuch0: " in out.stderr and "has no IPv4 address on nosuch0" in out.stderr
+    assert launcher.ipv4_on("3: ib0    inet 10.10.1.5/16 brd 10.10.255.255 scope global ib0\\") == "10.10.1.5"
 
 
 def test_rendered_shell_survives_quotes_and_spaces():

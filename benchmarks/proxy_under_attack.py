@@ -22,7 +22,6 @@ Figures, not pass/fail: see CONVENTIONS.md.
 from __future__ import annotations
 
 import argparse
-import http.client
 import os
 import pwd
 import re
@@ -38,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from proxy_helpers import proxy_process, stand_in_vllm  # noqa: E402
+from proxy_helpers import keyed_latencies, proxy_process, stand_in_vllm  # noqa: E402
 
 from llmlab.serve.info import write_private  # noqa: E402
 from llmlab.serve.proxy import key_digest_line  # noqa: E402
@@ -48,20 +47,6 @@ MiB = 2**20
 
 def rss_mib(pid: int) -> float:
     return int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())[1]) / 1024
-
-
-def latencies(port: int, key: str, seconds: float) -> list[float]:
-    """Seconds each GET /v1/models of one sequential keyed client took, on one keep-alive connection."""
-    conn, took = http.client.HTTPConnection("127.0.0.1", port, timeout=30), []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        t = time.monotonic()
-        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
-        response = conn.getresponse()
-        response.read()
-        took.append(time.monotonic() - t)
-    conn.close()
-    return took
 
 
 def summary(took: list[float]) -> str:
@@ -97,12 +82,12 @@ def attack_keys(folder: Path, junk: int, seconds: float) -> None:
         os.chown(path, uid, -1)
     with stand_in_vllm(folder) as uds, proxy_process(folder, uds, "--keys", str(keys)) as (_, port, key):
         time.sleep(2)
-        print(f"keys: {junk} junk names, quiet folder:      {summary(latencies(port, key, seconds))}")
+        print(f"keys: {junk} junk names, quiet folder:      {summary(keyed_latencies(port, key, seconds))}")
         stop = threading.Event()
         worker = threading.Thread(target=churn, args=(keys, uid, stop), daemon=True)
         worker.start()
         try:
-            print(f"keys: {junk} junk names, a file churned:  {summary(latencies(port, key, seconds))}")
+            print(f"keys: {junk} junk names, a file churned:  {summary(keyed_latencies(port, key, seconds))}")
         finally:
             stop.set()
             worker.join()
@@ -152,7 +137,7 @@ def attack_memory(folder: Path, connections: int) -> None:
         owner: list[float] = []
         while not done.is_set():
             peak = max(peak, rss_mib(proc.pid))
-            owner += latencies(port, key, 0.2)
+            owner += keyed_latencies(port, key, 0.2)
         attacker.join()
         peak = max(peak, rss_mib(proc.pid))
         time.sleep(1)

@@ -83,3 +83,22 @@ def proxy_process(tmp_path: Path, upstream: Path, *args: str, ulimit: str = ""):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def keyed_latencies(port: int, key: str, seconds: float) -> list[float]:
+    """A sequential keyed client on one keep-alive connection: the seconds each GET /v1/models took (each answered
+    200), for ``seconds``.  The test of a churned keys folder asserts on them; benchmarks/proxy_under_attack.py
+    prints them."""
+    import http.client
+
+    conn, took = http.client.HTTPConnection("127.0.0.1", port, timeout=30), []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.monotonic()
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 200, f"the proxy answered {response.status}"
+        took.append(time.monotonic() - t)
+    conn.close()
+    return took

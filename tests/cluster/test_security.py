@@ -788,29 +788,12 @@ print("churned", n, flush=True)
 """
 
 
-def keyed_latencies(port: int, key: str, seconds: float) -> list[float]:
-    """A sequential keyed client on one keep-alive connection: the seconds each GET /v1/models took."""
-    import http.client
-
-    conn, took = http.client.HTTPConnection("127.0.0.1", port, timeout=20), []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        t = time.monotonic()
-        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
-        response = conn.getresponse()
-        response.read()
-        assert response.status == 200
-        took.append(time.monotonic() - t)
-    conn.close()
-    return took
-
-
 def test_proxy_a_churned_keys_folder_does_not_stall_the_room(attacker, share_room, tmp_path):
     """Finding 3: 10,000 junk names in keys/ and a file made and removed every 0.3 s.  Before, every change meant a
     full re-read (open, fstat, getpwnam of each name) on the proxy's event loop, and a keyed client's p99 went from
     5 ms to 1,386 ms.  Now the re-read runs in a thread, stats only, at most one at a time, rested between: the p99
     stays far below (benchmarks/proxy_under_attack.py prints the figures)."""
-    from proxy_helpers import proxy_process, stand_in_vllm
+    from proxy_helpers import keyed_latencies, proxy_process, stand_in_vllm
 
     keys = share_room[0] / "keys"
     with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, key):

@@ -78,6 +78,7 @@ class Ring:
 
     digests: tuple[bytes, ...]
     signature: tuple
+    denied: tuple[bytes, ...] = ()  # revoked by the owner ("revoked sha256:" lines): refused with a sentence of its own
 
 
 def user_uid(name: str, cache: dict[str, int | None] | None = None) -> int | None:
@@ -368,7 +369,8 @@ def load(path: Path | str | None, signature: tuple | None = None, reader: Reader
     # re-checked each time: the regular files of the owner and of the users they name (one each: a room's few)
     watched = tuple(e.signature for e in found.entries
                     if e.signature and (e.trusted or e.problem not in (NOT_THEIRS, NOT_REGULAR, HARD_LINK)))
-    return Ring(tuple(d for e in accepted(found.entries) for d in e.digests), (folder, watched))
+    return Ring(tuple(d for e in accepted(found.entries) for d in e.digests), (folder, watched),
+                tuple(d for e in found.entries if e.trusted for d in e.denied))
 
 
 def _what_is_ignored(path: Path, found: Scan) -> str:
@@ -414,4 +416,4 @@ def _load_file(path: Path, signature: tuple | None) -> Ring | None:
         os.close(fd)
     digests, denied, bad, _ = _parse(data.decode("utf-8", errors="replace"), trusted=True)
     _warn_once(path, f"{path}: {bad} line(s) are not 'sha256:<64 hex digits>'; ignored" if bad else "")
-    return Ring(tuple(d for d in digests[:MAX_TRUSTED_DIGESTS] if d not in set(denied)), sig)
+    return Ring(tuple(d for d in digests[:MAX_TRUSTED_DIGESTS] if d not in set(denied)), sig, tuple(denied))

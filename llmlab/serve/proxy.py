@@ -128,6 +128,7 @@ class KeyRing:
         self.recheck = recheck
         self._reader = keyring.Reader()  # remembers user names and unchanged files between reads
         self._digests: tuple[bytes, ...] = ()
+        self._denied: frozenset[bytes] = frozenset()
         self._signature: tuple = ()
         self._checked = float("-inf")
         self._watcher: asyncio.Task | None = None
@@ -150,7 +151,7 @@ class KeyRing:
     def _install(self, ring) -> None:
         if ring is None:  # nothing changed (or keys/ is unreadable just now: keep what was read)
             return
-        self._digests, self._signature = ring.digests, ring.signature
+        self._digests, self._signature, self._denied = ring.digests, ring.signature, frozenset(ring.denied)
         log.info("%d registered key(s) from %s", len(ring.digests), self.registered_path)
 
     def watch(self) -> asyncio.Task:
@@ -195,6 +196,14 @@ class KeyRing:
         for known in self._digests:
             ok |= hmac.compare_digest(given, known)
         return ok
+
+
+    def revoked(self, authorization: str | None) -> bool:
+        """True for ``Bearer <key>`` whose digest the owner revoked (``llmlab revoke``): the proxy then says so, so
+        that a learner cut off mid-notebook is told why instead of "wrong key".  Only the key's holder can learn
+        this, and they knew the key."""
+        scheme, _, key = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and bool(key.strip()) and digest(key) in self._denied
 
 
 def _loop_running() -> bool:
@@ -815,6 +824,9 @@ class Proxy:
             return error_response(400, f"Refused: {why}.")
         authorization = next((v.decode("latin-1") for k, v in r.headers if k.lower() == b"authorization"), None)
         if not self.keys.accepts(authorization):
+            if self.keys.revoked(authorization):
+                return error_response(401, "Unauthorized: your access to this server was revoked by its owner "
+                                           "(llmlab revoke): ask your instructor.", (b"www-authenticate: Bearer",))
             return error_response(401, "Unauthorized: missing or wrong API key (send 'Authorization: Bearer <key>'; "
                                        "llmlab.connect() reads it from the server's key file).",
                                   (b"www-authenticate: Bearer",))

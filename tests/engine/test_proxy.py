@@ -65,6 +65,13 @@ def test_keyring_owner_registered_and_revoked(tmp_path):
     assert learner not in (keys / "alice").read_text()  # only the hash is registered
     (keys / "alice").unlink()  # revoked, without restarting anything
     assert not ring.accepts(f"Bearer {learner}") and ring.accepts("Bearer owner-key-0123456789abcdef")
+    assert not ring.revoked(f"Bearer {learner}")  # gone, not revoked: the proxy says "wrong key"
+    # llmlab revoke's way: a file of the owner's under the learner's name, listing the digests it refuses
+    (keys / "alice").write_text("# revoked by the instructor\nrevoked " + proxy.key_digest_line(learner, "alice")
+                                .split()[0] + "\n")
+    assert not ring.accepts(f"Bearer {learner}")
+    assert ring.revoked(f"Bearer {learner}") and not ring.revoked("Bearer someone-else-0123456789")
+    assert not ring.revoked(None) and not ring.revoked(learner)  # no scheme: not even looked up
 
 
 def test_keyring_reads_the_keys_folder_off_the_event_loop(tmp_path, monkeypatch):
@@ -412,3 +419,24 @@ def test_proxy_on_a_port_someone_holds_exits_with_a_sentence_and_writes_no_ready
                               str(ready)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr and not ready.exists()
     assert f"127.0.0.1:{port}" in out.stderr and "in use" in out.stderr
+
+
+def test_a_learner_revoked_mid_notebook_is_told_so_by_the_proxy(tmp_path):
+    """A room's learner whose key the instructor revokes while a notebook runs gets the proxy's 401 on the next
+    request: it says the access was revoked and whom to ask, not "wrong key" (a key that was never registered
+    still gets that)."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    learner = "learner-key-" + os.urandom(12).hex()
+    (keys / "alice").write_text(proxy.key_digest_line(learner, "alice") + "\n")
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, _key):
+        url = f"http://127.0.0.1:{port}/v1/models"
+        assert _get(url, learner)[0] == 200
+        (keys / "alice").write_text("# revoked by the instructor\nrevoked " +
+                                    proxy.key_digest_line(learner, "alice").split()[0] + "\n")
+        deadline = time.monotonic() + 10
+        while (answer := _get(url, learner))[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the key ring notices within about a second
+        assert answer[0] == 401 and b"revoked by its owner" in answer[1] and b"ask your instructor" in answer[1]
+        wrong = _get(url, "never-registered-0123456789")
+        assert wrong[0] == 401 and b"missing or wrong API key" in wrong[1]

@@ -78,7 +78,7 @@ def test_cpu_job_loads_serves_with_its_key_and_cleans_up_within_killwait_after_s
     output = tmp_path / f"slurm-{job_id}.out"
     conn = servers_dir() / f"job-{job_id}.json"
     keys = Path(os.environ["LLMLAB_HOME"]) / "keys"
-    secrets = [keys / f"job-{job_id}.key", keys / f"ray-job-{job_id}.token"]
+    secrets = [keys / f"job-{job_id}.key", keys / f"ray-job-{job_id}.token", keys / f"job-{job_id}.curl"]
     seen: list[tuple[str, str]] = []
 
     def watch(until: str | None):
@@ -126,7 +126,9 @@ def test_cpu_job_loads_serves_with_its_key_and_cleans_up_within_killwait_after_s
         assert stat.S_IMODE(Path(info["api_key_file"]).stat().st_mode) == 0o600
         text = output.read_text()
         assert "Ray: 2/2 nodes, 0/0 GPUs joined" in text and "READY: llmlab-tiny-cpu at http://127.0.0.1:" in text
-        assert "client, model = llmlab.connect()" in text and f"$(cat {info['api_key_file']})" in text
+        curl_config = Path(info["api_key_file"]).with_suffix(".curl")  # the key's header, out of curl's arguments
+        assert "client, model = llmlab.connect()" in text and f"curl --config {curl_config} " in text
+        assert stat.S_IMODE(curl_config.stat().st_mode) == 0o600
 
         client, model = llmlab.connect(quiet=True)  # the notebook's way: the newest connection file
         assert model == CPU_JOB

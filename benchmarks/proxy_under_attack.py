@@ -1,7 +1,7 @@
 """The key-checking proxy under attack by a learner of its room (issue 37; docs/security.md): the figures behind the
 tests in tests/cluster/test_security.py, printed.
 
-Two attacks, each against a proxy of this script's own in front of a stand-in for vLLM (tests/proxy_helpers.py: no
+Three attacks, each against a proxy of this script's own in front of a stand-in for vLLM (tests/proxy_helpers.py: no
 engine, nothing else on the machine is touched):
 
 - ``keys``: a room's ``keys/`` holds ``--junk`` names that are no user's key file, and one file is made and removed
@@ -12,8 +12,11 @@ engine, nothing else on the machine is touched):
   (never finished), then sends one 32 MiB body of ten million empty JSON objects to a ``--route prefix`` proxy
   (two stand-in replicas).  VmRSS of the proxy (/proc/PID/status) before, at its peak and a second after the
   attacker left; the owner's own requests meanwhile (their slowest answer).
+- ``mixed``: every kind of client at once, at a limit of 64 open files: 30 keyless connections idle mid-head, 30
+  keyed ones idle after one request, and the ``memory`` attack's bodies; VmRSS and the owner's requests (answered,
+  failed) throughout.
 
-    sudo PYTHONPATH=. .venv/bin/python benchmarks/proxy_under_attack.py            # both
+    sudo PYTHONPATH=. .venv/bin/python benchmarks/proxy_under_attack.py            # all three
     PYTHONPATH=. .venv/bin/python benchmarks/proxy_under_attack.py --attack memory  # any user
 
 Figures, not pass/fail: see CONVENTIONS.md.
@@ -148,16 +151,96 @@ def attack_memory(folder: Path, connections: int) -> None:
     print(f"memory: the owner meanwhile: {summary(owner)}")
 
 
+def owner_requests(port: int, key: str, seconds: float) -> tuple[list[float], list[str]]:
+    """The owner's sequential GETs for ``seconds``, a new connection after any failure: (seconds each successful
+    one took, what each failed one got)."""
+    import http.client
+
+    took, failed, conn = [], [], None
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.monotonic()
+        try:
+            conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+            response = conn.getresponse()
+            response.read()
+            if response.status == 200:
+                took.append(time.monotonic() - t)
+                continue
+            failed.append(str(response.status))
+        except OSError as e:
+            failed.append(type(e).__name__)
+        conn = None
+        time.sleep(0.05)
+    return took, failed
+
+
+def idle_connections(port: int, n: int, key: str | None) -> list[socket.socket]:
+    """``n`` connections that say nothing more: keyless ones send half a head, keyed ones one GET and then wait."""
+    held = []
+    for _ in range(n):
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            if key:
+                s.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n".encode())
+                s.recv(4096)
+            else:
+                s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+            held.append(s)
+        except OSError:
+            pass
+    return held
+
+
+def attack_mixed(folder: Path, connections: int, seconds: float) -> None:
+    """Every kind of client at once against a proxy with a soft and hard limit of 64 open files: 30 keyless
+    connections idle mid-head, 30 keyed ones idle after one request, and a learner holding ``connections`` 32 MiB
+    bodies plus one 32 MiB prefix-routed body; the owner sends requests throughout."""
+    learner = "learner-" + os.urandom(16).hex()
+    keys = write_private(folder / "keys.txt", key_digest_line(learner) + "\n")
+    (folder / "a").mkdir()
+    (folder / "b").mkdir()
+    with stand_in_vllm(folder / "a") as a, stand_in_vllm(folder / "b") as b, proxy_process(
+            folder, a, "--upstream", f"unix:{b}", "--route", "prefix", "--keys", str(keys),
+            ulimit="-n 64") as (proc, port, key):
+        time.sleep(1)
+        before = peak = rss_mib(proc.pid)
+        idle = idle_connections(port, 30, None) + idle_connections(port, 30, learner)
+        said, done = [], threading.Event()
+        attacker = threading.Thread(target=hold_bodies, args=(port, learner, connections, said, done), daemon=True)
+        attacker.start()
+        took, failed = [], []
+        end = time.monotonic() + seconds
+        while time.monotonic() < end or not done.is_set():
+            peak = max(peak, rss_mib(proc.pid))
+            ok, bad = owner_requests(port, key, 0.2)
+            took += ok
+            failed += bad
+        attacker.join()
+        for s in idle:
+            s.close()
+        time.sleep(1)
+        after = rss_mib(proc.pid)
+    print(f"mixed: 30 keyless idle + 30 keyed idle + {connections} x 32 MiB held + one 32 MiB prefix body, open "
+          f"files 64: VmRSS {before:.0f} MiB before, {peak:.0f} at the peak (+{peak - before:.0f}), {after:.0f} a "
+          "second after")
+    print(f"mixed: the attacker: {'; '.join(said)}")
+    print(f"mixed: the owner meanwhile: {summary(took) if took else 'no answer'}; {len(failed)} failed "
+          f"{sorted(set(failed)) if failed else ''}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--attack", choices=("keys", "memory", "both"), default="both")
+    p.add_argument("--attack", choices=("keys", "memory", "mixed", "all"), default="all")
     p.add_argument("--junk", type=int, default=10_000, help="junk names in keys/")
     p.add_argument("--seconds", type=float, default=8.0, help="how long the keyed client measures, each phase")
     p.add_argument("--connections", type=int, default=12, help="connections holding a 32 MiB body")
     a = p.parse_args()
     for attack, run in (("keys", lambda f: attack_keys(f, a.junk, a.seconds)),
-                        ("memory", lambda f: attack_memory(f, a.connections))):
-        if a.attack in (attack, "both"):
+                        ("memory", lambda f: attack_memory(f, a.connections)),
+                        ("mixed", lambda f: attack_mixed(f, a.connections, a.seconds))):
+        if a.attack in (attack, "all"):
             folder = Path(tempfile.mkdtemp(prefix=f"llmlab-attack-{attack}-"))
             os.chmod(folder, 0o755)
             try:

@@ -151,8 +151,9 @@ class KeyRing:
     def _install(self, ring) -> None:
         if ring is None:  # nothing changed (or keys/ is unreadable just now: keep what was read)
             return
+        if set(ring.digests) != set(self._digests):  # a folder that keeps changing logs only what changes who is in
+            log.info("%d registered key(s) from %s", len(ring.digests), self.registered_path)
         self._digests, self._signature, self._denied = ring.digests, ring.signature, frozenset(ring.denied)
-        log.info("%d registered key(s) from %s", len(ring.digests), self.registered_path)
 
     def watch(self) -> asyncio.Task:
         """Start (once) re-reading the registered keys off the running event loop; the task that does it.

@@ -440,3 +440,22 @@ def test_a_learner_revoked_mid_notebook_is_told_so_by_the_proxy(tmp_path):
         assert answer[0] == 401 and b"revoked by its owner" in answer[1] and b"ask your instructor" in answer[1]
         wrong = _get(url, "never-registered-0123456789")
         assert wrong[0] == 401 and b"missing or wrong API key" in wrong[1]
+
+
+def test_a_keys_folder_that_keeps_changing_logs_only_changes_of_who_is_in(tmp_path, caplog):
+    """A room's keys/ changes every time anyone writes there; the proxy logs the count of registered keys when it
+    changes, not at every re-read (it logged every second while a learner churned a junk file)."""
+    owner = write_private(tmp_path / "owner.key", "owner-key-0123456789abcdef\n")
+    keys = tmp_path / "keys.d"
+    keys.mkdir()
+    ring = proxy.KeyRing(owner, keys, recheck=0)
+    caplog.set_level(logging.INFO, logger=proxy.log.name)
+    (keys / "alice").write_text(proxy.key_digest_line("learner-1-key-xyz-0123456789", "alice") + "\n")
+    assert ring.accepts("Bearer learner-1-key-xyz-0123456789") and ring.registered == 1
+    for n in range(5):  # junk made and removed: the folder changes, who is in does not
+        (keys / f"junk{n}").write_text("x")
+        ring.refresh(force=True)
+        (keys / f"junk{n}").unlink()
+        ring.refresh(force=True)
+    said = [r.getMessage() for r in caplog.records if "registered key(s)" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("1 registered key(s)"), said

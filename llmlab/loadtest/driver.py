@@ -322,15 +322,19 @@ def synthetic_workload(n: int, input_len: int = 32, output_len: int = 32, *, see
 # --- a concurrency sweep ----------------------------------------------------------------------------------
 
 def sweep(client, model: str, prompts: Iterable, concurrencies: Iterable[int] = (1, 2, 4, 8), *, warmup: int = 1,
-          progress: bool = True, slo: dict | None = None, **kwargs):
+          progress: bool = True, slo: dict | None = None, repeats: int = 1, **kwargs):
     """Run the same prompts at each concurrency; return a pandas DataFrame, one summary row per level.
 
     ``warmup`` requests go first at each level and are not counted (the first request after a pause pays
     for waking the engine).  The ``LoadResult``s are in ``table.attrs["results"]`` by concurrency.  ``slo``
     (seconds, e.g. ``{"ttft": 0.5, "tpot": 0.05}``) adds each level's goodput (``good``, ``goodput_share``,
-    ``goodput_requests_per_s``), which ``plot_sweep`` then draws.
+    ``goodput_requests_per_s``), which ``plot_sweep`` then draws.  ``repeats`` > 1 runs each level that many
+    times (:func:`~llmlab.loadtest.repeat`): each figure is then the median of the runs, with ``<figure>_low`` /
+    ``_high`` columns, and ``attrs["results"]`` holds a :class:`~llmlab.loadtest.Repeated` per level.
     """
     import pandas as pd
+
+    from llmlab.loadtest.repeats import repeat
 
     check_slo(slo)  # before any request: a typo in an SLO should not cost a whole sweep
     jobs = as_jobs(prompts)
@@ -339,7 +343,10 @@ def sweep(client, model: str, prompts: Iterable, concurrencies: Iterable[int] = 
         if warmup:
             run(client, model, jobs[:warmup], concurrency=1, progress=False,
                 **{k: v for k, v in kwargs.items() if k not in ("save", "resume", "on_record")})
-        res = run(client, model, jobs, concurrency=c, progress=progress, **kwargs)
+        if repeats == 1:
+            res = run(client, model, jobs, concurrency=c, progress=progress, **kwargs)
+        else:
+            res = repeat(client, model, jobs, repeats, concurrency=c, progress=progress, **kwargs)
         results[c] = res
         rows.append(res.summary(slo))
     table = pd.DataFrame(rows).set_index("concurrency")
@@ -371,13 +378,17 @@ def plot_sweep(table, latency: str = "tpot_p50", axes=None):
     left.legend()
     lat = table[latency].to_numpy() * 1000
     right.plot(tput, lat, "o-")
+    top = lat
+    if f"{latency}_low" in table.columns:  # a repeated sweep: each level's interval
+        low, top = table[f"{latency}_low"].to_numpy() * 1000, table[f"{latency}_high"].to_numpy() * 1000
+        right.errorbar(tput, lat, yerr=[lat - low, top - lat], fmt="none", capsize=3, color="C0")
     for x, y, n in zip(tput, lat, c, strict=True):
         right.annotate(f"c={n}", (x, y), textcoords="offset points", xytext=(5, 5))
     name = {"tpot": "time per output token", "ttft": "time to first token", "latency": "end-to-end latency",
             "itl": "inter-token latency"}.get(latency.rsplit("_", 1)[0], latency)
     right.set(xlabel="output tokens / s", ylabel=f"{name}, {latency.rsplit('_', 1)[-1]} (ms)",
               title="Latency vs throughput")
-    right.set_ylim(0, max(lat) * 1.2)
+    right.set_ylim(0, max(top) * 1.2)
     right.figure.tight_layout()
     return axes
 

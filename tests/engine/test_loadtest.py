@@ -217,6 +217,26 @@ def test_sweep_on_the_embedded_server(conn):
 
 
 @pytest.mark.server
+def test_a_repeated_sweep_reports_medians_of_its_runs_with_intervals(conn):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    client, model = conn
+    jobs = lt.synthetic_workload(6, input_len=16, output_len=8, seed=2)
+    table = lt.sweep(client, model, jobs, concurrencies=(1, 3), repeats=3, progress=False, ignore_eos=True,
+                     temperature=0)
+    for c in (1, 3):
+        rep = table.attrs["results"][c]
+        assert isinstance(rep, lt.Repeated) and [len(r.records) for r in rep.results] == [6, 6, 6]
+        runs = [r.summary()["tpot_p50"] for r in rep.results]
+        assert table.loc[c, "tpot_p50"] == sorted(runs)[1] and table.loc[c, "ok"] == 18
+        assert table.loc[c, "tpot_p50_low"] <= table.loc[c, "tpot_p50_high"]
+        assert table.loc[c, "repeats"] == 3 and any("ttft_p99" in n for n in table.loc[c, "notes"])
+    _, right = lt.plot_sweep(table, latency="ttft_p50")
+    assert len(right.containers) == 1  # the intervals, drawn as error bars
+
+
+@pytest.mark.server
 def test_server_killed_mid_run_loses_nothing(conn, tmp_path):
     """A private server is killed (SIGKILL, like a crash) after three answers; then the run is resumed."""
     client, model = conn

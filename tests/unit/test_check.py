@@ -126,25 +126,29 @@ def test_embedded_kv_tokens(capsys):
 
 # --- notebook 02: KV caching -------------------------------------------------------------------------------------
 
-def test_tiny_kv_bytes_per_token(capsys):
+def test_tiny_kv_without_gqa(capsys):
+    """Exercise 1 asks what a full-context request of the tiny model would keep without GQA; the lesson prints its
+    2,048 bytes per token with GQA."""
     spec = memory.model_spec("llmlab-tiny")
-    per = memory.kv_bytes_per_token(spec)
-    assert per == 2048
-    not_yet(check.tiny_kv_bytes_per_token, per // 2, hint="that is half: count both K and V")
-    not_yet(check.tiny_kv_bytes_per_token, per * spec.num_heads // spec.num_kv_heads, hint="query heads")
-    not_yet(check.tiny_kv_bytes_per_token, per + 1, hint="x 4 bytes (float32)")
-    right(capsys, check.tiny_kv_bytes_per_token, per)
+    gqa = memory.kv_bytes_per_token(spec)
+    mha = spec.num_layers * 2 * spec.num_heads * spec.head_dim * 4
+    assert (gqa, mha, spec.max_position_embeddings) == (2048, 8192, 512)
+    not_yet(check.tiny_kv_without_gqa, 512 * gqa, hint="that is the cache with the 2 KV heads, the lesson's")
+    not_yet(check.tiny_kv_without_gqa, mha, hint="that is one token's keys and values")
+    not_yet(check.tiny_kv_without_gqa, 512 * mha // 2, hint="that is half: count both K and V")
+    not_yet(check.tiny_kv_without_gqa, 512 * mha * 2, hint="x 4 bytes (float32)")  # 8 bytes a value: not named
+    assert "4 MiB for a 512-token request, 4x the 1 MiB" in right(capsys, check.tiny_kv_without_gqa, 512 * mha)
 
 
 def test_cache_matches_arithmetic(capsys):
     per, tokens = 2048, 10
     layers = memory.model_spec("llmlab-tiny").num_layers
-    not_yet(check.cache_matches_arithmetic, tokens * per, tokens, per // 2, hint="first get the bytes per token right")
-    not_yet(check.cache_matches_arithmetic, tokens * per // layers, tokens, per, hint="that is one layer's share")
-    not_yet(check.cache_matches_arithmetic, tokens * per // 2, tokens, per, hint="that is half: add the values")
-    not_yet(check.cache_matches_arithmetic, tokens * per + 4, tokens, per, hint="not a whole number of tokens' worth")
-    not_yet(check.cache_matches_arithmetic, 11 * per, tokens, per, hint="the tensors hold 11 tokens' worth, not 10")
-    right(capsys, check.cache_matches_arithmetic, tokens * per, tokens, per)
+    not_yet(check.cache_matches_arithmetic, tokens * per // layers, tokens, hint="that is one layer's share")
+    not_yet(check.cache_matches_arithmetic, tokens * per // 2, tokens, hint="that is half: add the values")
+    not_yet(check.cache_matches_arithmetic, tokens * per + 4, tokens, hint="not a whole number of tokens' worth")
+    not_yet(check.cache_matches_arithmetic, 11 * per, tokens, hint="the tensors hold 11 tokens' worth, not 10")
+    not_yet(check.cache_matches_arithmetic, tokens * per * 4, tokens, hint="the tensors hold 40 tokens' worth")
+    right(capsys, check.cache_matches_arithmetic, tokens * per, tokens)
 
 
 def test_request_blocks(capsys):

@@ -328,11 +328,16 @@ def test_tp_link_times(capsys):
 
 
 def test_pp_boundary(capsys):
-    not_yet(check.pp_boundary, 16384, 0.33, hint="that counts values, not bytes")
-    not_yet(check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 50e9, hint="that is seconds: multiply by 1e6")
-    not_yet(check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 400e9 * 1e6, hint="bytes / 50e9 B/s (one port")
-    out = right(capsys, check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 50e9 * 1e6)
-    assert "0.66 µs" in out and "220x" in out  # 63 layers x 2 all-reduces x 2 x 7/8 per GPU of TP=8 x PP=2
+    """Exercise 3 asks for a 2,048-token prefill's hand-off; the lesson's table prints one token's 32,768 and 0.66."""
+    prompt = 2048 * MESSAGE_405B
+    assert prompt == 67_108_864
+    not_yet(check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 50e9 * 1e6, hint="that is one token's hidden state")
+    not_yet(check.pp_boundary, prompt // 2, prompt / 100e9 * 1e6, hint="that counts values, not bytes")
+    not_yet(check.pp_boundary, prompt + 2, prompt / 50e9 * 1e6, hint="tokens x hidden_size x 2 bytes")  # not named
+    not_yet(check.pp_boundary, prompt, prompt / 50e9, hint="that is seconds: multiply by 1e6")
+    not_yet(check.pp_boundary, prompt, prompt / 400e9 * 1e6, hint="bytes / 50e9 B/s (one port")
+    out = right(capsys, check.pp_boundary, prompt, prompt / 50e9 * 1e6)
+    assert "64 MiB, 1.34 ms" in out and "220x" in out  # 63 layers x 2 all-reduces x 2 x 7/8 per GPU of TP=8 x PP=2
 
 
 def test_load_eta_minutes(capsys):

@@ -357,18 +357,27 @@ def results():
 
 
 def test_rehearsal_kv_tokens(capsys, results):
+    """Exercise 1 predicts the 70B's KV tokens at gpu_memory_utilization 0.95; the lesson prints the 385,680 that
+    vLLM logged at 0.9."""
     run = results["h200-llama3.1-70b-tp2"]
-    p = run["memory_probe"][0]
-    budget = memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=0.9)
-    whole = memory.kv_capacity(budget, memory.kv_bytes_per_token("llama3.1-70b"), 16, run["max_model_len"]).tokens
-    full = memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=1.0)
-    at_full = memory.kv_capacity(full, memory.kv_bytes_per_token("llama3.1-70b", tp=2), 16,
-                                 run["max_model_len"]).tokens
-    not_yet(check.rehearsal_kv_tokens, budget, run, hint="that is the budget in bytes")
+    p, length = run["memory_probe"][0], run["max_model_len"]
+
+    def budget(util):
+        return memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=util)
+
+    per_gpu = memory.kv_bytes_per_token("llama3.1-70b", tp=2)
+    good = memory.kv_capacity(budget(0.95), per_gpu, 16, length).tokens
+    assert (run["kv_tokens_logged"], good) == (385_680, 431_488)
+    whole = memory.kv_capacity(budget(0.95), memory.kv_bytes_per_token("llama3.1-70b"), 16, length).tokens
+    not_yet(check.rehearsal_kv_tokens, budget(0.95), run, hint="that is the budget in bytes")
+    not_yet(check.rehearsal_kv_tokens, 385_680, run, hint="that is what vLLM logged at gpu_memory_utilization = 0.9")
     not_yet(check.rehearsal_kv_tokens, whole, run, hint="that counts the KV bytes of all 8 KV heads")
-    not_yet(check.rehearsal_kv_tokens, at_full, run, hint="pass utilization=0.9")
-    not_yet(check.rehearsal_kv_tokens, run["kv_tokens_logged"] + 16, run, hint="vLLM logged 385,680 tokens")
-    right(capsys, check.rehearsal_kv_tokens, run["kv_tokens_logged"], run)
+    not_yet(check.rehearsal_kv_tokens, int(385_680 * 0.95 / 0.9), run, hint="only the first term of the budget grows")
+    not_yet(check.rehearsal_kv_tokens, memory.kv_capacity(budget(1.0), per_gpu, 16, length).tokens, run,
+            hint="pass utilization=0.95")
+    not_yet(check.rehearsal_kv_tokens, good + 16, run, hint="budget = 0.95 x total")  # a wrong answer not named
+    out = right(capsys, check.rehearsal_kv_tokens, good, run)
+    assert "431,488 tokens, 45,808 more than the 385,680" in out
 
 
 def test_rehearsal_roofline_and_tp_per_gpu(capsys, results):

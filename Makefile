@@ -43,12 +43,15 @@ exercises: install
 # pytest sessions at once, each with its own LLMLAB_HOME and embedded server: most of one session's time a core
 # waits (an engine's start imports vLLM on one core; a SLURM job sleeps in the test bed), so two lanes use the
 # machine's two (27.7 min in one session, 20.3 in two, on CI's kind of machine).  Each line says its lane; each
-# lane prints its own summary and durations.  The executed notebooks land in build/executed/ (make book reads them).
+# lane prints its own summary and durations.  The executed notebooks land in build/executed/ (make book reads them);
+# then no lesson may print an exercise's answer: a number an answer cell of solutions/ printed, in its lesson's outputs.
+EXECUTED ?= $(or $(LLMLAB_EXECUTED_DIR),build/executed)
 test: install lint
 	$(BIN)/shellcheck slurm/*.sh
 	$(BIN)/llmlab exercises --check
 	$(BIN)/llmlab course --check
 	$(MAKE) --no-print-directory -j2 test-servers test-notebooks
+	$(BIN)/llmlab exercises --leaks $(EXECUTED)
 
 PYTEST_ALL = --nbval-lax --nbval-current-env -m "not versions and not cluster" --durations=25
 # The lanes, balanced by their measured durations: browser and rehearsal tests ride with the notebooks.

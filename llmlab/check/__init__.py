@@ -22,7 +22,7 @@ from llmlab.check.kvcache import (  # noqa: F401
     cache_matches_arithmetic,
     prefix_hits,
     request_blocks,
-    tiny_kv_bytes_per_token,
+    tiny_kv_without_gqa,
 )
 from llmlab.check.loadtest import goodput, job_queue, knee, resumed, tpot_by_hand  # noqa: F401
 from llmlab.check.logprobs import best_choice, prompt_rank  # noqa: F401

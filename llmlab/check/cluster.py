@@ -54,20 +54,28 @@ def tp_link_times(tp8_us, tp16_us) -> None:
 
 
 def pp_boundary(nbytes, us) -> None:
-    """08: bytes of one token's hidden state crossing the PP=2 stage boundary, and µs at one InfiniBand port's
-    50 GB/s."""
+    """08: bytes of a 2,048-token prompt's hidden states crossing the PP=2 stage boundary of 405B (TP=8 x PP=2) in
+    its prefill step, and µs at one InfiniBand port's 50 GB/s."""
+    from llmlab import memory
+
+    tokens, hidden = 2048, memory.model_spec("llama3.1-405b").hidden_size
+    one = hidden * 2  # one token's hidden state in bf16: what the lesson's table counts
     n = _whole(nbytes, "the bytes across the boundary")
-    require(n != 16384, "that counts values, not bytes: the hidden state has 16,384 values of 2 bytes each (bf16).")
-    require(n == 16384 * 2, "one token's hidden state: hidden_size x 2 bytes, sent once, point to point.")
-    # what one GPU of TP=8 x PP=2 sends in its stage's all-reduces per token (63 layers x 2 all-reduces x 2 x 7/8
-    # of the message), over this hidden state's bytes
+    require(n != one, f"that is one token's hidden state (the lesson's decode step); the prefill sends all "
+            f"{tokens:,} of the prompt's at once.")
+    require(n != tokens * hidden, f"that counts values, not bytes: {tokens:,} tokens x {hidden:,} values of 2 bytes "
+            "each (bf16).")
+    require(n == tokens * one, f"each token's hidden state crosses once, point to point: {tokens:,} tokens x "
+            "hidden_size x 2 bytes.")
+    # what one GPU of TP=8 x PP=2 sends in its stage's all-reduces for the same tokens (63 layers x 2 all-reduces
+    # x 2 x 7/8 of the message), over these hidden states' bytes
     ratio = 63 * 2 * 2 * 7 / 8
     t = _number(us, "the microseconds")
     require(abs(t - n / 50e9) > 0.01 * n / 50e9, "that is seconds: multiply by 1e6 for µs.")
     require(abs(t - n / 50e9 * 1e6) <= 0.01 * n / 50e9 * 1e6, "the bandwidth term is bytes / 50e9 B/s (one "
             "port, point to point), times 1e6 for µs.")
-    right(f"{n:,} bytes, {t:.2f} µs per token: {ratio:.0f}x less than each GPU sends in its stage's all-reduces "
-          "(63 layers), and once per stage boundary.")
+    right(f"{n / 2**20:.0f} MiB, {t / 1e3:.2f} ms for the prompt: {ratio:.0f}x less than each GPU sends in its "
+          "stage's all-reduces for the same tokens (63 layers), and once per stage boundary.")
 
 
 def load_eta_minutes(minutes) -> None:

@@ -5,32 +5,36 @@ from __future__ import annotations
 from llmlab.check.verdict import _whole, require, right
 
 
-def tiny_kv_bytes_per_token(per_token) -> None:
-    """02: KV bytes per token of the tiny model (float32), by hand from its config."""
+def tiny_kv_without_gqa(context_bytes) -> None:
+    """02: KV bytes one full-context request of the tiny model (float32) would keep without grouped-query attention:
+    every query head its own key and value head, by hand from its config."""
     from llmlab import memory
 
     spec = memory.model_spec("llmlab-tiny")
-    expected = memory.kv_bytes_per_token(spec)
-    n = _whole(per_token, "bytes per token")
+    context = spec.max_position_embeddings
+    gqa = memory.kv_bytes_per_token(spec)
+    per_token = gqa * spec.num_heads // spec.num_kv_heads
+    expected = context * per_token
+    n = _whole(context_bytes, "bytes for the context")
+    require(n != context * gqa, f"that is the cache with the {spec.num_kv_heads} KV heads, the lesson's (or the "
+            f"{spec.num_heads} heads at 1 byte per value). Without grouped-query attention each of the "
+            f"{spec.num_heads} query heads has its own key and value, of 4 bytes each (float32).")
+    require(n != per_token, f"that is one token's keys and values; the full context keeps {context} tokens' worth.")
     require(n != expected // 2, "that is half: count both K and V (each token leaves a key AND a value per layer), "
             "at 4 bytes per value (float32, not bf16).")
-    require(n != expected * spec.num_heads // spec.num_kv_heads,
-            f"that uses the {spec.num_heads} query heads; K and V exist only for the {spec.num_kv_heads} KV heads "
-            "(grouped-query attention).")
-    require(n == expected, f"use layers ({spec.num_layers}) x 2 (K and V) x KV heads ({spec.num_kv_heads}) x "
-            f"head_dim ({spec.head_dim}) x 4 bytes (float32).")
-    right(f"{n:,} bytes per token: a 512-token context holds {512 * n / 2**20:.0f} MiB of keys and values.")
+    require(n == expected, f"use max_position_embeddings ({context}) x layers ({spec.num_layers}) x 2 (K and V) x "
+            f"query heads ({spec.num_heads}, one KV head each) x head_dim ({spec.head_dim}) x 4 bytes (float32).")
+    right(f"{n / 2**20:.0f} MiB for a {context}-token request, {per_token // gqa}x the {context * gqa / 2**20:.0f} MiB "
+          "that grouped-query attention keeps.")
 
 
-def cache_matches_arithmetic(measured_bytes, cached_tokens, per_token) -> None:
-    """02: bytes of the real cached K/V tensors = cached tokens x the bytes per token computed by hand."""
+def cache_matches_arithmetic(measured_bytes, cached_tokens) -> None:
+    """02: bytes of the real cached K/V tensors = cached tokens x the bytes per token of the lesson's arithmetic."""
     from llmlab import memory
 
     expected = memory.kv_bytes_per_token("llmlab-tiny")
     tokens = _whole(cached_tokens, "the number of cached tokens")
     measured = _whole(measured_bytes, "the measured bytes")
-    require(_whole(per_token, "bytes per token") == expected, "first get the bytes per token right (exercise 1): "
-            "this check compares the tensors with it.")
     require(measured != tokens * expected // memory.model_spec("llmlab-tiny").num_layers,
             "that is one layer's share: add up all layers (len(kvcache.cache_tensors(past))).")
     require(measured != tokens * expected // 2, "that is half: add the values to the keys.")

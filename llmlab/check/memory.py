@@ -51,19 +51,24 @@ def a100s_for_405b(count) -> None:
 
 
 def kv_405b(per_token, at_128k) -> None:
-    """01: KV cache bytes per token of 405B (bf16), and for one request of 131,072 tokens."""
+    """01: KV cache bytes per token of 405B with an fp8 KV cache, and for one request of 131,072 tokens."""
     from llmlab import memory
 
-    expected = memory.kv_bytes_per_token("llama3.1-405b")
+    expected = memory.kv_bytes_per_token("llama3.1-405b", kv_dtype="fp8")
+    bf16 = memory.kv_bytes_per_token("llama3.1-405b")
     per = _whole(per_token, "bytes per token")
-    require(per != 2 * expected, "that is twice the config's value: like the published 123.05 GB figure. "
-            "Count K and V once each (the 2), with the config's 8 KV heads.")
+    require(per != bf16, "that is the bf16 cache of the lesson (2 bytes per value); --kv-cache-dtype fp8 stores "
+            "each key and value in 1 byte.")
+    require(per != 2 * bf16, "that is twice the bf16 cache: like the published 123.05 GB figure. Count K and V "
+            "once each, with the config's 8 KV heads, at 1 byte each.")
     require(per == expected, "each token leaves one key and one value per layer and KV head: layers x 2 (K and V) "
-            "x num_key_value_heads x head_dim x 2 bytes (bf16).")
+            "x num_key_value_heads x head_dim x 1 byte (fp8).")
     total = _whole(at_128k, "bytes for 131,072 tokens")
     require(total == 131_072 * expected, "every token of the request keeps its own K and V: multiply the bytes per "
             "token by 131,072 tokens (128 x 1024).")
-    right(f"{per:,} bytes per token; {total / 2**30:.2f} GiB for one 131,072-token request.")
+    published = 123.05 * 2**30 / (128_000 * expected)
+    right(f"{per:,} bytes per token; {total / 2**30:.2f} GiB for one 131,072-token request. The published 123.05 GB "
+          f"is {published:.1f}x the fp8 cache of 128,000 tokens: 2 for bf16, 2 for K and V counted twice.")
 
 
 def layout_405b(tp, pp) -> None:
@@ -84,42 +89,62 @@ def layout_405b(tp, pp) -> None:
 
 
 def embedded_kv_tokens(tokens) -> None:
-    """01: the tokens the embedded server logs with 2 GiB of KV space and --max-model-len 500."""
+    """01: the tokens the embedded server logs with 3 GiB of KV space and --max-model-len 300."""
     from llmlab import memory
 
+    space, length = 3, 300
     n = _whole(tokens, "the logged token count")
-    require(n != 2 * 2**30 // 2048, "that is blocks x 128: vLLM logs int(concurrency x max_model_len), and each "
-            "500-token request takes ceil(500 / 128) = 4 whole blocks.")
-    expected = memory.kv_capacity(2 * 2**30, 2048, memory.CPU_BLOCK_SIZE, 500).tokens
-    require(n == expected, "bytes per token = 4 layers x 2 x 2 KV heads x 32 x 4 bytes (float32); blocks of 128 "
-            "tokens; concurrency = blocks / ceil(500 / 128); tokens = int(concurrency x 500).")
-    right(f"{n:,} tokens, 2048.00x: the line the server will log.")
+    cap = memory.embedded_kv_capacity(kv_cache_gib=space, model="llmlab-tiny", max_model_len=length)
+    per_request = -(-length // cap.block_size)
+    require(n != cap.blocks * cap.block_size, f"that is blocks x {cap.block_size}: vLLM logs int(concurrency x "
+            f"max_model_len), and each {length}-token request takes ceil({length} / {cap.block_size}) = "
+            f"{per_request} whole blocks.")
+    require(n != int(cap.blocks * cap.block_size / length) * length, "concurrency is counted in whole blocks: "
+            f"blocks / ceil({length} / {cap.block_size}), not tokens / {length}.")
+    require(n == cap.tokens, f"bytes per token = 4 layers x 2 x 2 KV heads x 32 x 4 bytes (float32); {space} GiB "
+            f"in blocks of {cap.block_size} tokens; concurrency = blocks / ceil({length} / {cap.block_size}); "
+            f"tokens = int(concurrency x {length}).")
+    right(f"{n:,} tokens, {cap.max_concurrency:.2f}x: the line the server will log.")
 
 
-def kv_2026(deepseek_per_token, gpt_oss_blocks) -> None:
-    """01: DeepSeek-V3's KV bytes per token (latent attention) and the blocks one 131,072-token request of
-    gpt-oss-120b takes on an H100 (half its layers keep a 128-token window)."""
+def kv_2026(deepseek_request, gpt_oss_blocks) -> None:
+    """01: the KV bytes one GPU keeps for one full-context request of DeepSeek-V3 at TP=8 (latent attention: the
+    latent is not split), and the blocks one 32,768-token request of gpt-oss-20b takes on an H100 (half its layers
+    keep a 128-token window)."""
     from llmlab import memory
 
     s = memory.model_spec("deepseek-v3")
-    per = _whole(deepseek_per_token, "DeepSeek-V3's KV bytes per token")
+    context = s.max_position_embeddings
+    per = memory.kv_bytes_per_token(s, tp=8)
+    got = _whole(deepseek_request, "DeepSeek-V3's KV bytes per GPU")
+    require(got != context * per // 8, "tensor parallelism does not split the latent: every head needs all of "
+            "it, so each of the 8 GPUs keeps the whole of it.")
     mha = s.num_layers * s.num_heads * (s.head_dim + s.v_head_dim) * 2
-    require(per != mha, "that is what 128 heads of keys and values would take; latent attention caches none of "
-            "them: one latent of kv_lora_rank values and one rotary key of qk_rope_head_dim per layer.")
-    require(per != 2 * memory.kv_bytes_per_token(s), "the latent stands for keys and values together: store it "
-            "once per layer, not twice (no factor 2 for K and V).")
-    require(per != s.num_layers * s.kv_lora_rank * 2, "add the rotary key: qk_rope_head_dim values per layer "
-            "sit beside the latent.")
-    require(per == memory.kv_bytes_per_token(s), "61 layers x (kv_lora_rank + qk_rope_head_dim) x 2 bytes (bf16).")
+    require(got not in (context * mha, context * mha // 8), "that is what 128 heads of keys and values would take; "
+            "latent attention caches none of them: one latent of kv_lora_rank values and one rotary key of "
+            "qk_rope_head_dim per layer.")
+    require(got != 2 * context * per, "the latent stands for keys and values together: store it once per layer, "
+            "not twice (no factor 2 for K and V).")
+    require(got != context * s.num_layers * s.kv_lora_rank * 2, "add the rotary key: qk_rope_head_dim values per "
+            "layer sit beside the latent.")
+    require(got != 131_072 * per, f"DeepSeek-V3's full context is its max_position_embeddings: {context:,} tokens.")
+    require(got == context * per, f"{context:,} tokens x 61 layers x (kv_lora_rank + qk_rope_head_dim) x 2 bytes "
+            "(bf16), on every GPU.")
+    o = memory.model_spec("gpt-oss-20b")
+    tokens = 32_768
     blocks = _whole(gpt_oss_blocks, "blocks per request")
-    full = 131_072 // memory.GPU_BLOCK_SIZE
-    require(blocks != 2 * full, "that is full attention on every layer: only the 18 full-attention layers' "
-            "group keeps all 131,072 tokens; the sliding group keeps its window.")
-    require(blocks != full + 128 // memory.GPU_BLOCK_SIZE, "vLLM frees a window's blocks only once the tokens "
-            "after them are processed: add the 16,384 tokens in flight (two steps of 8,192) to the window - 1.")
-    require(blocks != full + 1032, "one block more for the window: it rarely starts at a block's edge.")
-    expected = memory.kv_layout("gpt-oss-120b", 131_072).blocks_per_request
-    require(blocks == expected, "one group of full layers (131,072 / 16 blocks) plus one sliding group: "
-            "ceil((128 - 1 + 16,384) / 16) + 1 blocks.")
-    right(f"{per:,} bytes per token (Llama 3.1 405B: {memory.kv_bytes_per_token('llama3.1-405b'):,}); "
-          f"{blocks:,} blocks per request where full attention would take {2 * full:,}.")
+    full = -(-tokens // memory.GPU_BLOCK_SIZE)
+    in_flight = memory.GPU_IN_FLIGHT_TOKENS
+    window = -(-(o.sliding_window - 1 + in_flight) // memory.GPU_BLOCK_SIZE)
+    require(blocks != 2 * full, f"that is full attention on every layer: only the {o.num_layers // 2} "
+            f"full-attention layers' group keeps all {tokens:,} tokens; the sliding group keeps its window.")
+    require(blocks != full + o.sliding_window // memory.GPU_BLOCK_SIZE, "vLLM frees a window's blocks only once "
+            f"the tokens after them are processed: add the {in_flight:,} tokens in flight (two steps of 8,192) to "
+            "the window - 1.")
+    require(blocks != full + window, "one block more for the window: it rarely starts at a block's edge.")
+    expected = memory.kv_layout("gpt-oss-20b", tokens).blocks_per_request
+    require(blocks == expected, f"one group of full layers ({tokens:,} / 16 blocks) plus one sliding group: "
+            f"ceil((128 - 1 + {in_flight:,}) / 16) + 1 blocks.")
+    llama = context * memory.kv_bytes_per_token("llama3.1-405b", tp=8)
+    right(f"{got / 2**30:.2f} GiB on each GPU, more than Llama 3.1 405B's {llama / 2**30:.2f} GiB at TP=8 for as many "
+          f"tokens; {blocks:,} blocks per request where full attention would take {2 * full:,}.")

@@ -7,28 +7,39 @@ from __future__ import annotations
 from llmlab.check.verdict import _whole, require, right
 
 
-def rehearsal_kv_tokens(kv_tokens, run: dict) -> None:
-    """09: the KV tokens vLLM logged for a rehearsal at TP=2, from its measured figures in bytes."""
+def rehearsal_kv_tokens(kv_tokens, run: dict, utilization: float = 0.95) -> None:
+    """09: the KV tokens vLLM would log for a rehearsal at TP=2 started with another ``gpu_memory_utilization``
+    (0.95), predicted from the figures it measured in bytes."""
     from llmlab import memory
 
     n = _whole(kv_tokens, "the KV cache size in tokens")
     p, logged, length = run["memory_probe"][0], run["kv_tokens_logged"], run["max_model_len"]
     util = run["gpu_memory_utilization"]
-    budget = memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=util)
-    whole_model = memory.kv_capacity(budget, memory.kv_bytes_per_token(run["model"]), 16, length).tokens
+    per_gpu = memory.kv_bytes_per_token(run["model"], tp=run["tp"])
+
+    def tokens(at: float, per_token: int = per_gpu) -> int:
+        budget = memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=at)
+        return memory.kv_capacity(budget, per_token, 16, length).tokens
+
+    budget = memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=utilization)
     require(n != budget, "that is the budget in bytes: divide by the bytes of one token (times 16 per block) and "
             "keep whole blocks, as memory.kv_capacity does.")
+    require(n != logged, f"that is what vLLM logged at gpu_memory_utilization = {util}, the lesson's figure; "
+            f"predict the line at {utilization}: utilization={utilization}.")
     heads = memory.model_spec(run["model"]).num_kv_heads
-    require(n != whole_model, f"that counts the KV bytes of all {heads} KV heads; at TP={run['tp']} each GPU holds "
-            f"its share: memory.kv_bytes_per_token(model, tp={run['tp']}).")
-    full = memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=1.0)
-    per_gpu = memory.kv_bytes_per_token(run["model"], tp=run["tp"])
-    require(n != memory.kv_capacity(full, per_gpu, 16, length).tokens,
-            f"vLLM may use only gpu_memory_utilization = {util} of the memory: pass utilization={util}.")
-    require(n == logged, f"vLLM logged {logged:,} tokens: budget = {util} x total - weights - activation_peak - "
-            "non_torch, in bytes, then whole blocks of 16 tokens.")
-    right(f"{n:,} tokens, exactly what vLLM allocated: {n / length:.2f} requests of the full {length:,}-token "
-          "context.")
+    require(n != tokens(utilization, memory.kv_bytes_per_token(run["model"])), f"that counts the KV bytes of all "
+            f"{heads} KV heads; at TP={run['tp']} each GPU holds its share: memory.kv_bytes_per_token(model, "
+            f"tp={run['tp']}).")
+    require(n != int(logged * utilization / util), f"only the first term of the budget grows: {utilization} x total; "
+            "the weights, activation peak and non-torch memory stay, so the tokens grow by more than "
+            f"{utilization} / {util}.")
+    require(n != tokens(1.0), f"vLLM may use only gpu_memory_utilization = {utilization} of the memory: pass "
+            f"utilization={utilization}.")
+    expected = tokens(utilization)
+    require(n == expected, f"budget = {utilization} x total - weights - activation_peak - non_torch, in bytes, then "
+            f"whole blocks of 16 tokens of {per_gpu:,} bytes, and int(concurrency x {length:,}).")
+    right(f"{n:,} tokens, {n - logged:,} more than the {logged:,} vLLM logged at {util}: "
+          f"{n / length:.2f} requests of the full {length:,}-token context.")
 
 
 def rehearsal_roofline(roofline_tok_s, run: dict) -> None:

@@ -120,6 +120,18 @@ def cmd_lab(args) -> int:
 
 
 def cmd_exercises(args) -> int:
+    if args.leaks:
+        pairs, leaks = exercises.find_leaks(Path(args.leaks))
+        if not pairs:
+            print(f"no executed lesson and solution side by side under {args.leaks}/notebooks and "
+                  f"{args.leaks}/solutions: run `make executed` (or make test) first.")
+            return 1
+        for line in leaks:
+            print(line)
+        print(f"{pairs} lessons compared with their solutions: " + (
+            f"{len(leaks)} answers printed by a lesson; give those exercises other parameters." if leaks
+            else "no lesson prints an exercise's answer."))
+        return 1 if leaks else 0
     changed = exercises.generate(Path(args.solutions), Path(args.exercises), check=args.check)
     if args.check and changed:
         print(f"exercises/ is out of date for: {', '.join(changed)}. Run `llmlab exercises` and commit.")
@@ -335,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="fail if exercises/ differs from what would be generated")
     p.add_argument("--solutions", default="solutions")
     p.add_argument("--exercises", default="exercises")
+    p.add_argument("--leaks", metavar="DIR", help="instead: fail if a lesson prints an exercise's answer, read from "
+                                                  "the executed copies in DIR/notebooks and DIR/solutions "
+                                                  "(build/executed, written by make test)")
     p.set_defaults(func=cmd_exercises)
 
     p = sub.add_parser("course", help="render the home page's map, the README's outline, the architecture's rows "

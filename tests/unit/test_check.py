@@ -69,13 +69,18 @@ def test_h100s_and_a100s_for_405b(capsys):
 
 
 def test_kv_405b(capsys):
-    per = memory.kv_bytes_per_token("llama3.1-405b")
-    assert per == 516_096
-    not_yet(check.kv_405b, 2 * per, 2 * per * 131_072, hint="that is twice the config's value: like the published "
+    """Exercise 4 asks for the fp8 KV cache: the lesson prints only bf16's 516,096 bytes and 63.00 GiB."""
+    per, bf16 = memory.kv_bytes_per_token("llama3.1-405b", kv_dtype="fp8"), memory.kv_bytes_per_token("llama3.1-405b")
+    assert (per, bf16) == (258_048, 516_096)
+    not_yet(check.kv_405b, bf16, bf16 * 131_072, hint="that is the bf16 cache of the lesson")
+    not_yet(check.kv_405b, 2 * bf16, 2 * bf16 * 131_072, hint="that is twice the bf16 cache: like the published "
             "123.05 GB figure")
     not_yet(check.kv_405b, per // 2, per // 2 * 131_072, hint="layers x 2 (K and V) x num_key_value_heads")
     not_yet(check.kv_405b, per, per * 128_000, hint="multiply the bytes per token by 131,072 tokens")
-    assert "63.00 GiB" in right(capsys, check.kv_405b, per, per * 131_072)
+    not_yet(check.kv_405b, per, per * 131_072 // 2**30, hint="multiply the bytes per token")  # GiB: not named
+    not_yet(check.kv_405b, per + 8, (per + 8) * 131_072, hint="x 1 byte (fp8)")  # a wrong answer it does not name
+    out = right(capsys, check.kv_405b, per, per * 131_072)
+    assert "31.50 GiB" in out and "4.0x" in out
 
 
 def test_layout_405b(capsys):
@@ -87,43 +92,63 @@ def test_layout_405b(capsys):
 
 
 def test_kv_2026(capsys):
-    good = 70_272
-    not_yet(check.kv_2026, 61 * 128 * (192 + 128) * 2, 9225, hint="128 heads of keys and values")
-    not_yet(check.kv_2026, 2 * good, 9225, hint="not twice")
-    not_yet(check.kv_2026, 61 * 512 * 2, 9225, hint="add the rotary key")
-    not_yet(check.kv_2026, good, 16_384, hint="full attention on every layer")
-    not_yet(check.kv_2026, good, 8192 + 8, hint="add the 16,384 tokens in flight")
-    not_yet(check.kv_2026, good, 8192 + 1032, hint="one block more")
-    right(capsys, check.kv_2026, good, 9225)
+    """Exercise 7: DeepSeek-V3's full-context request on one GPU of TP=8 and gpt-oss-20b's blocks at 32,768 tokens,
+    figures the lesson's tables (70,272 bytes per token; gpt-oss-120b's 9,225 blocks at 131,072) do not print."""
+    per, context = 70_272, 163_840
+    good, blocks = per * context, 2048 + 1033
+    assert (memory.model_spec("deepseek-v3").max_position_embeddings, good) == (context, 11_513_364_480)
+    assert memory.kv_layout("gpt-oss-20b", 32_768).blocks_per_request == blocks
+    not_yet(check.kv_2026, good // 8, blocks, hint="tensor parallelism does not split the latent")
+    not_yet(check.kv_2026, context * 61 * 128 * (192 + 128) * 2, blocks, hint="128 heads of keys and values")
+    not_yet(check.kv_2026, 2 * good, blocks, hint="not twice")
+    not_yet(check.kv_2026, context * 61 * 512 * 2, blocks, hint="add the rotary key")
+    not_yet(check.kv_2026, 131_072 * per, blocks, hint="its max_position_embeddings: 163,840 tokens")
+    not_yet(check.kv_2026, good + 1, blocks, hint="61 layers x (kv_lora_rank + qk_rope_head_dim)")  # not named
+    not_yet(check.kv_2026, good, 4096, hint="full attention on every layer")
+    not_yet(check.kv_2026, good, 2048 + 8, hint="add the 16,384 tokens in flight")
+    not_yet(check.kv_2026, good, 2048 + 1032, hint="one block more")
+    not_yet(check.kv_2026, good, 9225, hint="ceil((128 - 1 + 16,384) / 16) + 1")  # 120b's, at 131,072: not named
+    out = right(capsys, check.kv_2026, good, blocks)
+    assert "10.72 GiB on each GPU" in out and "9.84 GiB" in out and "3,081 blocks" in out
 
 
 def test_embedded_kv_tokens(capsys):
-    not_yet(check.embedded_kv_tokens, 2 * 2**30 // 2048, hint="that is blocks x 128")
-    not_yet(check.embedded_kv_tokens, 1_000_000, hint="concurrency = blocks / ceil(500 / 128)")
-    right(capsys, check.embedded_kv_tokens, 1_024_000)
+    """Exercise 6 predicts 3 GiB and --max-model-len 300: the lesson prints the 2 GiB, 500-token server's line."""
+    blocks = 3 * 2**30 // (128 * 2048)
+    expected = memory.embedded_kv_capacity(3, "llmlab-tiny", max_model_len=300).tokens
+    assert (blocks, expected) == (12_288, 1_228_800)
+    not_yet(check.embedded_kv_tokens, blocks * 128, hint="that is blocks x 128")
+    not_yet(check.embedded_kv_tokens, blocks * 128 // 300 * 300, hint="concurrency is counted in whole blocks")
+    not_yet(check.embedded_kv_tokens, 1_024_000, hint="concurrency = blocks / ceil(300 / 128)")  # 2 GiB, 500: not named
+    not_yet(check.embedded_kv_tokens, expected + 300, hint="4 layers x 2 x 2 KV heads x 32 x 4 bytes")
+    assert "4096.00x" in right(capsys, check.embedded_kv_tokens, expected)
 
 
 # --- notebook 02: KV caching -------------------------------------------------------------------------------------
 
-def test_tiny_kv_bytes_per_token(capsys):
+def test_tiny_kv_without_gqa(capsys):
+    """Exercise 1 asks what a full-context request of the tiny model would keep without GQA; the lesson prints its
+    2,048 bytes per token with GQA."""
     spec = memory.model_spec("llmlab-tiny")
-    per = memory.kv_bytes_per_token(spec)
-    assert per == 2048
-    not_yet(check.tiny_kv_bytes_per_token, per // 2, hint="that is half: count both K and V")
-    not_yet(check.tiny_kv_bytes_per_token, per * spec.num_heads // spec.num_kv_heads, hint="query heads")
-    not_yet(check.tiny_kv_bytes_per_token, per + 1, hint="x 4 bytes (float32)")
-    right(capsys, check.tiny_kv_bytes_per_token, per)
+    gqa = memory.kv_bytes_per_token(spec)
+    mha = spec.num_layers * 2 * spec.num_heads * spec.head_dim * 4
+    assert (gqa, mha, spec.max_position_embeddings) == (2048, 8192, 512)
+    not_yet(check.tiny_kv_without_gqa, 512 * gqa, hint="that is the cache with the 2 KV heads, the lesson's")
+    not_yet(check.tiny_kv_without_gqa, mha, hint="that is one token's keys and values")
+    not_yet(check.tiny_kv_without_gqa, 512 * mha // 2, hint="that is half: count both K and V")
+    not_yet(check.tiny_kv_without_gqa, 512 * mha * 2, hint="x 4 bytes (float32)")  # 8 bytes a value: not named
+    assert "4 MiB for a 512-token request, 4x the 1 MiB" in right(capsys, check.tiny_kv_without_gqa, 512 * mha)
 
 
 def test_cache_matches_arithmetic(capsys):
     per, tokens = 2048, 10
     layers = memory.model_spec("llmlab-tiny").num_layers
-    not_yet(check.cache_matches_arithmetic, tokens * per, tokens, per // 2, hint="first get the bytes per token right")
-    not_yet(check.cache_matches_arithmetic, tokens * per // layers, tokens, per, hint="that is one layer's share")
-    not_yet(check.cache_matches_arithmetic, tokens * per // 2, tokens, per, hint="that is half: add the values")
-    not_yet(check.cache_matches_arithmetic, tokens * per + 4, tokens, per, hint="not a whole number of tokens' worth")
-    not_yet(check.cache_matches_arithmetic, 11 * per, tokens, per, hint="the tensors hold 11 tokens' worth, not 10")
-    right(capsys, check.cache_matches_arithmetic, tokens * per, tokens, per)
+    not_yet(check.cache_matches_arithmetic, tokens * per // layers, tokens, hint="that is one layer's share")
+    not_yet(check.cache_matches_arithmetic, tokens * per // 2, tokens, hint="that is half: add the values")
+    not_yet(check.cache_matches_arithmetic, tokens * per + 4, tokens, hint="not a whole number of tokens' worth")
+    not_yet(check.cache_matches_arithmetic, 11 * per, tokens, hint="the tensors hold 11 tokens' worth, not 10")
+    not_yet(check.cache_matches_arithmetic, tokens * per * 4, tokens, hint="the tensors hold 40 tokens' worth")
+    right(capsys, check.cache_matches_arithmetic, tokens * per, tokens)
 
 
 def test_request_blocks(capsys):
@@ -303,11 +328,16 @@ def test_tp_link_times(capsys):
 
 
 def test_pp_boundary(capsys):
-    not_yet(check.pp_boundary, 16384, 0.33, hint="that counts values, not bytes")
-    not_yet(check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 50e9, hint="that is seconds: multiply by 1e6")
-    not_yet(check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 400e9 * 1e6, hint="bytes / 50e9 B/s (one port")
-    out = right(capsys, check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 50e9 * 1e6)
-    assert "0.66 µs" in out and "220x" in out  # 63 layers x 2 all-reduces x 2 x 7/8 per GPU of TP=8 x PP=2
+    """Exercise 3 asks for a 2,048-token prefill's hand-off; the lesson's table prints one token's 32,768 and 0.66."""
+    prompt = 2048 * MESSAGE_405B
+    assert prompt == 67_108_864
+    not_yet(check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 50e9 * 1e6, hint="that is one token's hidden state")
+    not_yet(check.pp_boundary, prompt // 2, prompt / 100e9 * 1e6, hint="that counts values, not bytes")
+    not_yet(check.pp_boundary, prompt + 2, prompt / 50e9 * 1e6, hint="tokens x hidden_size x 2 bytes")  # not named
+    not_yet(check.pp_boundary, prompt, prompt / 50e9, hint="that is seconds: multiply by 1e6")
+    not_yet(check.pp_boundary, prompt, prompt / 400e9 * 1e6, hint="bytes / 50e9 B/s (one port")
+    out = right(capsys, check.pp_boundary, prompt, prompt / 50e9 * 1e6)
+    assert "64 MiB, 1.34 ms" in out and "220x" in out  # 63 layers x 2 all-reduces x 2 x 7/8 per GPU of TP=8 x PP=2
 
 
 def test_load_eta_minutes(capsys):
@@ -327,18 +357,27 @@ def results():
 
 
 def test_rehearsal_kv_tokens(capsys, results):
+    """Exercise 1 predicts the 70B's KV tokens at gpu_memory_utilization 0.95; the lesson prints the 385,680 that
+    vLLM logged at 0.9."""
     run = results["h200-llama3.1-70b-tp2"]
-    p = run["memory_probe"][0]
-    budget = memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=0.9)
-    whole = memory.kv_capacity(budget, memory.kv_bytes_per_token("llama3.1-70b"), 16, run["max_model_len"]).tokens
-    full = memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=1.0)
-    at_full = memory.kv_capacity(full, memory.kv_bytes_per_token("llama3.1-70b", tp=2), 16,
-                                 run["max_model_len"]).tokens
-    not_yet(check.rehearsal_kv_tokens, budget, run, hint="that is the budget in bytes")
+    p, length = run["memory_probe"][0], run["max_model_len"]
+
+    def budget(util):
+        return memory.kv_budget(p["total"], p["weights"], p["activation_peak"], p["non_torch"], utilization=util)
+
+    per_gpu = memory.kv_bytes_per_token("llama3.1-70b", tp=2)
+    good = memory.kv_capacity(budget(0.95), per_gpu, 16, length).tokens
+    assert (run["kv_tokens_logged"], good) == (385_680, 431_488)
+    whole = memory.kv_capacity(budget(0.95), memory.kv_bytes_per_token("llama3.1-70b"), 16, length).tokens
+    not_yet(check.rehearsal_kv_tokens, budget(0.95), run, hint="that is the budget in bytes")
+    not_yet(check.rehearsal_kv_tokens, 385_680, run, hint="that is what vLLM logged at gpu_memory_utilization = 0.9")
     not_yet(check.rehearsal_kv_tokens, whole, run, hint="that counts the KV bytes of all 8 KV heads")
-    not_yet(check.rehearsal_kv_tokens, at_full, run, hint="pass utilization=0.9")
-    not_yet(check.rehearsal_kv_tokens, run["kv_tokens_logged"] + 16, run, hint="vLLM logged 385,680 tokens")
-    right(capsys, check.rehearsal_kv_tokens, run["kv_tokens_logged"], run)
+    not_yet(check.rehearsal_kv_tokens, int(385_680 * 0.95 / 0.9), run, hint="only the first term of the budget grows")
+    not_yet(check.rehearsal_kv_tokens, memory.kv_capacity(budget(1.0), per_gpu, 16, length).tokens, run,
+            hint="pass utilization=0.95")
+    not_yet(check.rehearsal_kv_tokens, good + 16, run, hint="budget = 0.95 x total")  # a wrong answer not named
+    out = right(capsys, check.rehearsal_kv_tokens, good, run)
+    assert "431,488 tokens, 45,808 more than the 385,680" in out
 
 
 def test_rehearsal_roofline_and_tp_per_gpu(capsys, results):

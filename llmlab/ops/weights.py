@@ -26,6 +26,7 @@ import random
 import shutil
 import stat
 import struct
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -462,6 +463,17 @@ def same_files(a: Path, b: Path) -> bool:
     return listing(a) == listing(b)
 
 
+def _remove_stale(to: Path, name: str) -> None:
+    """Temporary copies of ``name`` left in ``to`` by a stage that was killed (its process is gone)."""
+    for p in to.glob(f".{name}.*-*"):
+        try:
+            os.kill(int(p.name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except (ValueError, PermissionError):
+            continue  # not a pid, or another user's live process
+
+
 def stage(src, to, *, progress: bool = True, say=print) -> dict:
     """Copy the model tree ``src`` to ``to/<its name>`` (node-local disk), unless a copy there already verifies.
 
@@ -486,11 +498,13 @@ def stage(src, to, *, progress: bool = True, say=print) -> dict:
     if free < total:
         raise WeightsError(f"{src} takes {total / 1e9:,.2f} GB and {where} has {free / 1e9:,.2f} GB free: stage to "
                            "another folder (LLMLAB_STAGE_DIR) or free space.")
+    _remove_stale(to, src.name)
     tmp = to / f".{src.name}.staging-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     started = time.monotonic()
-    try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"staging {src.name}", disable=not progress) as bar:
+    try:  # in a job's log (no terminal) the bar is a line every 30 s, not one every 0.1 s
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"staging {src.name}", disable=not progress,
+                  mininterval=0.1 if sys.stderr.isatty() else 30) as bar:
             for p in files:
                 target = tmp / p.relative_to(src)
                 target.parent.mkdir(parents=True, exist_ok=True)
@@ -500,11 +514,14 @@ def stage(src, to, *, progress: bool = True, say=print) -> dict:
                         bar.update(len(chunk))
                 shutil.copymode(p, target)
         seconds = time.monotonic() - started
-        if dest.exists():  # a stale or broken copy: out of the way first (a folder cannot be renamed over another)
-            old = to / f".{src.name}.old-{os.getpid()}"
-            dest.rename(old)
-            shutil.rmtree(old)
-        tmp.rename(dest)
+        if dest.exists() and same_files(src, dest) and verify(dest, group=False).ok:
+            shutil.rmtree(tmp)  # another job on this node staged it meanwhile, and may be reading it: keep that one
+        else:
+            if dest.exists():  # a stale or broken copy: out of the way first (a folder cannot replace another)
+                old = to / f".{src.name}.old-{os.getpid()}"
+                dest.rename(old)
+                shutil.rmtree(old)
+            tmp.rename(dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

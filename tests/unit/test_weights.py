@@ -278,3 +278,41 @@ def test_a_dummy_tree_is_real_safetensors_that_verifies(tmp_path):
         with safe_open(path, "np") as f:
             count += sum(f.get_tensor(k).size for k in f.keys())
     assert count == TINY_PARAMS
+
+
+def test_stage_removes_what_a_killed_stage_left_and_keeps_a_live_ones(sharded, tmp_path):
+    local = tmp_path / "local"
+    dead, live = local / ".llmlab-tiny.staging-999999999", local / f".llmlab-tiny.staging-{os.getppid()}"
+    for d in (dead, live):  # a killed stage's copy, and one that another process on the node is still making
+        d.mkdir(parents=True)
+        (d / "model-00001-of-00003.safetensors").write_bytes(b"half")
+    weights.stage(sharded, local, progress=False)
+    assert sorted(p.name for p in local.iterdir()) == [live.name, "llmlab-tiny"]
+
+
+def test_a_job_with_a_stage_dir_loads_the_node_local_copy_after_staging_it():
+    """LLMLAB_STAGE_DIR: the rendered job serves the copy in that folder and runs ``llmlab weights stage`` first."""
+    from llmlab.cluster.layouts import SettingsError
+    from llmlab.cluster.render import render
+
+    job = render("llama3.1-70b", env={"LLMLAB_MODEL_DIR": "/models", "LLMLAB_STAGE_DIR": "/local/w"}, python="py")
+    assert job.model_path == "/local/w/Llama-3.1-70B-Instruct"
+    assert job.stage_argv == ["py", "-m", "llmlab", "weights", "stage", "/models/Llama-3.1-70B-Instruct", "--to",
+                              "/local/w"]
+    assert job.serve_line.split()[2] == "/local/w/Llama-3.1-70B-Instruct"
+    assert "stage_argv=(py -m llmlab weights stage /models/Llama-3.1-70B-Instruct --to /local/w)" in job.shell()
+    assert "copied to /local/w/Llama-3.1-70B-Instruct on each node before vLLM starts" in job.summary()
+    plain = render("llama3.1-70b", env={"LLMLAB_MODEL_DIR": "/models"})
+    assert plain.stage_argv == [] and "stage_argv=()" in plain.shell()
+    with pytest.raises(SettingsError, match="set LLMLAB_MODEL_DIR"):
+        render("llama3.1-70b", env={"LLMLAB_STAGE_DIR": "/local/w"})
+
+
+def test_the_launchers_dry_run_shows_the_staging(tmp_path):
+    from slurm_helpers import dry_run
+
+    out = dry_run("llama3.1-8b", LLMLAB_MODEL_DIR="/models", LLMLAB_STAGE_DIR=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert f"weights: /models/Llama-3.1-8B-Instruct copied to {tmp_path}/Llama-3.1-8B-Instruct" in out.stdout
+    serve = next(line for line in out.stdout.splitlines() if line.startswith("vLLM:"))
+    assert f" {tmp_path}/Llama-3.1-8B-Instruct " in serve

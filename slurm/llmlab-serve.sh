@@ -24,7 +24,8 @@
 #
 # Knobs (environment; sbatch passes yours to the job): LLMLAB_HOME, LLMLAB_PYTHON, LLMLAB_MODEL_PATH,
 # LLMLAB_MODEL_DIR, LLMLAB_CACHE_DIR, LLMLAB_MAX_MODEL_LEN, LLMLAB_EXTRA_VLLM_ARGS, LLMLAB_RAY_TIMEOUT,
-# LLMLAB_READY_TIMEOUT, LLMLAB_NCCL_IB=1, LLMLAB_RAY_*, LLMLAB_KEYS (a file or directory of registered
+# LLMLAB_READY_TIMEOUT, LLMLAB_STAGE_DIR (a node-local folder: the weights are copied there first), LLMLAB_NCCL_IB=1,
+# LLMLAB_RAY_*, LLMLAB_KEYS (a file or directory of registered
 # 'sha256:<hex>' key digests the proxy also accepts), LLMLAB_SHARE_DIR + LLMLAB_SHARE_GROUP (a workshop server:
 # llmlab.serve.share), LLMLAB_MP_PORTS + LLMLAB_HOST_IFACE (backend "mp": the master port's range, the private
 # interface vLLM binds on); LLMLAB_DRY_RUN=1 prints what would run and exits.
@@ -70,7 +71,7 @@ fi
 # Set by the rendered settings below (declared here for readers and for shellcheck).
 summary='' engine='' served_model='' host='' port='' expected_nodes='' tp='' pp='' ray_timeout='' ready_timeout=''
 serve_line='' ray_address='' ray_expected_gpus=0 ray_head_cmd='' ray_temp_dir='' bind_host='' uds=''
-serve_argv=() nodes=() ray_worker_cmds=() mp_master='' mp_port=0 mp_worker_cmds=()
+serve_argv=() nodes=() ray_worker_cmds=() mp_master='' mp_port=0 mp_worker_cmds=() stage_argv=()
 run_dir='' ray_dir=''
 if [[ $dry_run != 1 ]]; then  # vLLM's socket: a private directory on the head node's local disk (mktemp -d makes it 0700)
   run_dir=$(mktemp -d "${TMPDIR:-/tmp}/llmlab-run-$job_id.XXXXXX")
@@ -245,8 +246,32 @@ say "key-checking proxy listening on $bind_host:$port (log: $log_dir/proxy.log)"
 # loading instead of starting the embedded tiny model), rewritten as the load goes on and "ready" at READY.
 pub_args=(--host "$host" --port "$port" --model "$served_model" --key-file "$key_file" --connection-file "$conn_file"
   --job-id "$job_id" --engine "$engine" --tp "$tp" --pp "$pp" --nodes "${nodes[*]}" --ray-address "$ray_address")
-run_helper loading "${pub_args[@]}" --phase "$([[ -n $ray_head_cmd ]] && echo "starting Ray on ${#nodes[@]} nodes" ||
-  echo "starting vLLM")" || die "could not write the connection file $conn_file"
+phase=$([[ -n $ray_head_cmd ]] && echo "starting Ray on ${#nodes[@]} nodes" || echo "starting vLLM")
+if ((${#stage_argv[@]})); then
+  # LLMLAB_STAGE_DIR: the weights copied to each node's own disk before vLLM reads them (llmlab weights stage: timed,
+  # under a temporary name then renamed, skipped where a verified copy is there already).
+  run_helper loading "${pub_args[@]}" --phase "copying the weights to node-local disk" ||
+    die "could not write the connection file $conn_file"
+  say "staging the weights on ${nodes[*]}: ${stage_argv[*]}"
+  if ((${#nodes[@]} == 1)); then
+    "${stage_argv[@]}" </dev/null &  # awaited in the background, so that a signal reaches the trap at once
+    helper_pid=$!
+    wait "$helper_pid" || die "staging the weights failed (the lines above say why); without LLMLAB_STAGE_DIR the job reads them where they are"
+    helper_pid=''
+  else
+    stage_pids=()
+    for node in "${nodes[@]}"; do
+      srun --overlap --nodes=1 --ntasks=1 -w "$node" "${stage_argv[@]}" >"$log_dir/stage-$node.log" 2>&1 </dev/null &
+      stage_pids+=("$!")
+    done
+    for i in "${!stage_pids[@]}"; do
+      wait "${stage_pids[i]}" || die "staging the weights on ${nodes[i]} failed; the end of $log_dir/stage-${nodes[i]}.log:
+$(tail -n 5 "$log_dir/stage-${nodes[i]}.log")"
+      say "${nodes[i]}: $(tail -n 1 "$log_dir/stage-${nodes[i]}.log")"
+    done
+  fi
+fi
+run_helper loading "${pub_args[@]}" --phase "$phase" || die "could not write the connection file $conn_file"
 
 # Ray's folder on each node: the head node's mktemp -d, or the same (unpredictable) name made 0700 on a worker
 # node, in the step that then runs `ray start`; a folder of that name that is not this user's own 0700 one (made by

@@ -275,6 +275,16 @@ class RenderedJob(Address):
     mp_master: str = ""      # backend "mp" across nodes: the head's host:port for torch.distributed
     mp_port: int = 0         # ... that port (drawn at random per job: :func:`choose_mp_port`)
     mp_workers: list[list[str]] = field(default_factory=list)  # ... and each other node's headless vLLM
+    stage_from: str = ""     # LLMLAB_STAGE_DIR: the shared model folder copied to each node's local disk first
+
+    @property
+    def stage_argv(self) -> list[str]:
+        """``llmlab weights stage`` of the shared folder into the stage folder (``model_path`` is the copy there),
+        which the launcher runs on every node before vLLM starts; empty without LLMLAB_STAGE_DIR."""
+        if not self.stage_from:
+            return []
+        return [self.python, "-m", "llmlab", "weights", "stage", self.stage_from, "--to",
+                str(Path(self.model_path).parent)]
 
     def worker_argv(self, rank: int) -> list[str]:
         """Node ``rank``'s ``vllm serve MODEL --headless``: the head's flags without its socket, this node's rank.
@@ -309,6 +319,9 @@ class RenderedJob(Address):
             lines.append(MP_EXPOSURE)
         else:
             lines.append("Ray: not needed (one node: vLLM starts its own worker processes)")
+        if self.stage_from:
+            lines.append(f"weights: {self.stage_from} copied to {self.model_path} on each node before vLLM starts "
+                         "(llmlab weights stage; skipped where a verified copy is there)")
         if self.port:
             lines.append(f"vLLM listens on {self.uds} (private); its key-checking proxy on "
                          f"{self.bind_host}:{self.port}; clients use {self.base_url}")
@@ -327,7 +340,7 @@ class RenderedJob(Address):
                f"expected_nodes={self.job.nodes}", f"tp={self.job.tp}", f"pp={self.job.pp}",
                f"ray_timeout={self.job.ray_timeout:g}", f"ready_timeout={self.job.ready_timeout:g}",
                f"serve_argv=({' '.join(map(q, self.argv))})", f"serve_line={q(self.serve_line)}",
-               f"nodes=({' '.join(map(q, self.nodes))})"]
+               f"nodes=({' '.join(map(q, self.nodes))})", f"stage_argv=({' '.join(map(q, self.stage_argv))})"]
         out += [f"export {k}={q(v)}" for k, v in self.env.items()]
         if self.ray:
             out += [f"ray_address={q(self.ray.address)}", f"ray_expected_gpus={self.ray.expected_gpus}",
@@ -355,7 +368,8 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     ``LLMLAB_ADVERTISE_HOST``, ``LLMLAB_LOOPBACK``, ``LLMLAB_RAY_HEAD_IP``, ``LLMLAB_RAY_PORT_BASE``,
     ``LLMLAB_RAY_HEAD_ARGS``, ``LLMLAB_RAY_WORKER_ARGS``, ``LLMLAB_RAY_TIMEOUT``, ``LLMLAB_READY_TIMEOUT``,
     ``LLMLAB_NCCL_IB``, ``LLMLAB_MP_PORTS``,
-    ``LLMLAB_HOST_IFACE``; ``LLMLAB_RUN_DIR`` (the launcher's private directory for vLLM's socket).
+    ``LLMLAB_HOST_IFACE``, ``LLMLAB_STAGE_DIR`` (a node-local folder: vLLM loads the copy that
+    ``llmlab weights stage`` makes there); ``LLMLAB_RUN_DIR`` (the launcher's private directory for vLLM's socket).
     ``addresses``: the node's own addresses, where its hostname resolves to loopback (:func:`head_ip`).
     ``port_free``: backend "mp" only, whether a port is free on this (the head) node (:func:`choose_mp_port`);
     ``iface_address``: this node's IPv4 address on an interface (``LLMLAB_HOST_IFACE``, :func:`mp_head_ip`).
@@ -379,6 +393,13 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     bind_host = env.get("LLMLAB_BIND_HOST") or ("127.0.0.1" if loopback else "0.0.0.0")
     host = env.get("LLMLAB_ADVERTISE_HOST") or ("127.0.0.1" if loopback else socket.gethostname())
     path = model_path(job, env)
+    stage_from = ""
+    if env.get("LLMLAB_STAGE_DIR"):  # the weights from node-local disk: a copy made there before vLLM starts
+        if path == memory.HF_IDS.get(job.model, job.model) and not Path(path).is_dir():
+            raise SettingsError(f"LLMLAB_STAGE_DIR copies a model folder to each node's disk, and this job loads "
+                                f"{path} through the Hugging Face cache: set LLMLAB_MODEL_DIR (or LLMLAB_MODEL_PATH) "
+                                "to the folder that `llmlab weights fetch` filled.")
+        stage_from, path = path, str(Path(env["LLMLAB_STAGE_DIR"]) / Path(path).name)
     # vLLM on a Unix socket in a 0700 directory: only the job's user reaches it; the proxy on bind_host:port checks
     # the key of every request and forwards only /v1/*, /health and /metrics (llmlab.serve.proxy says why).
     run_dir = env.get("LLMLAB_RUN_DIR") or f"{env.get('TMPDIR') or '/tmp'}/llmlab-run-{job_id}"
@@ -421,7 +442,8 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
         check_ray_tokens(env.get("LLMLAB_RAY_VERSION") or installed_ray_version(), env.get("RAY_AUTH_MODE"))
         run_env["RAY_AUTH_MODE"] = "token"
         run_env["RAY_AUTH_TOKEN_PATH"] = ray_token_file(job_id, env)  # the launcher writes it, 0600, per job
-    rendered = RenderedJob(job, str(job_id), nodes, bind_host, host, port, uds, path, flags, run_env, ray, python)
+    rendered = RenderedJob(job, str(job_id), nodes, bind_host, host, port, uds, path, flags, run_env, ray, python,
+                           stage_from=stage_from)
     if job.uses_mp_nodes:
         # vLLM's own multi-node mode: the head runs the API server and its GPUs' workers, every other node
         # `--headless` workers; they meet at the head's torch.distributed port, drawn at random (the launcher starts

@@ -1,0 +1,589 @@
+"""``llmlab weights``: a model's weights planned, fetched, verified and staged before the room needs them.
+
+Why: what costs a workshop is found at load time -- a half-downloaded shard, files the learners' group cannot
+read, a large job reading a network file system for its first minutes.  Each is cheap to find the day before:
+
+- :func:`plan`: files, bytes and dtype of a model directory (its ``config.json`` and safetensors index) or of a
+  model llmlab knows (``llmlab.memory``'s parameter count x the checkpoint's dtype), and whether it fits a folder;
+- :func:`fetch`: huggingface_hub's own ``snapshot_download`` (resumable: an interrupted run picks up where it
+  stopped) of only the files vLLM reads, into a tree the group can read;
+- :func:`verify`: every shard the index names is there, of the size its safetensors header says, its tensors'
+  names and shapes those of the config (the parameter count equals ``llmlab.memory.param_count``), in the config's
+  dtype, readable by the group -- one sentence per problem, naming the file and the fix;
+- :func:`stage`: a copy to node-local disk, timed, atomic (a temporary name, then one rename), skipped when the
+  copy there already verifies.
+
+The arithmetic (parameters, bytes per dtype) is ``llmlab.memory``'s; this module only reads files and the hub.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import math
+import os
+import random
+import shutil
+import stat
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmlab import memory
+
+# What vLLM reads from a Hugging Face model repository; the rest (original/*.pth, consolidated.safetensors of the
+# Mistral format, *.bin duplicates of the safetensors, READMEs of images) is not downloaded.
+VLLM_FILES = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
+              "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+              "added_tokens.json", "vocab.json", "merges.txt", "*.tiktoken", "chat_template.json", "*.jinja"]
+IGNORED = ["original/*", "consolidated*.safetensors", "*/consolidated*.safetensors"]
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+RECORD = "llmlab-weights.json"  # what fetch wrote: the repository and revision, so verify can name the re-fetch
+SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB") when it saves a checkpoint
+DIR_MODE, FILE_MODE = 0o2750, 0o640  # group-readable, nobody else; setgid keeps the group on what is added later
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F8_E4M3": "fp8", "F8_E5M2": "fp8",
+                      "I8": "int8", "U8": "uint8", "I32": "int32", "I64": "int64", "F64": "float64",
+                      "BOOL": "bool", "I16": "int16", "U16": "uint16", "U32": "uint32", "U64": "uint64"}
+MAX_HEADER = 100 * 2**20  # the safetensors format's own limit on a header
+
+
+class WeightsError(Exception):
+    """An expected failure (gated model, no network, no space, not a model folder): the message says the fix."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a safetensors file's header (the only part verify and plan read)
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Header:
+    """One safetensors file's header: its tensors (name -> dtype, shape, data offsets) and the size it implies."""
+
+    tensors: dict[str, dict]
+    header_bytes: int
+
+    @property
+    def expected_size(self) -> int:
+        """8 bytes of length, the JSON header, then the data up to the last tensor's end offset."""
+        end = max((t["data_offsets"][1] for t in self.tensors.values()), default=0)
+        return 8 + self.header_bytes + end
+
+
+def read_header(path: Path) -> Header:
+    """Parse the header of ``path``; raise ``ValueError`` with what is wrong (too short, not JSON, bad offsets)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"it has {len(head)} bytes, fewer than the 8 of a safetensors header's length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER:
+            raise ValueError(f"its first 8 bytes give a header of {n:,} bytes, more than safetensors allows: "
+                             "not a safetensors file, or its start is overwritten")
+        raw = f.read(n)
+    if len(raw) < n:
+        raise ValueError(f"it ends inside its {n:,}-byte header")
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"its header is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError("its header is not a JSON object")
+    data.pop("__metadata__", None)
+    for name, t in data.items():
+        ok = (isinstance(t, dict) and isinstance(t.get("shape"), list) and isinstance(t.get("dtype"), str)
+              and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+              and all(isinstance(x, int) and x >= 0 for x in t["data_offsets"] + t["shape"])
+              and t["data_offsets"][0] <= t["data_offsets"][1])
+        if not ok:
+            raise ValueError(f"its header's entry for {name!r} has no valid dtype, shape and data_offsets")
+    return Header(data, n)
+
+
+# --------------------------------------------------------------------------------------------------
+# A model directory: its shards, and what is wrong with it
+# --------------------------------------------------------------------------------------------------
+
+def shard_names(root: Path) -> tuple[list[str], dict[str, str] | None]:
+    """(the shards, the index's tensor -> shard map or None): the index's shards where there is one, else every
+    ``*.safetensors`` file of the folder."""
+    index = root / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index} is not a safetensors index with a weight_map ({e}): fetch it again.") from None
+        return sorted(set(weight_map.values())), weight_map
+    return sorted(p.name for p in root.glob("*.safetensors")), None
+
+
+def _group_readable(path: Path) -> bool:
+    mode = path.stat().st_mode
+    need = stat.S_IRGRP | (stat.S_IXGRP if stat.S_ISDIR(mode) else 0)
+    return mode & need == need
+
+
+@dataclass
+class Verdict:
+    """What :func:`verify` found: ``problems`` (one sentence each; none means the tree is good) and the facts."""
+
+    root: str
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    shards: int = 0
+    bytes: int = 0
+    params: int = 0
+    expected_params: int | None = None
+    dtypes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict:
+        return {"root": self.root, "ok": self.ok, "problems": self.problems, "notes": self.notes,
+                "shards": self.shards, "bytes": self.bytes, "params": self.params,
+                "expected_params": self.expected_params, "dtypes": self.dtypes}
+
+
+def _refetch(root: Path) -> str:
+    """The command that fetches this tree again, from the record fetch left (else a placeholder for the repo)."""
+    try:
+        repo = json.loads((root / RECORD).read_text())["repo"]
+    except (OSError, ValueError, KeyError, TypeError):
+        repo = "REPO"
+    return f"`llmlab weights fetch {repo} --to {root}`"
+
+
+def _names(names: list[str], most: int = 3) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def verify(root, spec=None, *, group: bool = True) -> Verdict:
+    """Check a model directory as vLLM will read it, and as the learners' group will.
+
+    Every shard the index names (or every ``*.safetensors`` without one) must exist, have a header that parses,
+    and be exactly as long as its header's data offsets say; the tensors of all shards together must be the ones
+    ``llmlab.memory.tensors`` lists for the config, with the same shapes, so that the parameter count from the
+    headers equals ``llmlab.memory.param_count``, in the config's dtype; every file and folder must be readable by
+    the group.  Tied embeddings: ``memory`` counts the embedding once and lists no ``lm_head.weight``; a checkpoint
+    that stores one anyway (some tied ones do) passes when its shape is the embedding's, and it is not counted
+    twice.  A quantized checkpoint (fp8 scales, mxfp4 blocks) stores other names: its names are not compared.
+    ``spec``: a ModelSpec or config to compare with (default: the folder's config.json); ``group=False``: the
+    modes are not checked (a node-local copy that only the job's user reads).
+    """
+    root = Path(root)
+    v = Verdict(str(root))
+    fix_modes = f"`chmod -R g+rX {root}` (or `llmlab weights fetch` again, which sets the modes)"
+    if not root.is_dir():
+        v.problems.append(f"{root} is not a folder: fetch the model there first ({_refetch(root)}).")
+        return v
+    refetch = _refetch(root)
+    try:
+        spec = memory.model_spec(spec if spec is not None else root)
+    except memory.UnsupportedArchitecture as e:
+        spec = None
+        v.notes.append(f"names, shapes and the parameter count are not compared: {e}")
+    except memory.ConfigError as e:
+        v.problems.append(f"{root / 'config.json'}: {e}")
+        spec = None
+    if not any((root / t).is_file() for t in TOKENIZER_FILES):
+        v.problems.append(f"{root} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): vLLM needs one; "
+                          f"fetch again with {refetch}.")
+    unreadable = [p for p in [root, *root.rglob("*")] if group and not p.is_symlink() and not _group_readable(p)]
+    for p in unreadable[:5]:
+        v.problems.append(f"{p} is not readable by the group ({stat.filemode(p.stat().st_mode)}): {fix_modes}.")
+    if len(unreadable) > 5:
+        v.problems.append(f"... and {len(unreadable) - 5} more files or folders not readable by the group: "
+                          f"{fix_modes}.")
+    try:
+        shards, weight_map = shard_names(root)
+    except WeightsError as e:
+        v.problems.append(str(e))
+        return v
+    if not shards:
+        v.problems.append(f"{root} has no *.safetensors file: fetch the weights with {refetch}.")
+        return v
+    found: dict[str, dict] = {}
+    where: dict[str, str] = {}
+    for name in shards:
+        path = root / name
+        if not path.is_file():
+            v.problems.append(f"{path} is missing (the index names it): fetch it again with {refetch}.")
+            continue
+        v.shards += 1
+        size = path.stat().st_size
+        v.bytes += size
+        try:
+            header = read_header(path)
+        except PermissionError:
+            v.problems.append(f"{path} cannot be read by you: `chmod u+r {path}`.")
+            continue
+        except ValueError as e:
+            v.problems.append(f"{path}'s safetensors header is corrupt: {e}; delete it and fetch it again with "
+                              f"{refetch}.")
+            continue
+        if size != header.expected_size:
+            what = "truncated" if size < header.expected_size else "longer than its header says"
+            v.problems.append(f"{path} is {what}: {size:,} bytes where its header's data offsets need "
+                              f"{header.expected_size:,}; delete it and fetch it again with {refetch}.")
+        for tname, t in header.tensors.items():
+            found[tname] = t
+            where[tname] = name
+    if weight_map is not None:
+        unlisted = sorted(n for n in weight_map if n not in found and (root / weight_map[n]).is_file())
+        if unlisted:
+            v.problems.append(f"the index {root / INDEX} places {_names(unlisted)} in shards whose headers do not "
+                              f"hold them: the index and the shards come from different revisions; fetch again "
+                              f"with {refetch}.")
+    v.dtypes = sorted({SAFETENSORS_DTYPES.get(t["dtype"], t["dtype"]) for t in found.values()})
+    v.params = sum(math.prod(t["shape"]) for t in found.values())
+    if spec is None:
+        return v
+    _compare(v, spec, found, where, root)
+    return v
+
+
+def _compare(v: Verdict, spec, found: dict[str, dict], where: dict[str, str], root: Path) -> None:
+    """Names, shapes, parameter count and dtype of the headers' tensors against ``llmlab.memory``'s."""
+    v.expected_params = memory.param_count(spec)
+    embed = "model.embed_tokens.weight"
+    if spec.tie_word_embeddings and "lm_head.weight" in found:
+        tied = found.pop("lm_head.weight")
+        if embed in found and tied["shape"] == found[embed]["shape"]:
+            v.notes.append("lm_head.weight is stored although the embeddings are tied: vLLM uses the embedding, so "
+                           "it is counted once")
+            v.params -= math.prod(tied["shape"])
+        else:
+            found["lm_head.weight"] = tied
+    if spec.quant_method is not None:
+        v.notes.append(f"a {spec.quant_method} checkpoint stores scales beside its weights under other names: names "
+                       "and shapes not compared")
+        return
+    expected = {t.name: list(t.shape) for t in memory.tensors(spec)}
+    missing = sorted(n for n in expected if n not in found)
+    extra = sorted(n for n in found if n not in expected)
+    wrong = sorted(n for n in expected if n in found and found[n]["shape"] != expected[n])
+    if missing:
+        v.problems.append(f"{len(missing)} tensor(s) of the config are in no shard ({_names(missing)}): the "
+                          f"checkpoint is not the config's model, or a shard is missing; fetch again with "
+                          f"{_refetch(root)}.")
+    if extra:
+        v.problems.append(f"{len(extra)} tensor(s) in the shards are not in the config's model ({_names(extra)}, in "
+                          f"{where[extra[0]]}): config.json and the weights come from different models.")
+    for n in wrong[:3]:
+        v.problems.append(f"{where[n]}: {n} has shape {found[n]['shape']}, the config gives {expected[n]}: "
+                          "config.json and the weights come from different models.")
+    if not missing and not extra and not wrong and v.params != v.expected_params:  # cannot happen; a guard
+        v.problems.append(f"the headers hold {v.params:,} parameters, llmlab.memory counts {v.expected_params:,}.")
+    want = spec.torch_dtype
+    other = sorted({f"{where[n]}: {n} ({SAFETENSORS_DTYPES.get(t['dtype'], t['dtype'])})" for n, t in found.items()
+                    if want and SAFETENSORS_DTYPES.get(t["dtype"]) != want})
+    if other:
+        v.problems.append(f"{len(other)} tensor(s) are not in the config's dtype {want} ({_names(other, 2)}): "
+                          "vLLM would cast them; fix config.json's torch_dtype or fetch the weights again.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Plan: what a model needs on disk, and whether it fits where it is going
+# --------------------------------------------------------------------------------------------------
+
+def _free_bytes(path: Path) -> tuple[Path, int]:
+    """Free bytes on the file system that holds ``path`` (or would: its nearest existing parent)."""
+    p = path.expanduser().absolute()
+    while not p.exists():
+        p = p.parent
+    return p, shutil.disk_usage(p).free
+
+
+def _known(model: str) -> str | None:
+    """A model llmlab knows: a shipped name, or the Hugging Face id behind one."""
+    if model in memory.shipped_models():
+        return model
+    by_id = {hf: name for name, hf in memory.HF_IDS.items()}
+    return by_id.get(model)
+
+
+def plan(model, to=None) -> dict:
+    """Files, bytes and dtype of a model, and whether it fits ``to``.
+
+    A directory: its files as they are (the index's ``total_size`` beside the shards' sizes).  A model llmlab knows
+    (a shipped name or its Hugging Face id): an estimate -- ``llmlab.memory.weight_bytes`` (parameters x the
+    checkpoint's dtype, fp8 scales included) in shards of up to 5 GB, transformers' default; the repository's own
+    split may differ by a shard, its bytes by the headers (kilobytes).
+    """
+    path = Path(str(model)).expanduser()
+    out: dict = {"model": str(model)}
+    if path.is_dir():
+        spec = memory.model_spec(path)
+        shards, weight_map = shard_names(path)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.relative_to(path).parts[0].startswith("."))
+        out.update(source="directory", files=[{"name": str(p.relative_to(path)), "bytes": p.stat().st_size}
+                                              for p in files],
+                   shards=len(shards), bytes=sum(p.stat().st_size for p in files), exact=True)
+        if weight_map is not None:
+            out["index_total_size"] = json.loads((path / INDEX).read_text()).get("metadata", {}).get("total_size")
+        out["repo"] = None
+    else:
+        name = _known(str(model))
+        if name is None:
+            raise WeightsError(f"{model!r} is neither a model folder nor a model llmlab knows "
+                               f"({', '.join(memory.shipped_models())}, or their Hugging Face ids): give a folder, "
+                               "or fetch it first and plan the folder.")
+        spec = memory.model_spec(name)
+        weights = memory.weight_bytes(spec)
+        n = max(1, -(-weights // SHARD_BYTES))
+        names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        out.update(source="estimate", files=[{"name": f, "bytes": None} for f in names + ([INDEX] if n > 1 else [])],
+                   shards=n, bytes=weights, exact=False, repo=spec.hf_id)
+    out.update(params=memory.param_count(spec), dtype=spec.torch_dtype, quantization=spec.quant_method,
+               architecture=spec.architecture)
+    if to is not None:
+        where, free = _free_bytes(Path(to))
+        out.update(to=str(to), free_bytes=free, free_on=str(where), fits=free >= out["bytes"])
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Fetch: huggingface_hub's own download, then modes the group can read
+# --------------------------------------------------------------------------------------------------
+
+def make_group_readable(root, group: str | None = None) -> str:
+    """Folders ``2750`` (the group may list and enter; setgid: what is added later keeps the group), files
+    ``0640`` (the group reads, nobody else); with ``group``, the tree's group too.  Returns a sentence saying what
+    it did, for the group it ended up with."""
+    root = Path(root)
+    gid = -1
+    if group is not None:
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise WeightsError(f"there is no UNIX group {group!r} here: ask the admins for the class's group, or "
+                               "leave --group out to keep the folder's own.") from None
+    dirs = files = 0
+    for p in [root, *root.rglob("*")]:
+        if p.is_symlink():
+            continue
+        try:
+            if gid != -1:
+                os.chown(p, -1, gid)
+            os.chmod(p, DIR_MODE if p.is_dir() else FILE_MODE)
+        except PermissionError as e:
+            raise WeightsError(f"cannot set the group or mode of {p} ({e.strerror}): you must own it and be in "
+                               f"group {group or 'its group'} (`id -Gn`).") from None
+        dirs, files = (dirs + 1, files) if p.is_dir() else (dirs, files + 1)
+    name = grp.getgrgid(root.stat().st_gid).gr_name
+    return (f"{dirs} folder(s) {DIR_MODE:o} and {files} file(s) {FILE_MODE:o}, group {name}"
+            f"{'' if group else ' (the folder' + chr(39) + 's own; --group GROUP to change it)'}")
+
+
+GATED = ("{repo} is gated: accept its licence on https://huggingface.co/{repo} with your account, then log in here "
+         "with `hf auth login` (or export HF_TOKEN=<a read token>) and fetch again.")
+
+
+def explain_hub_error(e: BaseException, repo: str) -> str | None:
+    """One sentence for the hub's expected failures (gated, not found, no network), or None for anything else."""
+    from huggingface_hub import errors
+
+    if isinstance(e, errors.GatedRepoError):
+        return GATED.format(repo=repo)
+    if isinstance(e, errors.RepositoryNotFoundError):
+        return (f"{repo} is not on the hub, or is private to an account this machine is not logged in as: check the "
+                "name (Owner/Model), and for a private model `hf auth login` or HF_TOKEN.")
+    if isinstance(e, errors.HfHubHTTPError) and e.response is not None and e.response.status_code in (401, 403):
+        return GATED.format(repo=repo)
+    if isinstance(e, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
+        return (f"the hub cannot be reached from here ({type(e).__name__}) and {repo} is not downloaded yet: fetch "
+                "from a machine with network (a login node, not a compute node), or unset HF_HUB_OFFLINE.")
+    if isinstance(e, errors.IncompleteSnapshotError):
+        return f"the download of {repo} is incomplete and the hub cannot be reached: run the same fetch again later."
+    return None
+
+
+def fetch(repo: str, to, *, group: str | None = None, revision: str | None = None, token: str | None = None,
+          endpoint: str | None = None, say=print) -> dict:
+    """Download the files vLLM reads of ``repo`` (a Hugging Face id, or a shipped name) into ``to``.
+
+    Through ``huggingface_hub.snapshot_download(local_dir=to)``: an interrupted run resumes its partial files
+    (``to/.cache/huggingface`` keeps what it needs), a complete one returns at once.  Then the modes
+    (:func:`make_group_readable`) and :func:`verify`.  ``endpoint``: another hub (a mirror; tests use a local
+    one); ``token``: default HF_TOKEN or ``hf auth login``'s.
+    """
+    from huggingface_hub import snapshot_download
+
+    repo_id = memory.HF_IDS.get(repo, repo)
+    to = Path(to)
+    name = _known(repo_id)
+    if name:
+        estimate = plan(name, to)
+        say(f"{repo_id}: about {estimate['bytes'] / 1e9:,.1f} GB ({estimate['dtype']}); "
+            f"{estimate['free_bytes'] / 1e9:,.1f} GB free on {estimate['free_on']}")
+        present = sum(p.stat().st_size for p in to.rglob("*") if p.is_file()) if to.is_dir() else 0  # a resume
+        if estimate["free_bytes"] < estimate["bytes"] - present:
+            raise WeightsError(f"{repo_id} needs about {estimate['bytes'] / 1e9:,.1f} GB "
+                               f"({present / 1e9:,.1f} GB of it "
+                               f"already there) and {estimate['free_on']} has {estimate['free_bytes'] / 1e9:,.1f} GB "
+                               "free: choose another --to, or free space.")
+    started = time.monotonic()
+    try:
+        snapshot_download(repo_id, local_dir=to, revision=revision, token=token, endpoint=endpoint,
+                          allow_patterns=VLLM_FILES, ignore_patterns=IGNORED)
+    except Exception as e:
+        why = explain_hub_error(e, repo_id)
+        if why is None:
+            raise
+        raise WeightsError(why) from None
+    seconds = time.monotonic() - started
+    (to / RECORD).write_text(json.dumps({"repo": repo_id, "revision": revision, "fetched": time.time()}) + "\n")
+    modes = make_group_readable(to, group)
+    verdict = verify(to)
+    return {"repo": repo_id, "to": str(to), "seconds": seconds, "modes": modes, "verify": verdict.as_dict()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage: a copy on node-local disk, timed, atomic, skipped when already there
+# --------------------------------------------------------------------------------------------------
+
+CHUNK = 16 * 2**20
+
+
+def _files(root: Path) -> list[Path]:
+    """The files of a model tree that vLLM reads (hidden folders such as the hub's .cache left out)."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(root).parts))
+
+
+def same_files(a: Path, b: Path) -> bool:
+    """Same relative names and sizes (the content is verify's: headers and sizes)."""
+    def listing(root):
+        return [(str(p.relative_to(root)), p.stat().st_size) for p in _files(root)]
+    return listing(a) == listing(b)
+
+
+def _remove_stale(to: Path, name: str) -> None:
+    """Temporary copies of ``name`` left in ``to`` by a stage that was killed (its process is gone)."""
+    for p in to.glob(f".{name}.*-*"):
+        try:
+            os.kill(int(p.name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except (ValueError, PermissionError):
+            continue  # not a pid, or another user's live process
+
+
+def stage(src, to, *, progress: bool = True, say=print) -> dict:
+    """Copy the model tree ``src`` to ``to/<its name>`` (node-local disk), unless a copy there already verifies.
+
+    The copy goes to a temporary name beside the target and is renamed once complete, so a job that dies mid-copy
+    never leaves a half tree under the real name; a stale or broken copy there is replaced.  Returns what it did:
+    ``skipped``, ``bytes``, ``seconds`` and ``mb_per_s`` (10**6 bytes a second) of the copy.
+    """
+    from tqdm.auto import tqdm
+
+    src, to = Path(src), Path(to)
+    dest = to / src.name
+    if dest.is_dir() and same_files(src, dest) and verify(dest, group=False).ok:
+        say(f"{dest} already holds a verified copy of {src}: not copied again")
+        return {"src": str(src), "dest": str(dest), "skipped": True, "bytes": 0, "seconds": 0.0, "mb_per_s": None}
+    source = verify(src, group=False)
+    if not source.ok:
+        raise WeightsError(f"{src} does not verify, so it is not staged: " + " ".join(source.problems))
+    files = _files(src)
+    total = sum(p.stat().st_size for p in files)
+    to.mkdir(parents=True, exist_ok=True)
+    where, free = _free_bytes(to)
+    if free < total:
+        raise WeightsError(f"{src} takes {total / 1e9:,.2f} GB and {where} has {free / 1e9:,.2f} GB free: stage to "
+                           "another folder (LLMLAB_STAGE_DIR) or free space.")
+    _remove_stale(to, src.name)
+    tmp = to / f".{src.name}.staging-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    started = time.monotonic()
+    try:  # in a job's log (no terminal) the bar is a line every 30 s, not one every 0.1 s
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"staging {src.name}", disable=not progress,
+                  mininterval=0.1 if sys.stderr.isatty() else 30) as bar:
+            for p in files:
+                target = tmp / p.relative_to(src)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(p, "rb") as fin, open(target, "wb") as fout:
+                    while chunk := fin.read(CHUNK):
+                        fout.write(chunk)
+                        bar.update(len(chunk))
+                shutil.copymode(p, target)
+        seconds = time.monotonic() - started
+        if dest.exists() and same_files(src, dest) and verify(dest, group=False).ok:
+            shutil.rmtree(tmp)  # another job on this node staged it meanwhile, and may be reading it: keep that one
+        else:
+            if dest.exists():  # a stale or broken copy: out of the way first (a folder cannot replace another)
+                old = to / f".{src.name}.old-{os.getpid()}"
+                dest.rename(old)
+                shutil.rmtree(old)
+            tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    rate = total / 1e6 / seconds if seconds > 0 else None
+    say(f"staged {src} -> {dest}: {total / 1e6:,.1f} MB in {seconds:.2f} s"
+        + (f" ({rate:,.0f} MB/s)" if rate else ""))
+    return {"src": str(src), "dest": str(dest), "skipped": False, "bytes": total, "seconds": seconds,
+            "mb_per_s": rate}
+
+
+# --------------------------------------------------------------------------------------------------
+# A dummy tree: a config's tensors at full size, for measuring staging without downloading a model
+# --------------------------------------------------------------------------------------------------
+
+SAFETENSORS_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def dummy_tree(model, root, *, shard_bytes: int = SHARD_BYTES, seed: int = 0) -> Path:
+    """Write a model folder of ``model``'s tensors (``llmlab.memory.tensors``) in its checkpoint dtype, filled with
+    pseudo-random bytes (not zeros: a file system may store zeros as holes, which read faster than weights), in
+    shards of up to ``shard_bytes`` with an index, plus its config.json and the tiny model's tokenizer: a tree that
+    :func:`verify` passes and vLLM's ``--load-format dummy`` never needs, sized like the real one for timing copies.
+    Each shard is written as safetensors lays it out (8-byte header length, JSON header, data), a chunk at a time."""
+    spec = memory.model_spec(model)
+    if spec.quant_method is not None:
+        raise WeightsError(f"{spec.name} is {spec.quant_method} quantized: a dummy tree is written for unquantized "
+                           "models only (their tensors are llmlab.memory's list).")
+    code, width = SAFETENSORS_CODES[spec.require_dtype()], memory.DTYPE_BITS[spec.require_dtype()] // 8
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    groups: list[list] = [[]]
+    size = 0
+    for t in memory.tensors(spec):
+        if groups[-1] and size + t.numel * width > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.numel * width
+    random_block = random.Random(seed).randbytes(CHUNK)
+    weight_map, total = {}, 0
+    for i, group in enumerate(groups, 1):
+        name = "model.safetensors" if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for t in group:
+            header[t.name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + t.numel * width]}
+            offset += t.numel * width
+            weight_map[t.name] = name
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes with spaces
+        with open(root / name, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            left = offset
+            while left:
+                block = random_block[: min(left, CHUNK)]
+                f.write(block)
+                left -= len(block)
+        total += offset
+    if len(groups) > 1:
+        (root / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    config, _ = memory.load_config(model if not isinstance(model, memory.ModelSpec) else spec.source)
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    tiny = memory.MODELS_DIR / memory.TINY_NAME
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tiny / f, root / f)
+    return root

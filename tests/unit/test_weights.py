@@ -1,0 +1,318 @@
+"""``llmlab weights``: plan, fetch, verify and stage, on real safetensors trees made from the shipped tiny model.
+
+The trees are real: the tiny model's own tensors, written by safetensors' ``save_file`` into three shards with a
+``model.safetensors.index.json`` as transformers writes one, then damaged the ways a workshop meets them (a shard cut
+short, a shard missing, a header overwritten, a file the group cannot read).  The download is tested as far as no
+hub allows: no test here reaches huggingface.co.  The hub's answers are played by a local HTTP server (a gated
+repository's 401 with the hub's ``X-Error-Code: GatedRepo``) or by a closed local port (no network), so
+huggingface_hub's own ``snapshot_download`` runs unpatched and raises its own errors; the download of real files
+is not tested here.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from llmlab import memory
+from llmlab.ops import cli, weights
+
+TINY = memory.MODELS_DIR / memory.TINY_NAME
+TINY_PARAMS = 3_672_320
+
+
+def copy_tiny(dest: Path) -> Path:
+    shutil.copytree(TINY, dest)
+    weights.make_group_readable(dest)
+    return dest
+
+
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    """The tiny model as one model.safetensors (as shipped), group-readable."""
+    return copy_tiny(tmp_path / "shared" / "llmlab-tiny")
+
+
+@pytest.fixture
+def sharded(tmp_path) -> Path:
+    """The tiny model in three shards with an index, written by safetensors' own save_file."""
+    root = copy_tiny(tmp_path / "shared" / "llmlab-tiny")
+    tensors = load_file(root / "model.safetensors")
+    (root / "model.safetensors").unlink()
+    names = sorted(tensors)
+    parts = [names[i::3] for i in range(3)]
+    weight_map, total = {}, 0
+    for i, part in enumerate(parts, 1):
+        shard = f"model-{i:05d}-of-00003.safetensors"
+        save_file({n: tensors[n] for n in part}, root / shard, metadata={"format": "pt"})
+        weight_map.update({n: shard for n in part})
+        total += sum(tensors[n].nbytes for n in part)
+    (root / weights.INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    weights.make_group_readable(root)
+    return root
+
+
+def shard(root: Path, i: int) -> Path:
+    return root / f"model-{i:05d}-of-00003.safetensors"
+
+
+def test_a_complete_sharded_tree_verifies_and_its_headers_count_memorys_parameters(sharded):
+    v = weights.verify(sharded)
+    assert v.ok, v.problems
+    assert v.shards == 3
+    assert v.params == v.expected_params == memory.param_count(memory.TINY_NAME) == TINY_PARAMS
+    assert v.dtypes == ["float32"]
+
+
+def test_the_shipped_single_file_tree_verifies(tree):
+    assert weights.verify(tree).ok
+
+
+def test_a_truncated_shard_is_named_with_its_sizes_and_the_fix(sharded, capsys):
+    path = shard(sharded, 2)
+    size = path.stat().st_size
+    os.truncate(path, size - 1000)
+    v = weights.verify(sharded)
+    assert len(v.problems) == 1, v.problems
+    assert f"{path} is truncated: {size - 1000:,} bytes where its header's data offsets need {size:,}" in v.problems[0]
+    assert "fetch it again" in v.problems[0]
+    assert cli.main(["weights", "verify", str(sharded)]) == 1
+    assert "PROBLEM: " in capsys.readouterr().out
+
+
+def test_a_missing_shard_is_named_and_its_tensors_counted_missing(sharded):
+    shard(sharded, 3).unlink()
+    v = weights.verify(sharded)
+    assert not v.ok
+    assert any(p.startswith(f"{shard(sharded, 3)} is missing (the index names it)") for p in v.problems)
+    assert any("tensor(s) of the config are in no shard" in p for p in v.problems)
+
+
+def test_a_corrupted_header_is_named(sharded):
+    path = shard(sharded, 1)
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(b"\x00garbage\xff" * 4)
+    v = weights.verify(sharded)
+    assert any(p.startswith(f"{path}'s safetensors header is corrupt: its header is not valid JSON")
+               for p in v.problems), v.problems
+
+
+def test_a_header_length_overwritten_is_named(sharded):
+    path = shard(sharded, 1)
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 8)
+    v = weights.verify(sharded)
+    assert any("more than safetensors allows" in p for p in v.problems), v.problems
+
+
+def test_a_shard_the_group_cannot_read_is_named_with_chmod(sharded):
+    path = shard(sharded, 2)
+    path.chmod(0o600)
+    v = weights.verify(sharded)
+    assert len(v.problems) == 1, v.problems
+    assert v.problems[0].startswith(f"{path} is not readable by the group (-rw-------)")
+    assert f"chmod -R g+rX {sharded}" in v.problems[0]
+    assert weights.verify(sharded, group=False).ok  # a node-local copy is the job's user's only
+
+
+def test_a_stored_lm_head_of_tied_embeddings_is_counted_once(tree):
+    tensors = load_file(tree / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, tree / "model.safetensors", metadata={"format": "pt"})
+    weights.make_group_readable(tree)
+    v = weights.verify(tree)
+    assert v.ok, v.problems
+    assert v.params == TINY_PARAMS
+    assert any("counted once" in n for n in v.notes)
+
+
+def test_weights_of_another_dtype_or_model_than_the_config_are_problems(tree):
+    config = json.loads((tree / "config.json").read_text())
+    (tree / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    assert any("not in the config's dtype bfloat16" in p for p in weights.verify(tree).problems)
+    (tree / "config.json").write_text(json.dumps({**config, "intermediate_size": 512}))
+    problems = weights.verify(tree).problems
+    assert any("mlp.down_proj.weight has shape [256, 640], the config gives [256, 512]" in p for p in problems)
+
+
+def test_plan_of_a_sharded_tree_lists_its_files_and_the_disk_there(sharded, tmp_path, capsys):
+    p = weights.plan(sharded, to=tmp_path / "local" / "new")
+    assert p["shards"] == 3 and p["exact"] and p["params"] == TINY_PARAMS and p["dtype"] == "float32"
+    assert p["index_total_size"] == TINY_PARAMS * 4
+    assert p["bytes"] == sum(f.stat().st_size for f in sharded.iterdir() if f.is_file())
+    assert p["free_on"] == str(tmp_path) and p["fits"] == (p["free_bytes"] >= p["bytes"])
+    assert cli.main(["weights", "plan", str(sharded), "--to", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "model-00002-of-00003.safetensors" in out and "fits" in out
+
+
+def test_plan_of_a_known_name_estimates_from_memory_and_says_when_it_does_not_fit(tmp_path, capsys):
+    p = weights.plan("meta-llama/Llama-3.1-70B-Instruct", to=tmp_path)
+    assert p["bytes"] == memory.weight_bytes("llama3.1-70b") == 141_107_412_992  # docs/workshop.md's figure
+    assert p["shards"] == 29 and not p["exact"] and p["dtype"] == "bfloat16"
+    assert p["repo"] == "meta-llama/Llama-3.1-70B-Instruct"
+    fits = p["fits"]
+    assert cli.main(["weights", "plan", "llama3.1-70b", "--to", str(tmp_path)]) == (0 if fits else 1)
+    assert ("fits" if fits else "does NOT fit") in capsys.readouterr().out
+    with pytest.raises(weights.WeightsError, match="neither a model folder nor a model llmlab knows"):
+        weights.plan("nobody/nothing")
+
+
+def test_make_group_readable_sets_2750_and_0640_on_a_real_tree(tree):
+    (tree / "sub").mkdir(mode=0o700)
+    (tree / "sub" / "x.json").write_text("{}")
+    (tree / "sub" / "x.json").chmod(0o600)
+    (tree / "config.json").chmod(0o600)
+    assert not weights.verify(tree).ok
+    group = __import__("grp").getgrgid(os.getgid()).gr_name
+    said = weights.make_group_readable(tree, group)
+    assert said == f"2 folder(s) 2750 and {len([p for p in tree.rglob('*') if p.is_file()])} file(s) 640, group {group}"
+    assert {oct(p.stat().st_mode & 0o7777) for p in [tree, tree / "sub"]} == {"0o2750"}
+    assert {oct(p.stat().st_mode & 0o7777) for p in tree.rglob("*") if p.is_file()} == {"0o640"}
+    assert weights.verify(tree).ok
+    with pytest.raises(weights.WeightsError, match="no UNIX group 'no-such-group-xyz'"):
+        weights.make_group_readable(tree, "no-such-group-xyz")
+
+
+class _GatedHub(http.server.BaseHTTPRequestHandler):
+    """Answers every request as the hub answers one for a gated repository without an accepted licence."""
+
+    def do_GET(self):
+        self.send_response(401)
+        self.send_header("X-Error-Code", "GatedRepo")
+        self.send_header("X-Error-Message", "Access to model someorg/gated is restricted.")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_fetch_of_a_gated_model_says_accept_the_licence_and_log_in(tmp_path, capsys):
+    """huggingface_hub's own snapshot_download against a local stand-in of the hub (no hub may be reached from a
+    test): its 401 with ``X-Error-Code: GatedRepo`` is what huggingface_hub turns into GatedRepoError."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GatedHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(weights.WeightsError) as e:
+            weights.fetch("someorg/gated", tmp_path / "gated", token=False,
+                          endpoint=f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert str(e.value) == weights.GATED.format(repo="someorg/gated")
+    assert "accept its licence" in str(e.value) and "hf auth login" in str(e.value) and "HF_TOKEN" in str(e.value)
+
+
+def test_fetch_without_network_says_where_to_fetch_from(tmp_path):
+    """No network: a closed local port as the hub's endpoint, so huggingface_hub meets a refused connection itself
+    (no hub may be reached from a test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
+    with pytest.raises(weights.WeightsError, match="the hub cannot be reached from here"):
+        weights.fetch("someorg/model", tmp_path / "m", token=False, endpoint=f"http://127.0.0.1:{port}")
+
+
+def test_a_gated_error_raised_by_huggingface_hub_reads_as_one_sentence():
+    from httpx2 import Request, Response
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError
+
+    response = Response(403, request=Request("GET", "https://huggingface.co/api/models/meta-llama/x"))
+    assert weights.explain_hub_error(GatedRepoError("gated", response=response), "meta-llama/x") == \
+        weights.GATED.format(repo="meta-llama/x")
+    assert weights.explain_hub_error(HfHubHTTPError("403", response=response), "m/x").startswith("m/x is gated")
+    assert weights.explain_hub_error(ValueError("other"), "m/x") is None
+
+
+def test_stage_copies_with_progress_and_time_then_skips_a_verified_copy(sharded, tmp_path, capsys):
+    local = tmp_path / "local"
+    first = weights.stage(sharded, local)
+    dest = local / "llmlab-tiny"
+    assert not first["skipped"] and first["dest"] == str(dest)
+    assert first["bytes"] == sum(f.stat().st_size for f in sharded.iterdir() if f.is_file())
+    assert first["seconds"] > 0 and first["mb_per_s"] > 0
+    captured = capsys.readouterr()
+    assert f"staged {sharded} -> {dest}: " in captured.out and " MB/s)" in captured.out
+    assert "staging llmlab-tiny" in captured.err  # tqdm's bar
+    assert weights.verify(dest).ok and weights.same_files(sharded, dest)
+    assert [p.name for p in local.iterdir()] == ["llmlab-tiny"]  # the temporary name is gone
+
+    second = weights.stage(sharded, local)
+    assert second["skipped"] and "already holds a verified copy" in capsys.readouterr().out
+
+    os.truncate(shard(dest, 1), 100)  # a broken local copy is replaced, not trusted
+    third = weights.stage(sharded, local)
+    assert not third["skipped"] and weights.verify(dest).ok
+    assert [p.name for p in local.iterdir()] == ["llmlab-tiny"]
+
+
+def test_stage_refuses_a_source_that_does_not_verify(sharded, tmp_path):
+    shard(sharded, 3).unlink()
+    with pytest.raises(weights.WeightsError, match="does not verify, so it is not staged"):
+        weights.stage(sharded, tmp_path / "local")
+    assert cli.main(["weights", "stage", str(sharded), "--to", str(tmp_path / "local")]) == 2
+
+
+def test_a_dummy_tree_is_real_safetensors_that_verifies(tmp_path):
+    """The benchmark's dummy trees (an 8B-sized one for the GPU machine) are written without safetensors, chunk by
+    chunk; safetensors' own reader opens them, and verify finds the config's tensors."""
+    from safetensors import safe_open
+
+    root = weights.dummy_tree(memory.TINY_NAME, tmp_path / "dummy", shard_bytes=6 * 10**6)
+    weights.make_group_readable(root)
+    v = weights.verify(root)
+    assert v.ok and v.shards == 3 and v.params == TINY_PARAMS, v.problems
+    count = 0
+    for path in sorted(root.glob("*.safetensors")):
+        with safe_open(path, "np") as f:
+            count += sum(f.get_tensor(k).size for k in f.keys())
+    assert count == TINY_PARAMS
+
+
+def test_stage_removes_what_a_killed_stage_left_and_keeps_a_live_ones(sharded, tmp_path):
+    local = tmp_path / "local"
+    dead, live = local / ".llmlab-tiny.staging-999999999", local / f".llmlab-tiny.staging-{os.getppid()}"
+    for d in (dead, live):  # a killed stage's copy, and one that another process on the node is still making
+        d.mkdir(parents=True)
+        (d / "model-00001-of-00003.safetensors").write_bytes(b"half")
+    weights.stage(sharded, local, progress=False)
+    assert sorted(p.name for p in local.iterdir()) == [live.name, "llmlab-tiny"]
+
+
+def test_a_job_with_a_stage_dir_loads_the_node_local_copy_after_staging_it():
+    """LLMLAB_STAGE_DIR: the rendered job serves the copy in that folder and runs ``llmlab weights stage`` first."""
+    from llmlab.cluster.layouts import SettingsError
+    from llmlab.cluster.render import render
+
+    job = render("llama3.1-70b", env={"LLMLAB_MODEL_DIR": "/models", "LLMLAB_STAGE_DIR": "/local/w"}, python="py")
+    assert job.model_path == "/local/w/Llama-3.1-70B-Instruct"
+    assert job.stage_argv == ["py", "-m", "llmlab", "weights", "stage", "/models/Llama-3.1-70B-Instruct", "--to",
+                              "/local/w"]
+    assert job.serve_line.split()[2] == "/local/w/Llama-3.1-70B-Instruct"
+    assert "stage_argv=(py -m llmlab weights stage /models/Llama-3.1-70B-Instruct --to /local/w)" in job.shell()
+    assert "copied to /local/w/Llama-3.1-70B-Instruct on each node before vLLM starts" in job.summary()
+    plain = render("llama3.1-70b", env={"LLMLAB_MODEL_DIR": "/models"})
+    assert plain.stage_argv == [] and "stage_argv=()" in plain.shell()
+    with pytest.raises(SettingsError, match="set LLMLAB_MODEL_DIR"):
+        render("llama3.1-70b", env={"LLMLAB_STAGE_DIR": "/local/w"})
+
+
+def test_the_launchers_dry_run_shows_the_staging(tmp_path):
+    from slurm_helpers import dry_run
+
+    out = dry_run("llama3.1-8b", LLMLAB_MODEL_DIR="/models", LLMLAB_STAGE_DIR=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert f"weights: /models/Llama-3.1-8B-Instruct copied to {tmp_path}/Llama-3.1-8B-Instruct" in out.stdout
+    serve = next(line for line in out.stdout.splitlines() if line.startswith("vLLM:"))
+    assert f" {tmp_path}/Llama-3.1-8B-Instruct " in serve

@@ -54,27 +54,29 @@ def tp_link_times(tp8_us, tp16_us) -> None:
 
 
 def pp_boundary(nbytes, us) -> None:
-    """08: bytes of a 2,048-token prompt's hidden states crossing the PP=2 stage boundary of 405B (TP=8 x PP=2) in
-    its prefill step, and µs at one InfiniBand port's 50 GB/s."""
+    """08: bytes one GPU of 405B's first stage (TP=8 x PP=2) sends across the boundary for a 2,048-token prompt's
+    prefill -- each token's hidden state and residual in bf16, split over the stage's 8 GPUs -- and µs over that
+    GPU's own InfiniBand port at 50 GB/s."""
     from llmlab import memory
 
-    tokens, hidden = 2048, memory.model_spec("llama3.1-405b").hidden_size
-    one = hidden * 2  # one token's hidden state in bf16: what the lesson's table counts
-    n = _whole(nbytes, "the bytes across the boundary")
-    require(n != one, f"that is one token's hidden state (the lesson's decode step); the prefill sends all "
+    tokens, hidden, tp = 2048, memory.model_spec("llama3.1-405b").hidden_size, 8
+    expected = tokens * 2 * hidden * 2 // tp  # two messages (hidden state, residual), 2 bytes a value, 1/8 each
+    n = _whole(nbytes, "the bytes one GPU sends")
+    require(n != 2 * hidden * 2 // tp, f"that is one token (the lesson's decode step); the prefill sends all "
             f"{tokens:,} of the prompt's at once.")
-    require(n != tokens * hidden, f"that counts values, not bytes: {tokens:,} tokens x {hidden:,} values of 2 bytes "
-            "each (bf16).")
-    require(n == tokens * one, f"each token's hidden state crosses once, point to point: {tokens:,} tokens x "
-            "hidden_size x 2 bytes.")
-    # what one GPU of TP=8 x PP=2 sends in its stage's all-reduces for the same tokens (63 layers x 2 all-reduces
-    # x 2 x 7/8 of the message), over these hidden states' bytes
-    ratio = 63 * 2 * 2 * 7 / 8
+    require(n != expected * tp, "that is what the whole stage sends: vLLM splits each message over the stage's "
+            f"{tp} GPUs, and each GPU sends its 1/{tp} slice.")
+    require(n != expected // 2, "that is half: two messages cross for every token (the hidden state and the "
+            "residual), each of hidden_size values of 2 bytes (bf16).")
+    require(n == expected, f"{tokens:,} tokens x 2 messages x hidden_size x 2 bytes, divided over the {tp} GPUs.")
+    # what one GPU sends in its stage's all-reduces for the same tokens (63 layers x 2 all-reduces x 2 x 7/8 of
+    # the message), over its share of the hand-over
+    ratio = 63 * 2 * 2 * 7 / 8 * tokens * hidden * 2 / n
     t = _number(us, "the microseconds")
     require(abs(t - n / 50e9) > 0.01 * n / 50e9, "that is seconds: multiply by 1e6 for µs.")
-    require(abs(t - n / 50e9 * 1e6) <= 0.01 * n / 50e9 * 1e6, "the bandwidth term is bytes / 50e9 B/s (one "
-            "port, point to point), times 1e6 for µs.")
-    right(f"{n / 2**20:.0f} MiB, {t / 1e3:.2f} ms for the prompt: {ratio:.0f}x less than each GPU sends in its "
+    require(abs(t - n / 50e9 * 1e6) <= 0.01 * n / 50e9 * 1e6, "each GPU sends over its own port: bytes / 50e9 "
+            "B/s, times 1e6 for µs.")
+    right(f"{n / 2**20:.0f} MiB per GPU, {t:.0f} µs for the prompt: {ratio:.0f}x less than each GPU sends in its "
           "stage's all-reduces for the same tokens (63 layers), and once per stage boundary.")
 
 

@@ -272,9 +272,12 @@ def tp_vs_pp(model="llama3.1-405b", layouts=((8, 2), (16, 1)), gpus_per_node: in
     group inside a node runs at NVLink speed.  One that spans nodes runs at its slowest link: NVLink inside each
     node, or between the nodes their ``nics_per_node`` InfiniBand ports together (default one per GPU, 8 x 50 =
     400 GB/s: NCCL spreads its rings over every port).  ``nics_per_node=1`` with a lower ``ib_gbps`` models
-    nodes without InfiniBand (one Ethernet port).  PP sends the hidden state once per stage boundary, point to
-    point, over one port.  Times are along the pipeline (its stages one after the other); bytes are one GPU's
-    (its stage's layers only).
+    nodes without InfiniBand (one Ethernet port).  PP hands the next stage, once per stage boundary, what vLLM's
+    Llama returns from a stage that is not the last: each token's hidden state *and* residual (two messages), each
+    split over the stage's TP ranks (``send_tensor_dict(all_gather_group=tp_group)``), every GPU its slice over its
+    own port (the node's ``nics`` shared where it has fewer than TP), then all-gathered over NVLink by the
+    receiving stage.  Times are along the pipeline (its stages one after the other); TP bytes are one GPU's (its
+    stage's layers only), ``pp_bytes`` all that crosses the boundaries, ``pp_bytes_per_gpu`` one GPU's share.
     """
     s = memory.model_spec(model)
     act = 2 if memory.serve_dtype(s, dtype) != "float32" else 4  # activations travel in the compute dtype
@@ -287,12 +290,15 @@ def tp_vs_pp(model="llama3.1-405b", layouts=((8, 2), (16, 1)), gpus_per_node: in
         n_allreduce = 2 * s.num_layers if tp > 1 else 0
         per_allreduce = 2 * (tp - 1) / tp * message
         tp_s = n_allreduce * (per_allreduce / (gbps * 1e9) + allreduce_latency_us * 1e-6)
-        pp_s = (pp - 1) * message / (ib_gbps * 1e9)
+        handoff = 2 * message  # the hidden state and the residual
+        gather = (tp - 1) / tp * handoff / (nvlink_gbps * 1e9)  # the receiving stage reassembles the slices
+        pp_s = (pp - 1) * (handoff / (min(tp, nics) * ib_gbps * 1e9) + gather)
         rows.append({"layout": f"TP={tp} x PP={pp}", "gpus": tp * pp, "nodes": -(-tp * pp // gpus_per_node),
                      "weights_gib_per_gpu": max(memory.weight_bytes_per_gpu(s, dtype, tp, pp)) / memory.GiB,
                      "tp_link": link if tp > 1 else "-", "tp_gbps": gbps if tp > 1 else 0.0,
                      "allreduces": n_allreduce, "allreduce_bytes_per_gpu": per_allreduce if tp > 1 else 0.0,
                      "tp_bytes_per_gpu": n_allreduce // pp * per_allreduce, "tp_us": tp_s * 1e6,
-                     "pp_transfers": pp - 1, "pp_bytes": (pp - 1) * message, "pp_us": pp_s * 1e6,
+                     "pp_transfers": pp - 1, "pp_bytes": (pp - 1) * handoff,
+                     "pp_bytes_per_gpu": (pp - 1) * handoff / tp, "pp_us": pp_s * 1e6,
                      "comm_us": (tp_s + pp_s) * 1e6})
     return rows

@@ -328,16 +328,18 @@ def test_tp_link_times(capsys):
 
 
 def test_pp_boundary(capsys):
-    """Exercise 3 asks for a 2,048-token prefill's hand-off; the lesson's table prints one token's 32,768 and 0.66."""
-    prompt = 2048 * MESSAGE_405B
-    assert prompt == 67_108_864
-    not_yet(check.pp_boundary, MESSAGE_405B, MESSAGE_405B / 50e9 * 1e6, hint="that is one token's hidden state")
-    not_yet(check.pp_boundary, prompt // 2, prompt / 100e9 * 1e6, hint="that counts values, not bytes")
-    not_yet(check.pp_boundary, prompt + 2, prompt / 50e9 * 1e6, hint="tokens x hidden_size x 2 bytes")  # not named
-    not_yet(check.pp_boundary, prompt, prompt / 50e9, hint="that is seconds: multiply by 1e6")
-    not_yet(check.pp_boundary, prompt, prompt / 400e9 * 1e6, hint="bytes / 50e9 B/s (one port")
-    out = right(capsys, check.pp_boundary, prompt, prompt / 50e9 * 1e6)
-    assert "64 MiB, 1.34 ms" in out and "220x" in out  # 63 layers x 2 all-reduces x 2 x 7/8 per GPU of TP=8 x PP=2
+    """Exercise 3 asks for one GPU's share of a 2,048-token prefill's hand-off (hidden state and residual, split
+    over 8 GPUs); the lesson's table prints one token's 65,536 / 8,192 bytes and 0.29 µs."""
+    share = 2048 * 2 * MESSAGE_405B // 8
+    assert share == 16_777_216
+    not_yet(check.pp_boundary, 2 * MESSAGE_405B // 8, 0.16, hint="that is one token")
+    not_yet(check.pp_boundary, share * 8, share * 8 / 50e9 * 1e6, hint="what the whole stage sends")
+    not_yet(check.pp_boundary, share // 2, share / 100e9 * 1e6, hint="two messages cross for every token")
+    not_yet(check.pp_boundary, share + 2, share / 50e9 * 1e6, hint="divided over the 8 GPUs")  # not named
+    not_yet(check.pp_boundary, share, share / 50e9, hint="that is seconds: multiply by 1e6")
+    not_yet(check.pp_boundary, share, share / 400e9 * 1e6, hint="each GPU sends over its own port")
+    out = right(capsys, check.pp_boundary, share, share / 50e9 * 1e6)
+    assert "16 MiB per GPU, 336 µs" in out and "882x" in out  # 63 layers x 2 all-reduces x 2 x 7/8, over 1/4
 
 
 def test_load_eta_minutes(capsys):

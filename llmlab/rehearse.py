@@ -424,6 +424,21 @@ def before_launch_table(root: str | Path | None = None) -> list[dict]:
     return [before_launch_row(p, root) for p in _server_logs(root)]
 
 
+def write_before_launch_table(root: str | Path | None = None) -> Path:
+    """Write ``kv-before-launch.json`` under ``root``: :func:`before_launch_table`, which constants were fitted on
+    which runs, and the largest error.  Refresh after changing the model: ``python -c "from llmlab import rehearse;
+    rehearse.write_before_launch_table()"``; ``tests/unit/test_memory_startup.py`` fails while it is stale."""
+    root = Path(root or RESULTS_DIR)
+    rows = before_launch_table(root)
+    doc = {"about": "KV tokens vLLM logged vs llmlab.memory.predict_kv_before_launch (no vLLM figure used), per "
+                    "committed GPU server log; error = (predicted - logged) / logged",
+           "fitted_on": {k: list(v) for k, v in memory.FITTED.items()},
+           "largest_error": max((abs(r["error"]) for r in rows), default=0.0), "rows": rows}
+    path = root / BEFORE_LAUNCH_TABLE
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
 def plot_rehearsal(result: dict, axes=None, path: str | Path | None = None):
     """Three panels: batch-1 decode vs the roofline, throughput vs concurrency, KV tokens predicted vs logged."""
     import matplotlib

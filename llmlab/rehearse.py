@@ -368,6 +368,7 @@ def results_table(results: list[dict] | None = None):
                      "weights GiB/GPU": round(r["weights_gib"], 2), "KV tokens logged": r["kv_tokens_logged"],
                      "KV predicted": r["kv_tokens_predicted"],
                      "KV before start": r["kv_tokens_predicted_before_start"],
+                     "KV before launch": r.get("kv_tokens_predicted_before_launch"),
                      "TB/s": round(r["bandwidth_tb_s"], 2), "roofline tok/s": round(r["roofline_tok_s"], 1),
                      "batch-1 tok/s": round(r["decode_tok_s_batch1"], 1),
                      "of roofline": round(r["decode_vs_roofline"], 2),
@@ -478,6 +479,11 @@ def check_math(result: dict) -> list[str]:
     problems = []
     if result["kv_tokens_predicted"] != result["kv_tokens_logged"]:
         problems.append(f"KV tokens predicted {result['kv_tokens_predicted']:,} != "
+                        f"logged {result['kv_tokens_logged']:,}")
+    launch = result.get("kv_tokens_predicted_before_launch")
+    if launch is not None and result["kv_tokens_logged"] and \
+            abs(launch - result["kv_tokens_logged"]) >= 0.01 * result["kv_tokens_logged"]:
+        problems.append(f"KV tokens predicted before launch {launch:,} are not within 1 % of "
                         f"logged {result['kv_tokens_logged']:,}")
     if not math.isclose(result["decode_vs_roofline"], result["decode_tok_s_batch1"] / result["roofline_tok_s"],
                         rel_tol=1e-9):

@@ -122,3 +122,12 @@ def test_cli_memory_prints_where_each_reserved_byte_goes(capsys):
     assert main(["memory", "llama3.1-8b", "--gpu", "H200", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["before_launch"]["kv_tokens"] == 897_040
+
+
+@pytest.mark.parametrize("run,model,card,tp,pp", PROBED, ids=[p[0] for p in PROBED])
+def test_each_rehearsal_json_keeps_todays_prediction_before_launch(run, model, card, tp, pp):
+    r = rehearse.load_result(RESULTS / run)
+    layout = rehearse.Layout(r["model"], r["tp"], r["pp"], r["max_model_len"], r["gpu_memory_utilization"])
+    today = rehearse.predict_before_launch(layout, r["gpu_memory_gib"]).kv_tokens
+    assert r["kv_tokens_predicted_before_launch"] == today
+    assert abs(r["kv_error_before_launch"]) < 0.01 and rehearse.check_math(r) == []

@@ -74,14 +74,15 @@ NON_TORCH_ONE_GPU = 241_172_480
 NON_TORCH_PER_GPU_MULTI = 71_303_168
 
 # The older runner's CUDA-graph estimate per graph it will capture, from h100-gpt-oss-20b-tp1
-# (618,659,840 B for 83 PIECEWISE + 83 FULL graphs).  One run, so it is not checked.
+# (618,659,840 B for 83 PIECEWISE + 83 FULL graphs): a measured figure, not a formula.  It was fitted on the only
+# committed run of that runner, so gpt-oss is no check of it (without it gpt-oss would be 1.7 % high).
 V1_GRAPH_BYTES_PER_GRAPH = 618_659_840 / 166
 V1_GRAPHS = 166
 
 FITTED = {
     "activation peak (ACT_PER_MLP, ACT_PER_HIDDEN)": ("h100-llama3.1-8b-tp1", "h200-llama3.1-70b-tp2"),
     "non-torch (NON_TORCH_ONE_GPU, NON_TORCH_PER_GPU_MULTI)": ("h100-llama3.1-8b-tp1", "h200-llama3.1-70b-tp2"),
-    "V1 runner CUDA-graph estimate (V1_GRAPH_BYTES_PER_GRAPH)": ("h100-gpt-oss-20b-tp1",),
+    "older runner's CUDA-graph estimate (V1_GRAPH_BYTES_PER_GRAPH)": ("h100-gpt-oss-20b-tp1",),
 }
 
 
@@ -172,10 +173,12 @@ def scheduler_defaults(card: GPU) -> tuple[int, int]:
 
 
 def model_runner(s: ModelSpec) -> str:
-    """Which of vLLM 0.26's model runners serves the model: the committed logs show the V2 runner
-    (``model_runner.py``) for the dense Llamas and the older one (``gpu_model_runner.py``) for gpt-oss, a mixture
-    of experts with sliding windows; llmlab takes experts or sliding windows to mean the older one."""
-    return "v1" if s.num_experts or s.sliding_layers else "v2"
+    """Which of vLLM's model runners serves the model: the V2 runner (``model_runner.py``) for a model without
+    experts, the older one (``gpu_model_runner.py``) for a mixture of experts, as vLLM's
+    ``VllmConfig.use_v2_model_runner`` decides when ``VLLM_USE_V2_MODEL_RUNNER`` is unset (read in 0.27's source;
+    a few MoE architectures it lists default to V2 there, none of llmlab's shipped ones).  The committed 0.26
+    logs agree: ``model_runner.py`` for the Llamas, ``gpu_model_runner.py`` for gpt-oss."""
+    return "v1" if s.num_experts else "v2"
 
 
 def _online_fp8(s: ModelSpec, dtype: str | None) -> bool:

@@ -131,3 +131,16 @@ def test_each_rehearsal_json_keeps_todays_prediction_before_launch(run, model, c
     today = rehearse.predict_before_launch(layout, r["gpu_memory_gib"]).kv_tokens
     assert r["kv_tokens_predicted_before_launch"] == today
     assert abs(r["kv_error_before_launch"]) < 0.01 and rehearse.check_math(r) == []
+
+
+def test_the_held_out_predictions_were_made_by_todays_model_and_hold_once_run():
+    """``kv-before-launch-held-out.json``: predictions committed before their runs.  They must stay what the model
+    says (a changed model needs new held-out runs, not edited predictions); a run's logged tokens, once filled in,
+    must be within 1 %."""
+    doc = json.loads((RESULTS / "kv-before-launch-held-out.json").read_text())
+    assert len(doc["runs"]) >= 2
+    for r in doc["runs"]:
+        pred = m.predict_kv_before_launch(**r["inputs"])
+        assert r["predicted_before_launch"] == pred.kv_tokens and r["reserved_bytes_per_gpu"] == pred.reserved()
+        if r["logged"] is not None:
+            assert abs(r["predicted_before_launch"] - r["logged"]) < 0.01 * r["logged"], r["name"]

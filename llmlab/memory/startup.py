@@ -12,17 +12,19 @@ running.  vLLM's CUDA worker (``vllm/v1/worker/gpu_worker.py``, ``determine_avai
                 - non-torch increase                    CUDA context, cuBLAS workspaces, NCCL
                 - the CUDA-graph estimate               only where the runner computes one (see below)
 
-and ``kv_cache_utils.py`` turns ``available`` into whole blocks of 16 tokens (a block is one page of every
-layer of a KV cache group), the smallest count over all GPUs, and the tokens it logs.
+(0.26's arithmetic: the probe's bytes satisfy it exactly on every committed run; 0.27's source measures the
+consumed memory another way), and ``kv_cache_utils.py`` turns ``available`` into whole blocks of 16 tokens (a
+block is one page of every layer of a KV cache group), the smallest count over all GPUs, and the tokens it logs.
 
 Each term here is a formula; the two that vLLM measures rather than computes carry constants fitted on the
 committed runs, and say so (:data:`FITTED`): the activation peak (two constants) and non-torch memory (one
 constant per case, one GPU or several).  The CUDA-graph memory of vLLM 0.26's default model runner for dense
 models ("model runner V2", ``vllm/v1/worker/gpu/model_runner.py``) is *not* subtracted: its
-``profile_cudagraph_memory`` returns 0, so the graphs (0.7-1.5 GiB) come out of the 1 - utilization share.
-The older runner (``gpu_model_runner.py``, which 0.26 used for gpt-oss) captures two graphs of each mode to
-estimate them and subtracts that; the estimate depends on the kernels captured, and is modelled here as the
-committed run's measured figure per graph (a constant, not a formula: :data:`V1_GRAPH_BYTES_PER_GRAPH`).
+``profile_cudagraph_memory`` returns 0, so the graphs (0.45-1.52 GiB on the committed runs) come out of the
+1 - utilization share.  The older runner (``gpu_model_runner.py``, which 0.26 used for gpt-oss) captures two
+graphs of each mode to estimate them and subtracts that; the estimate depends on the kernels captured, and is
+modelled here as the committed run's measured figure per graph (a constant, not a formula:
+:data:`V1_GRAPH_BYTES_PER_GRAPH`).
 
 Part of ``llmlab.memory`` (its ``__init__`` says how the parts fit); read after kv, gpus and fit.
 """

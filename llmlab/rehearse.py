@@ -264,7 +264,18 @@ def kv_record(log_text: str, layout: Layout) -> tuple[dict, dict]:
     agree, so that a result file never keeps a prediction an older parser made (``launch-pp2.json`` once did)."""
     mem = parse_memory_log(log_text)
     predicted, basis = predict_kv_from_log(layout, mem)
-    return mem.as_dict(), {"logged": require_kv(mem), "predicted": predicted, "basis": basis}
+    kv = {"logged": require_kv(mem), "predicted": predicted, "basis": basis}
+    if layout.engine != "cpu" and mem.total_gib is not None:
+        kv["predicted_before_launch"] = predict_before_launch(layout, mem.total_gib).kv_tokens
+    return mem.as_dict(), kv
+
+
+def predict_before_launch(layout: Layout, total_gib: float) -> memory.StartupMemory:
+    """:func:`llmlab.memory.predict_kv_before_launch` for a rehearsed layout on the card whose total memory a log
+    reports (79.18 GiB: an H100; 139.8 GiB: an H200): the model of every reserved byte, with no vLLM figure."""
+    return memory.predict_kv_before_launch(layout.model, memory.gpu_of_total(total_gib), layout.tp, layout.pp,
+                                           dtype=layout.dtype, kv_dtype=layout.kv_dtype,
+                                           max_model_len=layout.max_model_len, utilization=layout.utilization)
 
 
 def bytes_per_decode_step(layout: Layout) -> int:
@@ -361,12 +372,76 @@ def results_table(results: list[dict] | None = None):
                      "weights GiB/GPU": round(r["weights_gib"], 2), "KV tokens logged": r["kv_tokens_logged"],
                      "KV predicted": r["kv_tokens_predicted"],
                      "KV before start": r["kv_tokens_predicted_before_start"],
+                     "KV before launch": r.get("kv_tokens_predicted_before_launch"),
                      "TB/s": round(r["bandwidth_tb_s"], 2), "roofline tok/s": round(r["roofline_tok_s"], 1),
                      "batch-1 tok/s": round(r["decode_tok_s_batch1"], 1),
                      "of roofline": round(r["decode_vs_roofline"], 2),
                      "best tok/s": round(best.get("output_tokens_per_s", 0)),
                      "best tok/s per GPU": round(best.get("output_tokens_per_s", 0) / gpus)})
     return pd.DataFrame(rows).set_index("run")
+
+
+BEFORE_LAUNCH_TABLE = "kv-before-launch.json"
+_ARGS = re.compile(r"non-default args: (\{.*\})")
+_DTYPE_OF_QUANT = {"fp8": "fp8"}
+
+
+def _server_logs(root: Path) -> list[Path]:
+    """Every committed vLLM GPU server log under ``root`` that sized a KV cache (workers' logs left out)."""
+    logs = [*root.rglob(LOG_EXCERPT), *root.rglob("vllm-*.log")]
+    return sorted(p for p in logs if not p.name.startswith("vllm-worker-")
+                  and not p.relative_to(root).parts[0].startswith("cpu-"))
+
+
+def log_layout(text: str) -> tuple[Layout, dict]:
+    """The layout a vLLM log was started with, read from its "non-default args: {...}" line, and those args."""
+    import ast
+
+    m = _ARGS.search(text)
+    if not m:
+        raise RehearseError("No 'non-default args' line in this log: it is not a vLLM server's start-up log.")
+    args = ast.literal_eval(m[1])
+    names = args.get("served_model_name") or [args["model"]]
+    layout = Layout(names[0], args.get("tensor_parallel_size", 1), args.get("pipeline_parallel_size", 1),
+                    args.get("max_model_len"), args.get("gpu_memory_utilization", memory.DEFAULT_UTILIZATION),
+                    _DTYPE_OF_QUANT.get(args.get("quantization")), args.get("kv_cache_dtype", "auto"))
+    return layout, args
+
+
+def before_launch_row(path: Path, root: Path) -> dict:
+    """One committed run: the KV tokens vLLM logged and those llmlab predicts before launch, and the error."""
+    text = path.read_text(errors="replace")
+    layout, args = log_layout(text)
+    mem = parse_memory_log(text)
+    pred = predict_before_launch(layout, mem.total_gib)
+    logged = require_kv(mem)
+    flags = {k: args[k] for k in ("quantization", "kv_cache_dtype", "enforce_eager") if k in args}
+    return {"run": str(path.relative_to(root)), "gpu": pred.gpu, "model": layout.model, "tp": layout.tp,
+            "pp": layout.pp, "flags": flags, "vllm_version": mem.vllm_version, "runner": pred.runner,
+            "logged": logged, "predicted_before_launch": pred.kv_tokens,
+            "error": round((pred.kv_tokens - logged) / logged, 6)}
+
+
+def before_launch_table(root: str | Path | None = None) -> list[dict]:
+    """Logged vs predicted-before-launch KV tokens for every committed GPU run under ``root`` (default
+    ``benchmarks/results``): the table committed as ``kv-before-launch.json``, which a unit test recomputes."""
+    root = Path(root or RESULTS_DIR)
+    return [before_launch_row(p, root) for p in _server_logs(root)]
+
+
+def write_before_launch_table(root: str | Path | None = None) -> Path:
+    """Write ``kv-before-launch.json`` under ``root``: :func:`before_launch_table`, which constants were fitted on
+    which runs, and the largest error.  Refresh after changing the model: ``python -c "from llmlab import rehearse;
+    rehearse.write_before_launch_table()"``; ``tests/unit/test_memory_startup.py`` fails while it is stale."""
+    root = Path(root or RESULTS_DIR)
+    rows = before_launch_table(root)
+    doc = {"about": "KV tokens vLLM logged vs llmlab.memory.predict_kv_before_launch (no vLLM figure used), per "
+                    "committed GPU server log; error = (predicted - logged) / logged",
+           "fitted_on": {k: list(v) for k, v in memory.FITTED.items()},
+           "largest_error": max((abs(r["error"]) for r in rows), default=0.0), "rows": rows}
+    path = root / BEFORE_LAUNCH_TABLE
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
 
 
 def plot_rehearsal(result: dict, axes=None, path: str | Path | None = None):
@@ -408,6 +483,11 @@ def check_math(result: dict) -> list[str]:
     problems = []
     if result["kv_tokens_predicted"] != result["kv_tokens_logged"]:
         problems.append(f"KV tokens predicted {result['kv_tokens_predicted']:,} != "
+                        f"logged {result['kv_tokens_logged']:,}")
+    launch = result.get("kv_tokens_predicted_before_launch")
+    if launch is not None and result["kv_tokens_logged"] and \
+            abs(launch - result["kv_tokens_logged"]) >= 0.01 * result["kv_tokens_logged"]:
+        problems.append(f"KV tokens predicted before launch {launch:,} are not within 1 % of "
                         f"logged {result['kv_tokens_logged']:,}")
     if not math.isclose(result["decode_vs_roofline"], result["decode_tok_s_batch1"] / result["roofline_tok_s"],
                         rel_tol=1e-9):

@@ -240,7 +240,21 @@ def layout_report(job: JobSettings | str) -> dict:
             "weights_gib_per_gpu": fit.weight_bytes_per_gpu / memory.GiB,
             "usable_gib_per_gpu": fit.usable_bytes_per_gpu / memory.GiB,
             "kv_tokens": fit.kv_tokens, "max_concurrency": fit.max_concurrency, "fits": fit.fits, "why": fit.why,
+            "kv_tokens_before_launch": _before_launch_tokens(job) if fit.fits else None,
             "tp_crosses_nodes": job.tp > job.gpus_per_node, "planner": planner}
+
+
+def _before_launch_tokens(job) -> int | None:
+    """The KV tokens vLLM 0.26 will log for the job (``llmlab.memory.predict_kv_before_launch``: every reserved
+    byte modelled), beside the planner's fixed-allowance figure; None where that model does not apply."""
+    if job.expert_parallel:
+        return None
+    try:
+        return memory.predict_kv_before_launch(job.model, job.gpu, job.tp, job.pp, dtype=job.dtype,
+                                               kv_dtype=job.kv_dtype, max_model_len=job.context,
+                                               utilization=job.gpu_memory_utilization).kv_tokens
+    except ValueError:
+        return None
 
 
 def layouts_table(engine: str = "gpu"):

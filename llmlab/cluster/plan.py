@@ -172,6 +172,8 @@ def plan_rows(report: dict) -> list[tuple[str, str]]:
             ("weights per GPU", "-" if report["weights_gib_per_gpu"] is None
              else f"{report['weights_gib_per_gpu']:.1f} GiB"),
             ("KV cache", f"{report['kv_tokens']:,} tokens"),
+            *([("KV before launch", f"{report['kv_tokens_before_launch']:,} tokens (vLLM 0.26's figure, every "
+                "reserved byte modelled)")] if report.get("kv_tokens_before_launch") else []),
             ("context", f"{report['context']:,} tokens"),
             ("max concurrency", f"{conc:.1f} requests of the full context" if conc is not None else "-")]
 

@@ -20,7 +20,10 @@ a shipped name (``llama3.1-8b`` ... ``llmlab-tiny``) or a :class:`ModelSpec`.  T
 6. :func:`plan` (:mod:`~llmlab.memory.planner`): the smallest layout that fits, and its ``vllm serve`` line;
 7. :func:`plot_gpu` (:mod:`~llmlab.memory.picture`): one GPU of a plan as stacked bars against its size;
 8. :func:`transformers_param_count` (:mod:`~llmlab.memory.reference`): the referee, transformers' own model
-   built from the config on the meta device (no weights), which every formula above must agree with.
+   built from the config on the meta device (no weights), which every formula above must agree with;
+9. :func:`predict_kv_before_launch` (:mod:`~llmlab.memory.startup`): the KV pool vLLM 0.26 will log, before
+   launch, with every byte it reserves besides it (weights as loaded, the profile run's activation peak,
+   non-torch memory, the CUDA-graph estimate where subtracted).
 
 Units: bytes are exact integers; ``GB`` is 10**9 bytes (datasheets, published tables) and ``GiB`` is
 2**30 bytes (what vLLM and PyTorch print).  The difference is 7 %, larger than many of the margins.
@@ -102,6 +105,15 @@ from llmlab.memory.model import (  # noqa: F401
 from llmlab.memory.picture import gpu_parts, plot_gpu  # noqa: F401
 from llmlab.memory.planner import Plan, memory_report, plan, serve_args, serve_command  # noqa: F401
 from llmlab.memory.reference import transformers_param_count  # noqa: F401
+from llmlab.memory.startup import (  # noqa: F401
+    FITTED,
+    StartupMemory,
+    activation_peak_bytes,
+    gpu_of_total,
+    loaded_weight_bytes,
+    predict_kv_before_launch,
+    rotary_cache_bytes,
+)
 from llmlab.memory.weights import (  # noqa: F401
     Tensor,
     _attention,

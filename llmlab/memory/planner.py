@@ -206,4 +206,22 @@ def memory_report(model, dtype: str | None = None, kv_dtype: str = "auto", token
                               overhead_gib, expert_parallel=expert_parallel).as_dict() if tokens else None
     except PlanError as e:
         report["plan_error"] = str(e)
+    report["before_launch"] = _before_launch(s, report["plan"], dtype, kv_dtype, gpu_name, tokens, utilization,
+                                             expert_parallel)
     return report
+
+
+def _before_launch(s, the_plan: dict | None, dtype, kv_dtype, gpu_name, tokens, utilization,
+                   expert_parallel: bool) -> dict | None:
+    """The plan's layout as vLLM 0.26 will size its KV pool (:func:`predict_kv_before_launch`): every reserved
+    byte of one GPU and the tokens it will log; None without a plan (or with expert parallelism, not modelled)."""
+    if not the_plan or expert_parallel:
+        return None
+    from llmlab.memory.startup import predict_kv_before_launch
+
+    try:
+        pred = predict_kv_before_launch(s, gpu_name, the_plan["tp"], the_plan["pp"], dtype=dtype, kv_dtype=kv_dtype,
+                                        max_model_len=tokens, utilization=utilization)
+    except (ValueError, KeyError):
+        return None
+    return {**pred.as_dict(), "reserved": pred.reserved(), "lines": pred.lines()}

@@ -233,6 +233,8 @@ def cmd_memory(args) -> int:
                   f"                 {plan['command']}"]
     else:
         lines.append(f"plan             none: {report['plan_error']}")
+    if report.get("before_launch"):
+        lines += ["", *report["before_launch"]["lines"]]
     print("\n".join(lines))
     return 0
 

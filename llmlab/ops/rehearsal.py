@@ -49,6 +49,7 @@ from llmlab.rehearse import (
     graph_estimate_subtracted,
     parse_memory_log,
     plot_rehearsal,
+    predict_before_launch,
     predict_kv_before_start,
     predict_kv_from_log,
     require_kv,
@@ -427,6 +428,8 @@ def rehearse(model: str, *, tp: int | None = None, pp: int | None = None, max_mo
     say(f"rehearsing {job.model} TP={job.tp} x PP={job.pp} on {facts.get('count') or 'no'} x {facts['name']}; "
         f"output in {out}")
     before = predict_kv_before_start(layout, gpu_bytes)
+    # the model of every reserved byte (llmlab.memory.startup), made here, before vLLM starts
+    before_launch = predict_before_launch(layout, gpu_bytes / GiB).kv_tokens if engine == "gpu" else before
     model_dir = out / "model"
     tok = make_dummy_model(job.model, model_dir)
     run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))  # 0700: vLLM's socket, the key, the proxy's ready file
@@ -450,7 +453,8 @@ def rehearse(model: str, *, tp: int | None = None, pp: int | None = None, max_mo
             mem = parse_memory_log(srv.log_path.read_text(errors="replace"))
             logged = require_kv(mem)
             predicted, basis = predict_kv_from_log(layout, mem)
-            say(f"KV tokens: logged {logged:,}, predicted {predicted:,} ({basis}), before start-up {before:,}")
+            say(f"KV tokens: logged {logged:,}, predicted {predicted:,} ({basis}), before start-up {before:,} "
+                f"(fixed allowance), {before_launch:,} (llmlab.memory.predict_kv_before_launch)")
             bench = benchmark(srv, job.name, tok["prompt_ids"], concurrency=tuple(concurrency), input_len=input_len,
                               output_len=output_len, batch1_requests=batch1_requests, min_requests=min_requests,
                               progress=progress, say=say)
@@ -459,7 +463,7 @@ def rehearse(model: str, *, tp: int | None = None, pp: int | None = None, max_mo
             shutil.rmtree(run_dir, ignore_errors=True)
     mem = parse_memory_log(srv.log_path.read_text(errors="replace"))
     result = _result(job, layout, facts, label, line, version or mem.vllm_version, startup_s, mem, logged, predicted,
-                     basis, before, bench, released)
+                     basis, before, bench, released, before_launch)
     (out / "rehearsal.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / LOG_EXCERPT).write_text(log_excerpt(srv.log_path))
     if plots:
@@ -472,7 +476,8 @@ def rehearse(model: str, *, tp: int | None = None, pp: int | None = None, max_mo
 
 
 def _result(job, layout: Layout, facts: dict, label: str, line: str, version, startup_s: float, mem: MemoryLog,
-            logged: int, predicted: int, basis: str, before: int, bench: dict, released: bool) -> dict:
+            logged: int, predicted: int, basis: str, before: int, bench: dict, released: bool,
+            before_launch: int | None = None) -> dict:
     bw = facts["bandwidth_bytes_s"]
     roof = roofline_tok_s(layout, bw)
     b1 = bench["batch1"]
@@ -499,6 +504,8 @@ def _result(job, layout: Layout, facts: dict, label: str, line: str, version, st
         "kv_tokens_logged": logged, "kv_tokens_predicted": predicted, "kv_prediction_basis": basis,
         "kv_tokens_predicted_before_start": before,
         "kv_error_before_start": (before - logged) / logged if logged else None,
+        "kv_tokens_predicted_before_launch": before_launch,
+        "kv_error_before_launch": (before_launch - logged) / logged if logged and before_launch is not None else None,
         "max_concurrency_logged": mem.max_concurrency,
         "memory_probe": probe,
         "bandwidth_tb_s": bw / 1e12, "bandwidth_method": ("device-to-device copy on GPU 0" if job.engine == "gpu"

@@ -134,18 +134,19 @@ class _Watch:
     def __init__(self, client, every: float = 0.01):
         self.client, self.every = client, every
         self.peak_blocks = self.peak_running = 0
-        self.samples: list[tuple[float, int, int]] = []  # (Unix time, blocks in use, requests running)
+        self.samples: list[tuple[float, float, int, int]] = []  # (scrape sent, answered, blocks, requests running)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="llmlab-kv-watch", daemon=True)
 
     def _run(self) -> None:
         url, key = str(self.client.base_url), self.client.api_key
         while not self.stop.is_set():
+            sent = time.time()
             metrics = fetch_metrics(url, key)
             snap = kv_snapshot(metrics)
             blocks = blocks_in_use(snap) if "num_gpu_blocks" in snap else 0
             running = int(metrics.value(RUNNING, default=0.0))
-            self.samples.append((time.time(), blocks, running))
+            self.samples.append((sent, time.time(), blocks, running))
             self.peak_blocks, self.peak_running = max(self.peak_blocks, blocks), max(self.peak_running, running)
             self.stop.wait(self.every)
 
@@ -222,10 +223,15 @@ def run_room(client, model: str, prompts: list[str], salts: list[str], max_token
             "peak_running": watch.peak_running, "others": _others_ran(watch.samples, records), "delta": delta}
 
 
-def _others_ran(samples: list[tuple[float, int, int]], records) -> bool:
-    """Whether a scrape saw more requests running than the room had in flight at that moment: then the server's
-    gauges counted someone else's requests too."""
-    return any(running > sum(r.start <= t <= r.end for r in records) for t, _, running in samples)
+GAUGE_LAG_S = 0.5  # how far behind a scrape the running gauge may be: the engine's last step, under a loaded CPU
+
+
+def _others_ran(samples: list[tuple[float, float, int, int]], records) -> bool:
+    """Whether a scrape saw more requests running than the room had in flight at any moment the gauge may speak
+    of -- from :data:`GAUGE_LAG_S` before the scrape was sent to its answer (the gauge is the engine's last step,
+    and a scrape on a busy CPU takes a while): then the server's gauges counted someone else's requests too."""
+    return any(running > sum(r.start <= answered and r.end >= sent - GAUGE_LAG_S for r in records)
+               for sent, answered, _, running in samples)
 
 
 def room_table(rooms: dict[str, dict]) -> pd.DataFrame:

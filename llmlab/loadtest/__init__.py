@@ -38,6 +38,7 @@ from llmlab.loadtest.driver import (  # noqa: F401
     _start_threads,
     plot_sweep,
     random_prompt,
+    repeat,
     run,
     run_async,
     sweep,
@@ -66,7 +67,6 @@ from llmlab.loadtest.repeats import (  # noqa: F401
     Repeated,
     bootstrap_interval,
     needed_for_tail,
-    repeat,
     tail_samples,
 )
 from llmlab.loadtest.request import (  # noqa: F401

@@ -1,7 +1,7 @@
 """A run: the job queue of threads (or asyncio), workloads of exact token lengths, a concurrency sweep.
 
 Part of ``llmlab.loadtest`` (its ``__init__`` says what a load test measures); read them in the order records,
-results, request, driver.
+results, request, repeats, driver.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from llmlab.loadtest.records import TINY_TOKENIZER, Job, Record, as_jobs, check_slo, connection_limit, max_in_flight
+from llmlab.loadtest.repeats import Repeated
 from llmlab.loadtest.request import _send_async, _Settings
 from llmlab.loadtest.results import LoadResult, _Appender, load
 
@@ -321,6 +322,21 @@ def synthetic_workload(n: int, input_len: int = 32, output_len: int = 32, *, see
 
 # --- a concurrency sweep ----------------------------------------------------------------------------------
 
+def repeat(client, model: str, prompts: Iterable, repeats: int = 5, *, concurrency: int = 8, **kwargs) -> Repeated:
+    """:func:`~llmlab.loadtest.run` the same prompts ``repeats`` times at one concurrency; each run is timed on its
+    own (its throughput is its own), and the records of all of them give the intervals.  ``save``/``resume`` are
+    per run, so they are refused here."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: give a whole number of runs, at least 1 (5 or more for an interval "
+                         "worth reading).")
+    if "save" in kwargs or "resume" in kwargs:
+        raise ValueError("repeat() takes no save= or resume=: save each run's records with "
+                         "Repeated.results[i].save(path).")
+    prompts = list(prompts)
+    return Repeated([run(client, model, prompts, concurrency=concurrency, **kwargs) for _ in range(repeats)],
+                    concurrency)
+
+
 def sweep(client, model: str, prompts: Iterable, concurrencies: Iterable[int] = (1, 2, 4, 8), *, warmup: int = 1,
           progress: bool = True, slo: dict | None = None, repeats: int = 1, **kwargs):
     """Run the same prompts at each concurrency; return a pandas DataFrame, one summary row per level.
@@ -333,8 +349,6 @@ def sweep(client, model: str, prompts: Iterable, concurrencies: Iterable[int] = 
     ``_high`` columns, and ``attrs["results"]`` holds a :class:`~llmlab.loadtest.Repeated` per level.
     """
     import pandas as pd
-
-    from llmlab.loadtest.repeats import repeat
 
     check_slo(slo)  # before any request: a typo in an SLO should not cost a whole sweep
     jobs = as_jobs(prompts)

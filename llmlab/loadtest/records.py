@@ -1,7 +1,7 @@
 """What is sent and what is recorded: a job, a record per request, and the summary of a run.
 
 Part of ``llmlab.loadtest`` (its ``__init__`` says what a load test measures); read them in the order records,
-results, request, driver.
+results, request, repeats, driver.
 """
 
 from __future__ import annotations

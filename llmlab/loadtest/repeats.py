@@ -3,7 +3,8 @@
 Why: one run of 100 requests puts its p99 on its single slowest request, and the next run moves it (``vllm bench
 serve`` measured TTFT p99 from 54 to 407 ms across the repeats of one run on two shared cores).  The referees repeat:
 AIPerf runs ``--num-profile-runs`` and reports confidence intervals, GuideLLM stops once a t-distribution margin of
-error is small enough.  So :func:`repeat` runs one level N times, and each figure comes back as
+error is small enough.  So ``loadtest.repeat()`` runs one level N times, and a :class:`Repeated` gives each figure
+as
 
 - the **median of the runs** (one bad run moves it little),
 - an **interval**: for a percentile, a bootstrap over the requests of all runs pooled (resample them with
@@ -12,7 +13,8 @@ error is small enough.  So :func:`repeat` runs one level N times, and each figur
 - the **tail** it rests on: the requests of all runs beyond the percentile; under :data:`MIN_TAIL` the figure says
   so, and how many requests would give it ten.
 
-Part of ``llmlab.loadtest`` (its ``__init__`` says what a load test measures).
+Part of ``llmlab.loadtest`` (its ``__init__`` says what a load test measures); read them in the order records,
+results, request, repeats, driver.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ class Repeated:
         import pandas as pd
 
         def scale(v, factor):
-            return None if v is None else v * factor
+            return None if v is None else round(v * factor, 3)
 
         rows = []
         for f in self.figures().values():
@@ -154,20 +156,3 @@ class Repeated:
     def __repr__(self) -> str:
         n = sum(len(res) for res in self.results)
         return f"Repeated({len(self.results)} runs, {n} requests, concurrency {self.concurrency})"
-
-
-def repeat(client, model: str, prompts: Iterable, repeats: int = 5, *, concurrency: int = 8, **kwargs) -> Repeated:
-    """:func:`~llmlab.loadtest.run` the same prompts ``repeats`` times at one concurrency; each run is timed on its
-    own (its throughput is its own), and the records of all of them give the intervals.  ``save``/``resume`` are
-    per run, so they are refused here."""
-    from llmlab.loadtest.driver import run
-
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r}: give a whole number of runs, at least 1 (5 or more for an interval "
-                         "worth reading).")
-    if "save" in kwargs or "resume" in kwargs:
-        raise ValueError("repeat() takes no save= or resume=: save each run's records with "
-                         "Repeated.results[i].save(path).")
-    prompts = list(prompts)
-    return Repeated([run(client, model, prompts, concurrency=concurrency, **kwargs) for _ in range(repeats)],
-                    concurrency)

@@ -1,7 +1,7 @@
 """One request, streamed and timed (TTFT, ITL, TPOT), and its failure in words.
 
 Part of ``llmlab.loadtest`` (its ``__init__`` says what a load test measures); read them in the order records,
-results, request, driver.
+results, request, repeats, driver.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A run's results: the records as a table, saved as they finish, loaded again to resume.
 
 Part of ``llmlab.loadtest`` (its ``__init__`` says what a load test measures); read them in the order records,
-results, request, driver.
+results, request, repeats, driver.
 """
 
 from __future__ import annotations

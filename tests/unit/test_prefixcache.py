@@ -54,6 +54,9 @@ def test_a_scrape_with_more_requests_running_than_the_room_had_in_flight_means_s
     from llmlab.prefixcache import _others_ran
 
     room = [Record(id=i, start=10.0, end=12.0) for i in range(3)]
-    assert not _others_ran([(9.0, 0, 0), (10.5, 4, 3), (11.9, 4, 2)], room)  # fewer running: some finished
-    assert _others_ran([(10.5, 9, 4)], room)  # 4 running while the room had 3 in flight
-    assert _others_ran([(13.0, 2, 1)], room)  # after the room: anything running is someone else's
+    assert not _others_ran([(9.0, 9.0, 0, 0), (10.5, 10.5, 4, 3), (11.9, 11.9, 4, 2)], room)  # some finished
+    assert _others_ran([(10.5, 10.5, 9, 4)], room)  # 4 running while the room had 3 in flight
+    assert _others_ran([(13.0, 13.0, 2, 1)], room)  # well after the room: anything running is someone else's
+    # a gauge the engine set just before the room's last requests ended, scraped just after: still the room's
+    assert not _others_ran([(12.2, 12.3, 4, 3)], room)
+    assert not _others_ran([(9.8, 10.1, 4, 3)], room)  # the scrape was answered once the room had sent

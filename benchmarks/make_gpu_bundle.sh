@@ -16,11 +16,15 @@
 #   the Rust front end, Blackwell's FMHA headers, DeepGEMM for other Pythons, Mistral's tokenizer data.
 #   Without FlashInfer the server needs VLLM_USE_FLASHINFER_SAMPLER=0 (llmlab.ops.rehearsal sets it).
 # - apache-tvm-ffi 0.1.15.post2 replaces vLLM's pin 0.1.10, which breaks xgrammar's import.
-# - Each piece plus the repository (about 19 MB) must stay under the 64 MiB a call carries.
+# - Each piece plus the repository must stay under the 64 MiB a call carries: 46.9 MB pieces fitted beside the
+#   19 MB repository of 2026-11-22; beside its 24.7 MB of 2026-11-27, PIECE_BYTES=33100000 (three pieces).
+# - XZ_OPTS (default -9e): -6 compresses in a few minutes on a busy 2-core machine where -9e takes most of an hour;
+#   its set was 99.2 MB (2026-11-27).
 set -euo pipefail
 PY=${PY:-python3.12}
 VLLM=${VLLM:-0.26.0}
 PIECE_BYTES=${PIECE_BYTES:-46921520}
+XZ_OPTS=${XZ_OPTS:--9e}
 DEVICE_PACKAGES=${DEVICE_PACKAGES:?set DEVICE_PACKAGES to a file of the package names the GPU machine has, comma-separated}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -56,7 +60,7 @@ EOF
     find vllm/third_party/deep_gemm -name '_C.cpython-3*.so' ! -name '*cpython-312*' -delete
     find . -name __pycache__ -type d -prune -exec rm -rf {} +
 )
-tar -C "$work/site" -cf - . | xz -9e -T2 >"$work/site.tar.xz"
+tar -C "$work/site" -cf - . | xz "$XZ_OPTS" -T2 >"$work/site.tar.xz"
 mkdir -p .whl
 rm -f .whl/site.tar.xz.*
 split -b "$PIECE_BYTES" -d -a 2 "$work/site.tar.xz" .whl/site.tar.xz.

@@ -11,28 +11,54 @@
 #   PIECES=3 benchmarks/rehearse_on_device.sh proxy --model llama3.1-8b ...   # benchmarks/proxy_overhead.py
 #   PIECES=3 benchmarks/rehearse_on_device.sh launch llama3.1-8b               # benchmarks/launcher_on_gpu.py
 #   PIECES=2 benchmarks/rehearse_on_device.sh lessons quant                    # benchmarks/lessons_on_gpu.py
+#   PIECES=3 benchmarks/rehearse_on_device.sh room --traces benchmarks/results/cpu-room-10 --wave 1@0:300 ...
+#                                                                   # benchmarks/room_on_gpu.py (issue 36)
+#
+# A run longer than one call of the machine's tool (10 minutes) goes on after the call returns: DETACH=1 starts it
+# in a session of its own (setsid), with its output, exit status and results in /tmp/llmlab-detached; each later
+# call `benchmarks/rehearse_on_device.sh wait SECONDS` waits up to SECONDS for it to end, prints the end of its log
+# and leaves what it has written so far in $OUT/detached.tar.gz (the machine must be kept warm: call back to back).
+#
+#   DETACH=1 PIECES=3 benchmarks/rehearse_on_device.sh room ...   # returns at once
+#   benchmarks/rehearse_on_device.sh wait 560                     # repeat until it says "ended"
 #
 # With Ray (multi-node jobs), the set and Ray's own tar.xz travel as one byte stream cut into BUNDLE pieces of
 # 46.4 MB (bundle.NN: site.tar.xz's SITE_BYTES bytes, then ray.tar.xz), three calls instead of four:
 #
 #   BUNDLE=3 SITE_BYTES=108045892 benchmarks/rehearse_on_device.sh launch llama3.1-8b --nodes 2 --tp 1 --pp 2 ...
 #
-# Environment: PIECES (how many pieces make the set), OUT (results folder), CONCURRENCY (default 1,8,64,256),
-# READY_TIMEOUT (seconds for /health, default 420).  NVLink multicast stays off (the lending workplace asks
-# it: NCCL_NVLS_ENABLE=0 and friends), and so does vLLM's symmetric-memory all-reduce, which would use it.
+# Environment: PIECES (how many pieces make the set), WHL_DIR (where this call's pieces are, default .whl), OUT
+# (results folder), CONCURRENCY (default 1,8,64,256), READY_TIMEOUT (seconds for /health, default 420), DETACH.
+# NVLink multicast stays off (the lending workplace asks it: NCCL_NVLS_ENABLE=0 and friends), and so does vLLM's
+# symmetric-memory all-reduce, which would use it.
 set -euo pipefail
 stage=/tmp/llmlab-stage
 site=/tmp/llmlab-site
 out=${OUT:-/tmp/llmlab-out}
+detached=/tmp/llmlab-detached
+if [ "${1:-}" = wait ]; then  # a DETACH=1 run: wait for it up to $2 seconds, bring back what it wrote so far
+    end=$((SECONDS + ${2:-540}))
+    while [ ! -f "$detached/rc" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
+    tail -n 60 "$detached/log" || true
+    mkdir -p "${OUT:?}"
+    tar -czf "$OUT/detached.tar.gz" --exclude='*/model' -C "$detached" . || true
+    if [ -f "$detached/rc" ]; then
+        echo "ended, exit $(cat "$detached/rc")"
+        exit "$(cat "$detached/rc")"
+    fi
+    echo "still running"
+    exit 0
+fi
 mkdir -p "$stage" "$out"
 if [ -n "${BUNDLE:-}" ]; then
     pattern='bundle.*' PIECES=$BUNDLE
 else
     pattern='site.tar.xz.*'
 fi
-if compgen -G ".whl/$pattern" > /dev/null; then
+whl=${WHL_DIR:-.whl}
+if compgen -G "$whl/$pattern" > /dev/null; then
     # shellcheck disable=SC2086  # the pattern is a glob
-    cp .whl/$pattern "$stage"/
+    cp "$whl"/$pattern "$stage"/
 fi
 have=$(find "$stage" -name "$pattern" | wc -l)
 echo "pieces staged: $have of ${PIECES:?set PIECES}"
@@ -43,6 +69,14 @@ fi
 if [ "$have" -lt "$PIECES" ]; then
     echo "missing pieces: send the others first" >&2
     exit 3
+fi
+if [ -n "${DETACH:-}" ]; then
+    rm -rf "$detached" && mkdir -p "$detached/out"
+    # shellcheck disable=SC2016  # the inner bash expands them: the command, then its exit status into rc
+    DETACH='' OUT=$detached/out setsid bash -c '"$@"; echo $? >"$0/rc"' "$detached" bash "$0" "$@" \
+        >"$detached/log" 2>&1 </dev/null &
+    echo "detached (pid $!): call \`$0 wait SECONDS\` back to back until it has ended"
+    exit 0
 fi
 if [ ! -f "$site/.complete" ]; then
     mkdir -p "$site"
@@ -72,6 +106,13 @@ if [ "$1" = lessons ]; then  # lessons 11 and 15 on GPUs (benchmarks/lessons_on_
     status=0
     PYTHONPATH=$site:$PWD python3 benchmarks/lessons_on_gpu.py "$@" --out "$out/lessons" || status=$?
     tar -czf "$out/lessons-$1.tar.gz" --exclude='*/model' -C "$out/lessons" "$1" || true
+    exit "$status"
+fi
+if [ "$1" = room ]; then  # a room's traces replayed against the llama3.1-8b job (benchmarks/room_on_gpu.py)
+    shift
+    status=0
+    PYTHONPATH=$site:$PWD python3 "$(dirname "$0")/room_on_gpu.py" "$@" --out "$out" || status=$?
+    tar -czf "$out/room.tar.gz" --exclude='*/model' -C "$out" room || true
     exit "$status"
 fi
 if [ "$1" = proxy ]; then  # the proxy's cost on a GPU node (its proxy subprocess imports llmlab from here)

@@ -146,3 +146,16 @@ def test_replay_sends_the_traces_for_each_room_size(fake_url, tmp_path):
     assert [(r["learners"], r["requests"], r["ok"], r["failures"]) for r in report["runs"]] == [(1, 2, 2, 0),
                                                                                                   (3, 6, 6, 0)]
     assert report["runs"][1]["ttft_ms"]["p50"] is not None
+
+
+def test_the_committed_gpu_replays_are_the_workshop_guides_sizing_table():
+    """benchmarks/results/h100x2-llama3.1-8b-room-replay (issue 36): every replayed request answered, and each run's
+    TTFT p50 / p99 is the row docs/workshop.md sizes rooms from."""
+    folder = ROOT / "benchmarks" / "results" / "h100x2-llama3.1-8b-room-replay"
+    guide = (ROOT / "docs" / "workshop.md").read_text()
+    runs = {(d.name, r["learners"]): r for d in sorted(folder.glob("tp*"))
+            for r in json.loads((d / "replay.json").read_text())["runs"]}
+    assert set(runs) == {("tp1-gpu0", 300), ("tp1-gpu1", 30), ("tp1-gpu1", 100), ("tp2-gpu0-1", 300)}
+    for r in runs.values():
+        assert r["failures"] == 0 and r["ok"] == r["requests"] and r["server_peaks"]["waiting"] == 0
+        assert f"{round(r['ttft_ms']['p50'])} ms / {round(r['ttft_ms']['p99'])} ms" in guide

@@ -309,12 +309,15 @@ class BatchResult:
 # --------------------------------------------------------------------------------------------------
 
 def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants that are alive now (empty if ``pid`` is gone)."""
+    """``pid`` and all its descendants that are alive now (empty if ``pid`` is gone).  A zombie -- a process that
+    has exited but that its parent has not reaped yet, as a kernel may leave vLLM's engine core for a while -- holds
+    no memory and runs nothing: it is not counted (nor are its children, which are no longer its)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+            if fields[0] not in ("Z", "X"):  # the state: zombie or dead
+                children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
     if not pid_alive(pid):
         return []
     out, todo = [], [pid]

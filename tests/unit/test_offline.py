@@ -8,6 +8,7 @@ This file holds the pure tests (no engine, no SLURM, no root, no browser); the r
 tests/engine/test_offline.py (the tests that start the real engine).
 """
 
+import os
 import subprocess
 import sys
 import time
@@ -188,6 +189,24 @@ def test_memory_of_a_process_tree_and_after_it_ends():
         proc.kill()
         proc.wait()
     assert offline.memory_of(proc.pid)["processes"] == 0
+
+
+def test_a_child_that_exited_but_was_not_reaped_is_not_counted_alive():
+    """A kernel may leave vLLM's engine core a zombie for a while after offline.shutdown: it holds no memory, and
+    the check after shutdown (CI saw one) must not call the engine still running."""
+    live = subprocess.Popen(["sleep", "30"])
+    zombie = subprocess.Popen(["true"])  # never waited for: a zombie once it exits
+    try:
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.05)
+        tree = offline.process_tree(os.getpid())
+        assert live.pid in tree and zombie.pid not in tree
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
 
 
 # --- the CLI's error paths: each exits 2 before loading anything -----------------------------------------------

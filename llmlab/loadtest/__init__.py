@@ -59,6 +59,7 @@ from llmlab.loadtest.records import (  # noqa: F401
     max_in_flight,
     meets_slo,
     percentile,
+    series,
     summarize,
 )
 from llmlab.loadtest.repeats import (  # noqa: F401

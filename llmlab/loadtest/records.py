@@ -179,6 +179,17 @@ def meets_slo(record: Record, slo: dict[str, float]) -> bool:
     return all(values[name] is not None and values[name] <= limit for name, limit in slo.items())
 
 
+def series(records: list[Record]) -> dict[str, list[float]]:
+    """The timings of the ok requests, by measure: TTFT, TPOT and latency one per request, ITL every gap."""
+    ok = [r for r in records if r.status == "ok"]
+    return {
+        "ttft": [r.ttft for r in ok if r.ttft is not None],
+        "tpot": [r.tpot for r in ok if r.tpot is not None],
+        "itl": [gap for r in ok for gap in r.itl],
+        "latency": [r.latency for r in ok if r.latency is not None],
+    }
+
+
 def summarize(records: list[Record], concurrency: int | None = None, slo: dict | None = None) -> dict:
     """Counts, throughput and p50/p90/p99 (seconds) of TTFT, TPOT, ITL and latency over the ok requests.
 
@@ -192,12 +203,6 @@ def summarize(records: list[Record], concurrency: int | None = None, slo: dict |
     ok = [r for r in records if r.status == "ok"]
     duration = duration_of(records)
     out_tokens = sum(r.output_tokens for r in ok)
-    series = {
-        "ttft": [r.ttft for r in ok if r.ttft is not None],
-        "tpot": [r.tpot for r in ok if r.tpot is not None],
-        "itl": [gap for r in ok for gap in r.itl],
-        "latency": [r.latency for r in ok if r.latency is not None],
-    }
     s = {
         "requests": len(records),
         "ok": len(ok),
@@ -212,7 +217,7 @@ def summarize(records: list[Record], concurrency: int | None = None, slo: dict |
         "output_tokens_per_s": out_tokens / duration if duration > 0 else 0.0,
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
     }
-    for name, values in series.items():
+    for name, values in series(records).items():
         s[f"{name}_mean"] = sum(values) / len(values) if values else None
         for q in PERCENTILES:
             s[f"{name}_p{q}"] = percentile(values, q)

@@ -24,13 +24,12 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llmlab.loadtest.records import PERCENTILES, Record, summarize
+from llmlab.loadtest.records import PERCENTILES, Record, series, summarize
 from llmlab.loadtest.results import LoadResult
 
 MIN_TAIL = 10          # samples beyond a percentile below which it is called thin
 LEVEL = 0.95           # the interval's coverage
 RESAMPLES = 2000       # bootstrap draws
-SERIES = ("ttft", "tpot", "itl", "latency")
 PER_RUN = ("output_tokens_per_s", "requests_per_s")
 
 
@@ -86,13 +85,6 @@ class Figure:
                 f"{needed_for_tail(q):,} samples in all for {MIN_TAIL}.")
 
 
-def _series(records: list[Record], name: str) -> list[float]:
-    ok = [r for r in records if r.status == "ok"]
-    if name == "itl":
-        return [gap for r in ok for gap in r.itl]
-    return [getattr(r, name) for r in ok if getattr(r, name) is not None]
-
-
 def _median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -114,8 +106,7 @@ class Repeated:
         """Each percentile of TTFT, TPOT, ITL and latency, and the throughputs, each a :class:`Figure`."""
         summaries = [res.summary() for res in self.results]
         out = {}
-        for name in SERIES:
-            pooled = _series(self.records, name)
+        for name, pooled in series(self.records).items():
             for q in PERCENTILES:
                 key = f"{name}_p{q}"
                 interval = bootstrap_interval(pooled, q) or (None, None)

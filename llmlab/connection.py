@@ -119,7 +119,7 @@ def connect(base_url: str | None = None, api_key: str | None = None, *, quiet: b
 
 def _still_loading(info: ServerInfo, job: str, path) -> str:
     """One sentence for a server that is not ready yet: never a silent fall-back to the embedded tiny model."""
-    phase = info.get("phase") or "starting"
+    phase = info.extra.get("phase") or "starting"
     if info.kind == "shared":  # a learner of a room: the job is the instructor's
         return (f"The room's server (job {info.job_id}) is still loading the model ({phase}, since {info.started}); "
                 "connect again once it is ready (its owner follows it with `llmlab status --wait`).")

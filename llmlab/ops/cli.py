@@ -20,7 +20,7 @@ def cmd_serve(args) -> int:
     if args.status:
         info = embedded.embedded_status()
         if args.json:
-            print(json.dumps(info and {**{k: v for k, v in info.items() if k != "api_key_file"},
+            print(json.dumps(info and {**{k: v for k, v in info.as_dict().items() if k != "api_key_file"},
                                        "ready": info.status == "ready"}))
         elif info:
             print(f"embedded server {info.status} at {info.base_url} (pid {info.pid}, log {info.log})")

@@ -288,7 +288,7 @@ def _ready_status(st: JobStatus, conn: Path) -> JobStatus | None:
     if info.status == "loading":
         return None
     url = info.base_url
-    st = replace(st, url=url, model=info.model, api_key_file=info.api_key_file, nodes=info.get("nodes") or [],
+    st = replace(st, url=url, model=info.model, api_key_file=info.api_key_file, nodes=info.extra.get("nodes") or [],
                  use=f"client, model = llmlab.connect()  # or LLMLAB_CONNECTION_FILE={conn}")
     if cluster.is_alive(info, timeout=5):
         return replace(st, state="READY", detail=f"{info.model} at {url}{_shared(info)}")
@@ -298,14 +298,14 @@ def _ready_status(st: JobStatus, conn: Path) -> JobStatus | None:
 
 def _shared(info: ServerInfo) -> str:
     """", shared with group G: N learners" for a workshop server (``llmlab launch --share``)."""
-    if not info.get("share_dir"):
+    if not info.extra.get("share_dir"):
         return ""
     from llmlab.serve import share
 
-    who = share.learners(info["share_dir"])
+    who = share.learners(info.extra["share_dir"])
     active = sum(v == "registered" for v in who.values())
     revoked = len(who) - active
-    return (f", shared with group {info.get('group')}: {active} learner(s) registered"
+    return (f", shared with group {info.extra.get('group')}: {active} learner(s) registered"
             + (f", {revoked} revoked" if revoked else ""))
 
 
@@ -314,9 +314,9 @@ def revoke(job_id: str, name: str) -> str:
     from llmlab.serve import share
 
     info = _connection(job_id)
-    if not info.get("share_dir"):
+    if not info.extra.get("share_dir"):
         raise JobError(f"Job {job_id} is not shared (launch it with --share GROUP): there is nobody to revoke.")
-    share.revoke(info["share_dir"], name)
+    share.revoke(info.extra["share_dir"], name)
     return f"{name} can no longer use job {job_id}'s server (their key stops working within a second)"
 
 

@@ -462,10 +462,10 @@ def _cmd_wait_ready(a) -> int:
         return 1
     info = publish(a, "ready", log=a.log, pid=a.pid, ready_after_s=round(time.monotonic() - t0 + a.elapsed, 1))
     url = info.base_url
-    if info.get("share_dir"):
-        say(f"shared with group {info.get('group')}: learners set "
-            f"LLMLAB_CONNECTION_FILE={Path(info['share_dir']) / 'server.json'}")
-    say(f"READY: {a.model} at {url} (job {a.job_id}, {info['ready_after_s']:g} s after the job started)")
+    if info.extra.get("share_dir"):
+        say(f"shared with group {info.extra.get('group')}: learners set "
+            f"LLMLAB_CONNECTION_FILE={Path(info.extra['share_dir']) / 'server.json'}")
+    say(f"READY: {a.model} at {url} (job {a.job_id}, {info.extra['ready_after_s']:g} s after the job started)")
     print(f"  notebook:  client, model = llmlab.connect()    # finds {a.connection_file}\n"
           f"  pinned:    LLMLAB_CONNECTION_FILE={a.connection_file}\n"
           f"  curl:      {curl_line(url, a.key_file)}", flush=True)

@@ -214,8 +214,8 @@ def _watch_keys(home: Path, every: float = 0.2) -> None:
 
 @pytest.fixture(scope="session")
 def embedded():
-    """The running embedded server's ``ServerInfo`` (host, port, model, api_key_file, pid, log; also readable as
-    ``embedded["port"]``)."""
+    """The running embedded server's ``ServerInfo`` (``embedded.port``, ``.model``, ``.api_key_file``, ``.pid``,
+    ``.log``; ``embedded.extra["uds"]``: the engine's socket behind the proxy)."""
     from llmlab.serve import embedded
 
     return embedded.ensure_embedded(progress=False)

@@ -198,6 +198,6 @@ def stop_embedded() -> bool:
     _process(info).stop()
     state_file().unlink(missing_ok=True)
     Path(info.api_key_file).unlink(missing_ok=True)
-    if info.get("uds"):
-        shutil.rmtree(Path(info["uds"]).parent, ignore_errors=True)
+    if info.extra.get("uds"):
+        shutil.rmtree(Path(info.extra["uds"]).parent, ignore_errors=True)
     return True

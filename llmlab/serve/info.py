@@ -26,7 +26,7 @@ import json
 import os
 import secrets
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -153,14 +153,14 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-@dataclass(frozen=True, kw_only=True, eq=False)
-class ServerInfo(Address, Mapping):
+@dataclass(frozen=True, kw_only=True)
+class ServerInfo(Address):
     """One server, as its connection file describes it: where it listens, what it serves, where its key is.
 
     ``ServerInfo.read(path)`` / ``info.write(path)`` are the one way llmlab reads and writes the file (format in
     the module docstring); ``info.base_url`` is what an OpenAI client takes, ``info.key()`` the key from its
-    0600 file.  It is also a read-only mapping over the file's JSON fields (``info["host"]``,
-    ``info.get("nodes")``, ``{**info}``), so code and notebooks that read the raw file keep working.
+    0600 file.  Fields are read by attribute (``info.host``); what the file carries beyond the typed fields is in
+    ``info.extra`` (``info.extra.get("nodes")``), and ``info.as_dict()`` is the file's JSON object.
     """
 
     kind: str | None = None         # "slurm" | "embedded" | "shared"
@@ -232,17 +232,6 @@ class ServerInfo(Address, Mapping):
         """A copy with ``changes`` applied, to typed fields or to ``extra`` (``info.updated(kind="shared",
         share_dir=...)``)."""
         return ServerInfo.from_dict({**self.as_dict(), **changes})
-
-    # -- the read-only mapping over the JSON fields --------------------------------------------------
-
-    def __getitem__(self, name: str) -> Any:
-        return self.as_dict()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.as_dict())
-
-    def __len__(self) -> int:
-        return len(self.as_dict())
 
 
 def write_connection_file(path: Path, *, kind: str, host: str, port: int, model: str, api_key_file: Path,

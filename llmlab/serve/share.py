@@ -223,8 +223,8 @@ def learner_key(info: ServerInfo) -> tuple[str, bool]:
 
     Raises one sentence when the learner is outside the group or was revoked.
     """
-    root = Path(info["share_dir"])
-    group = info.get("group", "the share's group")
+    root = Path(info.extra["share_dir"])
+    group = info.extra.get("group", "the share's group")
     key_file = llmlab_home() / "keys" / f"shared-{hashlib.sha256(str(root).encode()).hexdigest()[:12]}.key"
     if key_file.exists():
         key = read_key(key_file)

@@ -63,7 +63,7 @@ def socket_status(uds: str, method: str, path: str) -> int:
 
 @pytest.fixture(scope="module")
 def base(embedded) -> str:
-    return f"http://127.0.0.1:{embedded['port']}"
+    return f"http://127.0.0.1:{embedded.port}"
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +115,7 @@ OTHER = [("POST", "/pause"), ("POST", "/abort_requests"), ("POST", "/update_weig
 @pytest.mark.parametrize("method, path", EXPOSED + OTHER, ids=[p for _, p in EXPOSED + OTHER])
 def test_unguarded_vllm_route_is_refused(attacker, base, api_key, embedded, method, path):
     if (method, path) in EXPOSED:  # the hole is real: vLLM itself answers it without a key
-        assert socket_status(embedded["uds"], method, path) not in (401, 404)
+        assert socket_status(embedded.extra["uds"], method, path) not in (401, 404)
     assert attacker_http(attacker, base + path, method=method) == 401
     # not on the allow-list: refused with the owner's key as well, by the proxy (vLLM never sees it)
     assert owner_http(base + path, api_key, method) == 404
@@ -132,7 +132,7 @@ def test_path_traversal_is_refused(attacker, base, api_key, path):
 
 
 def test_attacker_cannot_reach_vllm_on_its_socket(attacker, embedded):
-    uds = embedded["uds"]
+    uds = embedded.extra["uds"]
     out = as_attacker(attacker, "curl", "-s", "--max-time", "10", "--unix-socket", uds, "http://vllm/invocations")
     assert out.returncode == 7, out  # curl: "Failed to connect" (the 0700 directory)
     assert as_attacker(attacker, "ls", str(Path(uds).parent)).returncode != 0
@@ -144,7 +144,7 @@ def test_vllm_api_has_no_tcp_listener_besides_the_proxy(embedded):
     vLLM's CPU worker also listens on loopback ports of its own (torch.distributed's store and gloo): other
     users of the same machine can connect to those; docs/security.md lists this among what is not covered.
     """
-    group = [p for p in filter(str.isdigit, os.listdir("/proc")) if _pgid(p) == embedded["pid"]]
+    group = [p for p in filter(str.isdigit, os.listdir("/proc")) if _pgid(p) == embedded.pid]
     inodes = {}
     for pid in group:
         for fd in Path(f"/proc/{pid}/fd").glob("*"):
@@ -162,7 +162,7 @@ def test_vllm_api_has_no_tcp_listener_besides_the_proxy(embedded):
                 listening.append((f[1], _cmd(inodes[f[9]])))
     assert all(address.startswith(("0100007F:", "00000000000000000000000001000000:")) for address, _ in listening)
     api = [(address, cmd) for address, cmd in listening if "vllm.entrypoints" in cmd or "llmlab.serve.proxy" in cmd]
-    assert [address for address, _ in api] == [f"0100007F:{embedded['port']:04X}"], listening
+    assert [address for address, _ in api] == [f"0100007F:{embedded.port:04X}"], listening
     assert "llmlab.serve.proxy" in api[0][1]
 
 
@@ -178,12 +178,12 @@ def _cmd(pid: str) -> str:
 
 
 def test_attacker_cannot_read_the_key_file(attacker, embedded):
-    out = as_attacker(attacker, "cat", embedded["api_key_file"])
+    out = as_attacker(attacker, "cat", embedded.api_key_file)
     assert out.returncode != 0 and b"Permission denied" in out.stderr and not out.stdout
 
 
 def test_attacker_cannot_read_the_servers_environment(attacker, embedded):
-    out = as_attacker(attacker, "cat", f"/proc/{embedded['pid']}/environ")
+    out = as_attacker(attacker, "cat", f"/proc/{embedded.pid}/environ")
     assert out.returncode != 0 and not out.stdout
 
 
@@ -330,8 +330,8 @@ def test_launcher_refuses_multi_node_without_ray_tokens():
 # --------------------------------------------------------------------------------------------------
 
 def test_server_still_answers_and_is_not_paused_after_the_suite(embedded, api_key):
-    assert pid_alive(embedded["pid"])
-    status, metrics = owner_get(f"http://127.0.0.1:{embedded['port']}/metrics", api_key)
+    assert pid_alive(embedded.pid)
+    status, metrics = owner_get(f"http://127.0.0.1:{embedded.port}/metrics", api_key)
     assert status == 200 and re.search(rb"^vllm:num_requests_waiting\{[^}]*\} 0\.0$", metrics, re.M)
     client, model = llmlab.connect(quiet=True)
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)

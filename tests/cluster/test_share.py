@@ -86,9 +86,9 @@ def room(embedded):
     root = share.prepare_dir(parent / "ws", GROUP)
     port = free_port()
     log = open(root.parent / "proxy.log", "w")
-    proc = subprocess.Popen(proxy_command(f"127.0.0.1:{port}", Path(embedded["uds"]), Path(embedded["api_key_file"]),
+    proc = subprocess.Popen(proxy_command(f"127.0.0.1:{port}", Path(embedded.extra["uds"]), Path(embedded.api_key_file),
                                           keys=root / "keys"), stdout=log, stderr=subprocess.STDOUT)
-    owner_key = Path(embedded["api_key_file"]).read_text().strip()
+    owner_key = Path(embedded.api_key_file).read_text().strip()
     deadline = time.monotonic() + 30
     while not health("127.0.0.1", port, api_key=owner_key):
         assert proc.poll() is None and time.monotonic() < deadline, (root.parent / "proxy.log").read_text()
@@ -106,7 +106,7 @@ def test_share_directory_is_closed_to_everyone_but_the_group(room):
     assert stat.S_IMODE(conn.stat().st_mode) == 0o640
     assert root.stat().st_gid == (root / "keys").stat().st_gid
     info = ServerInfo.read(conn)
-    assert "key" not in set(info) and info.kind == "shared" and info.get("share_dir") == str(root)
+    assert "key" not in info.as_dict() and info.kind == "shared" and info.extra.get("share_dir") == str(root)
 
 
 def test_learner_connects_with_a_key_of_their_own(room):

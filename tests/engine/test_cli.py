@@ -55,7 +55,7 @@ def test_lab_opens_jupyterlab_on_the_running_server_and_ctrl_c_ends_it(embedded,
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
-    assert embedded_status()["pid"] == embedded["pid"]
+    assert embedded_status().pid == embedded.pid
 
 
 @pytest.mark.server
@@ -77,7 +77,7 @@ def test_lab_stops_the_server_it_started_on_every_signal(sig, when, tmp_path, mo
         proc.kill()
     said = "Ctrl-C" if sig == signal.SIGINT else sig.name
     assert f"{said}: stopping" in out and "stopping the embedded server" in out
-    assert embedded_status() is None and not pid_alive(server["pid"]), out
+    assert embedded_status() is None and not pid_alive(server.pid), out
     assert not _answers(port), "JupyterLab still answers"
 
 

@@ -22,7 +22,7 @@ def live(embedded):
     import llmlab
     from llmlab.serve.info import base_url_of, read_key
 
-    key = read_key(embedded["api_key_file"])
+    key = read_key(embedded.api_key_file)
     client, model = llmlab.connect(base_url_of(embedded), key, quiet=True)
     return client, model, base_url_of(embedded), key
 

@@ -21,7 +21,7 @@ SECOND_BUDGET_LOG = Path(__file__).parents[1] / "fixtures" / "kv" / "llmlab-tiny
 def test_live_embedded_server_kv_log_matches_the_arithmetic(embedded):
     """The session's embedded server (VLLM_CPU_KVCACHE_SPACE=1) logs what llmlab.memory predicts."""
 
-    logged = m.parse_kv_log(Path(embedded["log"]).read_text(errors="replace"))
+    logged = m.parse_kv_log(Path(embedded.log).read_text(errors="replace"))
     predicted = m.embedded_kv_capacity(1, "llmlab-tiny")
     assert logged["device"] == "CPU"
     assert logged["max_model_len"] == predicted.max_model_len

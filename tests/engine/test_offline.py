@@ -107,18 +107,18 @@ def test_cli_generates_offline_next_to_the_server(tmp_path, embedded, api_key):
     assert report["output_tokens_per_s"] == pytest.approx(48 / report["generation_s"])
     assert report["kv_cache_tokens"] == memory.embedded_kv_capacity(1).blocks * memory.CPU_BLOCK_SIZE
     engine_peak = report["peak_rss_bytes"]
-    server_peak = offline.memory_of(embedded["pid"])["peak_rss"]
+    server_peak = offline.memory_of(embedded.pid)["peak_rss"]
     assert 0 < engine_peak < 8 * 2**30 and engine_peak + server_peak < 16 * 2**30  # CI: 24 GiB in all
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["id"] for x in lines] == ["plain", "chat", 7]
     assert all(x["output_tokens"] == 16 and x["finish_reason"] == "length" for x in lines)
 
-    client = openai.OpenAI(base_url=f"http://{embedded['host']}:{embedded['port']}/v1", api_key=api_key)
-    online = client.completions.create(model=embedded["model"], prompt="In the beginning", max_tokens=16,
+    client = openai.OpenAI(base_url=f"http://{embedded.host}:{embedded.port}/v1", api_key=api_key)
+    online = client.completions.create(model=embedded.model, prompt="In the beginning", max_tokens=16,
                                        temperature=0, extra_body={"ignore_eos": True})
     assert lines[0]["text"] == online.choices[0].text
     assert lines[0]["prompt_tokens"] == online.usage.prompt_tokens
-    chat = client.chat.completions.create(model=embedded["model"], messages=prompts[1]["messages"], max_tokens=16,
+    chat = client.chat.completions.create(model=embedded.model, messages=prompts[1]["messages"], max_tokens=16,
                                           temperature=0, extra_body={"ignore_eos": True})
     assert lines[1]["prompt_tokens"] == chat.usage.prompt_tokens
     assert lines[1]["text"] == chat.choices[0].message.content

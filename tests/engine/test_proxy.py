@@ -126,10 +126,10 @@ def metric(port: int, key: str, name: str, label: str = "") -> float:
 
 
 def test_embedded_server_is_behind_the_proxy_on_a_private_socket(embedded, api_key):
-    uds = Path(embedded["uds"])
+    uds = Path(embedded.extra["uds"])
     assert uds.is_socket() and oct(uds.parent.stat().st_mode & 0o777) == "0o700"
-    base = f"http://127.0.0.1:{embedded['port']}"
-    assert _get(base + "/health", None)[0] == 401 and health("127.0.0.1", embedded["port"], api_key=api_key)
+    base = f"http://127.0.0.1:{embedded.port}"
+    assert _get(base + "/health", None)[0] == 401 and health("127.0.0.1", embedded.port, api_key=api_key)
     assert _get(base + "/invocations", api_key)[0] == 404  # not on the allow-list, even with the key
     assert b"vllm:num_requests_running" in _get(base + "/metrics", api_key)[1]
 
@@ -145,11 +145,11 @@ def test_embedded_proxy_keeps_off_the_core_vllm_reserves_for_its_frontend(embedd
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"llmlab.serve.proxy" in cmdline and f"127.0.0.1:{embedded['port']}".encode() in cmdline:
+        if b"llmlab.serve.proxy" in cmdline and f"127.0.0.1:{embedded.port}".encode() in cmdline:
             proxies.append(pid)
     assert len(proxies) == 1
     assert sorted(os.sched_getaffinity(proxies[0])) == (ours[:-1] if len(ours) > 1 else ours)
-    log = Path(embedded["log"]).read_text(errors="replace")
+    log = Path(embedded.log).read_text(errors="replace")
     if len(ours) > 1 and "reserved_cpus=" in log:  # vLLM's own account of which CPU it keeps for its frontend
         assert f"reserved_cpus=[{ours[-1]}]" in log
 
@@ -157,7 +157,7 @@ def test_embedded_proxy_keeps_off_the_core_vllm_reserves_for_its_frontend(embedd
 def test_proxy_listens_with_a_backlog_for_a_burst_of_connections(embedded):
     """asyncio's default backlog (100) makes a burst of new connections (a workshop's threaded cells, a c=256 load
     test) wait on SYN retries of a second or more; ``ss`` shows a listening socket's backlog as its Send-Q."""
-    out = subprocess.run(["ss", "-Hltn", f"sport = :{embedded['port']}"], capture_output=True, text=True, check=True)
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{embedded.port}"], capture_output=True, text=True, check=True)
     somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
     assert int(out.stdout.split()[2]) == min(proxy.BACKLOG, somaxconn)
 
@@ -170,7 +170,7 @@ def test_registered_key_works_and_revocation_needs_no_restart(embedded, tmp_path
     learner = "learner-" + os.urandom(16).hex()
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
-                             f"unix:{embedded['uds']}", "--key-file", str(owner), "--keys", str(keys)])
+                             f"unix:{embedded.extra['uds']}", "--key-file", str(owner), "--keys", str(keys)])
     try:
         url = f"http://127.0.0.1:{port}/v1/models"
         deadline = time.monotonic() + 60
@@ -197,7 +197,7 @@ def test_stream_is_not_buffered_and_a_client_that_leaves_aborts_the_generation(e
     Eight choices of 500 tokens (the context's worth) keep the engine busy for seconds; the request's end is read
     from counters, never from the running gauge at one moment (CI once read 0 there: the request had ended before
     a slow scrape)."""
-    port = embedded["port"]
+    port = embedded.port
     asked = 8 * 500
     tokens, finished = (metric(port, api_key, "vllm:generation_tokens_total"),
                         metric(port, api_key, "vllm:request_success_total"))
@@ -241,14 +241,14 @@ def _get_line(path: str, key: str | None, close: bool = False, version: str = "1
 
 
 def test_keep_alive_answers_several_requests_on_one_connection(embedded, api_key):
-    answer = _exchange(embedded["port"], _get_line("/v1/models", api_key) + _get_line("/health", api_key)
+    answer = _exchange(embedded.port, _get_line("/v1/models", api_key) + _get_line("/health", api_key)
                        + _get_line("/v1/models", api_key, close=True))
     assert _statuses(answer) == [200, 200, 200] and answer.count(b'"llmlab-tiny"') >= 2
 
 
 def test_a_pipelined_request_without_the_key_is_judged_on_its_own(embedded, api_key):
     """Request smuggling: a second request behind an authorised one, in the same packet, is still checked."""
-    answer = _exchange(embedded["port"], _get_line("/v1/models", api_key) + _get_line("/tokenize", None)
+    answer = _exchange(embedded.port, _get_line("/v1/models", api_key) + _get_line("/tokenize", None)
                        + _get_line("/invocations", api_key) + _get_line("/v1/models", None, close=True))
     assert _statuses(answer) == [200, 401, 404, 401]
 
@@ -258,7 +258,7 @@ def test_ambiguous_body_length_is_refused(embedded, api_key):
     data = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\nContent-Length: "
             f"{len(body)}\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
     data += b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)
-    assert _statuses(_exchange(embedded["port"], data)) == [400]
+    assert _statuses(_exchange(embedded.port, data)) == [400]
 
 
 def test_a_chunked_request_body_is_forwarded(embedded, api_key):
@@ -266,7 +266,7 @@ def test_a_chunked_request_body_is_forwarded(embedded, api_key):
     data = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\nContent-Type: "
             "application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n").encode()
     data += b"".join(b"%x\r\n%b\r\n" % (len(part), part) for part in (body[:10], body[10:])) + b"0\r\n\r\n"
-    answer = _exchange(embedded["port"], data)
+    answer = _exchange(embedded.port, data)
     assert _statuses(answer) == [200] and b'"completion_tokens":3' in answer.replace(b" ", b"")
 
 
@@ -274,7 +274,7 @@ def test_expect_100_continue_is_honoured(embedded, api_key):
     body = b'{"model": "llmlab-tiny", "prompt": "Once", "max_tokens": 2}'
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {api_key}\r\nContent-Type: "
             f"application/json\r\nContent-Length: {len(body)}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n")
-    with socket.create_connection(("127.0.0.1", embedded["port"]), timeout=30) as s:
+    with socket.create_connection(("127.0.0.1", embedded.port), timeout=30) as s:
         s.sendall(head.encode())
         assert s.recv(65536).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")  # before the body is sent
         s.sendall(body)
@@ -295,12 +295,12 @@ def test_expect_100_continue_is_honoured(embedded, api_key):
      413),
 ], ids=["head", "put", "huge-head", "not-http", "websocket-upgrade", "huge-body"])
 def test_requests_the_proxy_does_not_forward_are_answered_and_closed(embedded, api_key, data, status):
-    answer = _exchange(embedded["port"], data.replace(b"{key}", api_key.encode()))
+    answer = _exchange(embedded.port, data.replace(b"{key}", api_key.encode()))
     assert _statuses(answer) == [status] and b'"error"' in answer
 
 
 def test_http_1_0_gets_its_answer_and_the_connection_closes(embedded, api_key):
-    answer = _exchange(embedded["port"], _get_line("/v1/models", api_key, version="1.0"))
+    answer = _exchange(embedded.port, _get_line("/v1/models", api_key, version="1.0"))
     assert _statuses(answer) == [200] and answer.rstrip().endswith(b"}") and b"chunked" not in answer.lower()
 
 

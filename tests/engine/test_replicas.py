@@ -28,7 +28,7 @@ def half_dead(embedded, tmp_path_factory):
 
     def start(route: str) -> replicas.Router:
         if route not in routers:
-            routers[route] = replicas.Router([embedded["uds"], dead], route).start()
+            routers[route] = replicas.Router([embedded.extra["uds"], dead], route).start()
         return routers[route]
 
     yield start

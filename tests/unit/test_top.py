@@ -221,3 +221,14 @@ def test_room_puts_the_progress_table_beside_the_view_and_in_the_json(tmp_path, 
     view = top.Top(Recorded(RECORDED, RECORDED), clock=clock(1.0, 2.0))
     assert cli_top.once(view, SimpleNamespace(**{**vars(args), "json": True})) == 0
     assert json.loads(capsys.readouterr().out)["room"] == []
+
+
+def test_the_widget_refreshes_from_a_thread_and_a_wrong_key_stops_it_with_its_sentence():
+    refused = AuthenticationFailed("http://127.0.0.1:9/metrics refused the API key (401)")
+    view = top.Widget(top.Top(Recorded(RECORDED, RECORDED, RECORDED, refused)), interval=0.02)
+    view.refresh(tolerate_down=False)
+    view.start()
+    view._thread.join(timeout=10)
+    assert not view._thread.is_alive() and view.button.value is False and view.button.icon == "play"
+    assert view.status.value.startswith("<b>stopped</b>") and "refused the API key" in view.status.value
+    assert len(view.top.history.points) == 3

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmlab.ops import cli_jobs, cli_room, cli_weights, course, doctor, exercises, jobs
+from llmlab.ops import cli_jobs, cli_room, cli_top, cli_weights, course, doctor, exercises, jobs
 from llmlab.serve import embedded
 from llmlab.serve.info import ServerError
 
@@ -450,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_rehearse)
     cli_jobs.add_commands(sub)
     cli_room.add_commands(sub)
+    cli_top.add_commands(sub)
     cli_weights.add_commands(sub)
     return parser
 

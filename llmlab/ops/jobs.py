@@ -457,6 +457,12 @@ def _connection(job_id: str) -> ServerInfo:
     return ServerInfo.read(path)
 
 
+def server_info(job_id: str) -> ServerInfo:
+    """The connection file of a job's server (``"embedded"``: the embedded one): what ``llmlab metrics`` and
+    ``llmlab top`` scrape, with its key file; a job without a server yet says where it is instead."""
+    return _connection(job_id)
+
+
 def histogram_quantile(metrics, name: str, q: float) -> float | None:
     """The ``q`` quantile of a Prometheus histogram (buckets summed over engines), interpolated inside the
     bucket as Prometheus' ``histogram_quantile`` does; None without observations."""

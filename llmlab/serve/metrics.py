@@ -131,6 +131,10 @@ def fetch_metrics(base_url: str, api_key: str | None = None, timeout: float = 10
         if e.code in (401, 403):
             raise AuthenticationFailed(f"{url} refused the API key ({e.code}): pass the key the server was "
                                        "started with (client.api_key after llmlab.connect()).") from None
+        if e.code in (502, 503):  # llmlab's proxy answers, the vLLM behind it does not (loading, restarting, gone)
+            raise ServerUnavailable(f"{url} answered {e.code}: the proxy is up but the vLLM server behind it does "
+                                    "not answer (still loading, restarting or stopped); `llmlab status` or "
+                                    "`llmlab serve --status` says which.") from None
         raise ServerError(f"{url} answered {e.code}: the server does not export Prometheus metrics there "
                           "(vLLM does unless started with --disable-log-stats).") from None
     except (urllib.error.URLError, OSError) as e:

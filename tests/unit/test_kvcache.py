@@ -206,6 +206,35 @@ def test_no_server_is_one_sentence():
         kc.fetch_metrics(f"http://127.0.0.1:{free_port()}/v1", "key", timeout=2)
 
 
+@pytest.mark.parametrize("code, error, words", [(503, "ServerUnavailable", "vLLM server behind it does not answer"),
+                                                (401, "AuthenticationFailed", "refused the API key"),
+                                                (404, "ServerError", "does not export Prometheus metrics")])
+def test_what_a_proxy_answers_instead_of_metrics_is_one_sentence(code, error, words):
+    """llmlab's proxy answers 503 while the vLLM behind it loads, restarts or is gone: the server is unavailable
+    (``llmlab top`` waits for it), not a server without metrics."""
+    import http.server
+    import threading
+
+    from llmlab.serve import info
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(code)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(getattr(info, error), match=words) as e:
+            kc.fetch_metrics(f"http://127.0.0.1:{server.server_port}/v1", "key", timeout=5)
+        assert type(e.value) is getattr(info, error)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # --- transformers: greedy decoding with and without the cache ----------------------------------------
 
 @pytest.fixture(scope="module")

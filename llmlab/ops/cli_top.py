@@ -40,7 +40,7 @@ def server(job: str | None) -> top.Target:
         info, name = jobs.server_info(job), f"job {job}"
     if info.status == "loading":
         follow = f"llmlab status --wait {job}" if job else "llmlab serve --status"
-        raise ServerUnavailable(f"The server of {name} is still loading ({info.get('phase') or 'starting'}): "
+        raise ServerUnavailable(f"The server of {name} is still loading ({info.extra.get('phase') or 'starting'}): "
                                 f"`{follow}` follows it; then `llmlab top` again.")
     return top.Target(info.base_url, info.key(), f"{name} ({info.model}) at {info.base_url}")
 

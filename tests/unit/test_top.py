@@ -203,6 +203,19 @@ def test_no_embedded_server_is_one_sentence():
         cli_top.server(None)
 
 
+def test_a_loading_embedded_server_is_one_sentence_with_its_phase():
+    from llmlab.serve.embedded import state_file
+    from llmlab.serve.info import ServerInfo
+
+    ServerInfo(kind="embedded", host="127.0.0.1", port=1, model="m", api_key_file="/nonexistent", status="loading",
+               extra={"phase": "loading weights"}).write(state_file())
+    try:
+        with pytest.raises(ServerUnavailable, match=r"still loading \(loading weights\).*llmlab serve --status"):
+            cli_top.server(None)
+    finally:
+        state_file().unlink()
+
+
 def test_the_widget_draws_the_history_without_pyplot():
     view = top.Widget(top.Top(Recorded(RECORDED, edited(vllm_generation_tokens_total=108)), clock=clock(1.0, 2.0)))
     view.refresh()

@@ -17,7 +17,10 @@ import re
 import stat
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -63,25 +66,50 @@ def use_testbed(monkeypatch, env: dict) -> None:
         monkeypatch.setenv(key, env[key])
 
 
+class FileWatch(threading.Thread):
+    """Each (status, phase) a connection file goes through, polled every 0.25 s from before the job starts: the
+    launcher rewrites the file at each phase, and a transition shorter than the poll is one a learner never sees."""
+
+    def __init__(self, path: Path):
+        super().__init__(daemon=True)
+        self.path, self.seen, self.done = path, [], threading.Event()
+
+    def run(self):
+        while not self.done.wait(0.25):
+            try:
+                info = json.loads(self.path.read_text())
+            except (OSError, ValueError):  # not there yet, or gone
+                continue
+            now = (info.get("status") or "(none)", info.get("phase"))
+            if not self.seen or self.seen[-1] != now:
+                self.seen.append(now)
+
+
 @pytest.fixture(scope="class")
 def launched(slurm_env):
-    """One CPU job launched as a learner launches it (``llmlab launch llmlab-tiny-cpu``) and waited for: what the
-    lifecycle tests read and the second UNIX user attacks.  One job for both: a job takes the test bed's two nodes
-    and more than a minute to start.  The class's last test stops it; this stops it too if that test did not run."""
+    """One CPU job launched as a learner launches it (``llmlab launch llmlab-tiny-cpu``: two nodes, Ray) and waited
+    for: what the lifecycle tests read and the second UNIX user attacks.  One job for all of them: a job takes the
+    test bed's two nodes and more than a minute to start.  The class's last test stops it; this stops it too if that
+    test did not run."""
     with pytest.MonkeyPatch.context() as mp:
         use_testbed(mp, slurm_env)
         t0 = time.monotonic()
         record = jobs.launch(jobs.prepare(CPU_JOB))
         job_id, seen = record.job_id, []
+        conn = servers_dir() / f"job-{job_id}.json"
+        watch = FileWatch(conn)
+        watch.start()
         try:
             ready = jobs.wait(job_id, timeout=900, poll=0.5, on_change=seen.append)
+            watch.done.set()
             print(f"\nllmlab launch {CPU_JOB} -> {ready.state} in {time.monotonic() - t0:.1f} s")
-            conn = servers_dir() / f"job-{job_id}.json"
             info = json.loads(conn.read_text()) if conn.exists() else {}
             yield {**info, "job_id": job_id, "record": record, "ready": ready, "seen": seen, "connection_file": conn,
-                   "key": read_key(info["api_key_file"]) if info else None, "output": Path(record.output),
+                   "files_seen": watch.seen, "key": read_key(info["api_key_file"]) if info else None,
+                   "output": Path(record.output), "info": info,
                    "token_file": Path(os.environ["LLMLAB_HOME"]) / "keys" / f"ray-job-{job_id}.token"}
         finally:
+            watch.done.set()
             if jobs.status(job_id).state != "STOPPED":
                 jobs.stop(job_id)
 
@@ -103,6 +131,43 @@ class TestALaunchedJob:
         assert (cluster.job_log_dir(launched["job_id"]) / "settings.toml").read_text() in script  # what ran, as ran
         assert stat.S_IMODE(Path(record.script).stat().st_mode) == 0o600
         assert "Ray: 2/2 nodes" in launched["output"].read_text()
+
+    def test_its_connection_file_output_ray_folder_and_processes(self, launched):
+        """What the launcher publishes on the way and once ready: the phases in the connection file (Ray, then the
+        load's own), the ready file's fields, 0600 files, the output's instructions, Ray's private folder, the
+        job's own processes, and the key in no log and no process's arguments."""
+        job_id, key, info, files_seen = launched["job_id"], launched["key"], launched["info"], launched["files_seen"]
+        loading = [phase for status, phase in files_seen if status == "loading"]
+        assert files_seen[0][0] == "loading" and files_seen[-1][0] == "ready", files_seen  # never a silent gap
+        assert "starting Ray on 2 nodes" in loading and len(set(loading) - {jobs.QUEUED}) >= 2, files_seen
+        assert info["kind"] == "slurm" and info["job_id"] == job_id and info["host"] == "127.0.0.1"
+        assert info["model"] == CPU_JOB and info["nodes"] == ["node1", "node2"] and info["started"]
+        keys = Path(os.environ["LLMLAB_HOME"]) / "keys"
+        secrets = [keys / f"job-{job_id}.key", launched["token_file"], keys / f"job-{job_id}.curl"]
+        assert info["api_key_file"] == str(secrets[0]) and all(p.exists() for p in secrets)
+        assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in [launched["connection_file"], *secrets])
+        text = launched["output"].read_text()
+        assert "Ray: 2/2 nodes, 0/0 GPUs joined" in text and "READY: llmlab-tiny-cpu at http://127.0.0.1:" in text
+        assert "client, model = llmlab.connect()" in text and f"curl --config {secrets[2]} " in text
+
+        folder = ray_folder(job_id)  # mktemp's six random characters, not the job id
+        assert folder.name == "ray" and re.fullmatch(r"llmlab-ray\.[A-Za-z0-9]{6}", folder.parent.name), folder
+        st = folder.parent.lstat()
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+        assert (folder / "session_latest" / "sockets").is_dir()
+        assert any("raylet" in p for p in job_processes(job_id)), "Ray should run on the job's nodes"
+        assert [s for s in cluster.servers() if s.job_id == job_id][0].alive
+
+        with pytest.raises(urllib.error.HTTPError) as err:  # the owner too, without the key
+            urllib.request.urlopen(f"http://127.0.0.1:{info['port']}/v1/models", timeout=10)
+        assert err.value.code == 401
+        logs = [launched["output"], *cluster.job_log_dir(job_id).glob("*")]
+        assert all(key not in p.read_text(errors="replace") for p in logs if p.is_file())
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
 
     def test_a_request_then_metrics_status_and_logs(self, launched, monkeypatch):
         job_id, key = launched["job_id"], launched["key"]
@@ -186,12 +251,37 @@ class TestALaunchedJob:
     # -- last: stop ----------------------------------------------------------------------------------------------
 
     def test_stop_leaves_nothing_behind(self, launched):
+        """``llmlab stop`` (scancel): the key and the Ray token go at once, the launcher's clean-up ends within the
+        test bed's KillWait (15 s; SIGKILL comes after it), and nothing of the job is left: its processes, its
+        connection file, Ray's session folder."""
         job_id = launched["job_id"]
+        key_file = Path(launched["api_key_file"])
+        secrets = [key_file, launched["token_file"], key_file.with_suffix(".curl")]
+        gone = {}
+
+        def time_the_secrets():
+            while any(p.exists() for p in secrets) and time.monotonic() - t1 < 60:
+                time.sleep(0.05)
+            gone["after"] = time.monotonic() - t1
+
+        t1 = time.monotonic()
+        timer = threading.Thread(target=time_the_secrets, daemon=True)
+        timer.start()
         stopped = jobs.stop(job_id)
+        timer.join(60)
         assert stopped.state == "STOPPED", str(stopped)
-        print(f"llmlab status {job_id}: {stopped.state} - {stopped.detail}")
-        assert not launched["connection_file"].exists() and not Path(launched["api_key_file"]).exists()
+        print(f"llmlab status {job_id}: {stopped.state} - {stopped.detail}; the key and the token went "
+              f"{gone['after']:.1f} s after scancel")
+        assert not launched["connection_file"].exists() and not any(p.exists() for p in secrets)
+        assert gone["after"] < 5, f"the key and the Ray token went {gone['after']:.1f} s after scancel"
         wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
+        text = launched["output"].read_text()
+        assert "received SIGTERM (scancel or time limit): shutting down" in text
+        took = re.search(r"stopped; connection file and key removed \(clean-up (\d+) s; SLURM's KillWait (\d+) s\)",
+                         text)
+        assert took, text[-2000:]
+        assert int(took[2]) == 15 and int(took[1]) <= 15 - 3, took[0]  # the launcher read the test bed's KillWait
+        assert not ray_folder(job_id).parent.exists(), "Ray's per-job session files should be removed"
         out = llmlab_cli("status", job_id)
         assert out.returncode == 0 and "STOPPED" in out.stdout
 

@@ -3,9 +3,11 @@
 Two kinds of tests:
 - pure ones (settings, rendering, parsing, the GPU jobs' commands checked against llmlab.memory's planner):
   they run the job scripts in dry-run mode with bash and need no SLURM;
-- CPU-mode jobs under a real slurmctld + two slurmd on this machine (tests/slurm_testbed.py): a server
-  that comes up over Ray on 2 nodes, answers with its key, refuses without it, and leaves nothing behind
-  after scancel; and a job whose Ray worker cannot start, which must fail fast with the reason.
+- CPU-mode jobs under a real slurmctld + two slurmd on this machine (tests/slurm_testbed.py), submitted with
+  sbatch as a person submits the ready-made scripts: a job whose Ray worker cannot start, which must fail fast
+  with the reason; a proxy that dies after READY; output private from its creation.  The server that comes up
+  over Ray on 2 nodes, answers with its key, refuses without it and leaves nothing behind after scancel is
+  tests/cluster/test_jobs.py's launched job (one submission for all of it: each costs a minute or more here).
   They are skipped, with the reason, only where the SLURM binaries (or root, for slurmd) are missing.
 
 This file holds the tests under the SLURM test bed; the rest are in tests/unit/test_slurm.py (the pure tests).
@@ -20,8 +22,6 @@ import stat
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -38,9 +38,8 @@ from slurm_helpers import (
 )
 
 import llmlab
-from llmlab import cluster
 from llmlab.ops import launcher
-from llmlab.serve.info import read_key, servers_dir
+from llmlab.serve.info import servers_dir
 from llmlab.serve.proc import free_port
 
 # --------------------------------------------------------------------------------------------------
@@ -54,119 +53,6 @@ from llmlab.serve.proc import free_port
 # --------------------------------------------------------------------------------------------------
 # Under a real SLURM (CPU mode)
 # --------------------------------------------------------------------------------------------------
-
-
-@needs_slurm
-def test_cpu_job_loads_serves_with_its_key_and_cleans_up_within_killwait_after_scancel(slurm_env, tmp_path,
-                                                                                       monkeypatch):
-    """One CPU job under the test bed, from sbatch to scancel (one submission: each costs a minute or more here).
-
-    While it starts, its connection file says "loading" with the phase, and connect() says so instead of starting
-    the embedded tiny model; Ray's folder is private.  Ready: the file names the job's server, 0600 files, the
-    job's output says how to connect, the key works and its absence is a 401, the key is in no log and no process's
-    arguments, Ray runs on the job's nodes.  After scancel the key and the token are gone at once, and the clean-up
-    ends within the test bed's KillWait (15 s; SIGKILL comes after it)."""
-    from llmlab.serve import embedded
-
-    def no_fallback(*args, **kwargs):
-        raise AssertionError("connect() started the embedded tiny model while the job's server was loading")
-
-    monkeypatch.setattr(embedded, "ensure_embedded", no_fallback)
-    monkeypatch.delenv("LLMLAB_CONNECTION_FILE", raising=False)
-    t0 = time.monotonic()
-    job_id = submit(slurm_env, tmp_path)
-    output = tmp_path / f"slurm-{job_id}.out"
-    conn = servers_dir() / f"job-{job_id}.json"
-    keys = Path(os.environ["LLMLAB_HOME"]) / "keys"
-    secrets = [keys / f"job-{job_id}.key", keys / f"ray-job-{job_id}.token", keys / f"job-{job_id}.curl"]
-    seen: list[tuple[str, str]] = []
-
-    def watch(until: str | None):
-        """Record each (status, phase) the connection file goes through; done when its status is ``until``
-        (None: as soon as there is a file)."""
-        def look():
-            state, _ = job_state(slurm_env, job_id)
-            if state not in ("PENDING", "RUNNING", "CONFIGURING"):
-                raise AssertionError(f"job {job_id} ended ({state}):\n{output.read_text() if output.exists() else ''}")
-            status = status_of(conn)
-            if status:
-                info = json.loads(conn.read_text())
-                if not seen or seen[-1] != (status, info.get("phase")):
-                    seen.append((status, info.get("phase")))
-            return status is not None and (until is None or status == until)
-        return look
-
-    try:
-        wait_for(watch(None), 600, f"job {job_id}'s connection file", poll=0.5)
-        assert seen[0][0] == "loading", f"the first connection file said {seen[0]}, not loading"
-        assert seen[0][1] == "starting Ray on 2 nodes"
-        assert stat.S_IMODE(conn.stat().st_mode) == 0o600
-        with pytest.raises(llmlab.ServerUnavailable) as err:
-            llmlab.connect(quiet=True)
-        message = str(err.value)
-        assert f"SLURM job {job_id} is still loading the model" in message and "\n" not in message
-        assert f"llmlab status --wait {job_id}" in message
-
-        wait_for(lambda: "Ray cluster complete" in output.read_text(), 600, "Ray on both nodes", poll=1)
-        folder = ray_folder(job_id)
-        # mktemp's six random characters, not the job id (a digit of a short id may occur among them by chance)
-        assert folder.name == "ray" and re.fullmatch(r"llmlab-ray\.[A-Za-z0-9]{6}", folder.parent.name), folder
-        st = folder.parent.lstat()
-        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
-        assert (folder / "session_latest" / "sockets").is_dir()
-
-        wait_for(watch("ready"), 900, f"job {job_id}'s server to be ready", poll=0.5)
-        t_ready = time.monotonic() - t0
-        assert len({phase for status, phase in seen if status == "loading"}) >= 2, seen  # the phase follows the load
-        info = json.loads(conn.read_text())
-        key = read_key(info["api_key_file"])
-        assert info["kind"] == "slurm" and info["job_id"] == job_id and info["host"] == "127.0.0.1"
-        assert info["model"] == CPU_JOB and info["nodes"] == ["node1", "node2"] and info["started"]
-        assert info["api_key_file"] == str(secrets[0]) and all(p.exists() for p in secrets)
-        assert stat.S_IMODE(Path(info["api_key_file"]).stat().st_mode) == 0o600
-        text = output.read_text()
-        assert "Ray: 2/2 nodes, 0/0 GPUs joined" in text and "READY: llmlab-tiny-cpu at http://127.0.0.1:" in text
-        curl_config = Path(info["api_key_file"]).with_suffix(".curl")  # the key's header, out of curl's arguments
-        assert "client, model = llmlab.connect()" in text and f"curl --config {curl_config} " in text
-        assert stat.S_IMODE(curl_config.stat().st_mode) == 0o600
-
-        client, model = llmlab.connect(quiet=True)  # the notebook's way: the newest connection file
-        assert model == CPU_JOB
-        r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5,
-                                      extra_body={"ignore_eos": True})
-        assert r.usage.completion_tokens == 5
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(f"http://127.0.0.1:{info['port']}/v1/models", timeout=10)
-        assert err.value.code == 401
-        assert [s for s in cluster.servers() if s.job_id == job_id][0].alive
-        logs = [output, *cluster.job_log_dir(job_id).glob("*")]  # the key is in no log, no process's arguments
-        assert all(key not in p.read_text(errors="replace") for p in logs)
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-        assert any("raylet" in p for p in job_processes(job_id)), "Ray should run on the job's nodes"
-    finally:
-        t1 = time.monotonic()
-        subprocess.run(["scancel", job_id], env=slurm_env, check=True)
-        wait_for(lambda: not any(p.exists() for p in secrets), 30, "the key and the token to go", poll=0.1)
-        t_secrets = time.monotonic() - t1
-        wait_for(lambda: not conn.exists(), 60, "the connection file to go")
-        wait_for(lambda: job_state(slurm_env, job_id)[0] not in ("RUNNING", "COMPLETING", "CONFIGURING"), 90,
-                 "the job to end")
-        wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
-        t_gone = time.monotonic() - t1
-    text = output.read_text()
-    assert "received SIGTERM (scancel or time limit): shutting down" in text
-    took = re.search(r"stopped; connection file and key removed \(clean-up (\d+) s; SLURM's KillWait (\d+) s\)", text)
-    assert took, text[-2000:]
-    assert int(took[2]) == 15 and int(took[1]) <= 15 - 3, took[0]  # the launcher read the test bed's KillWait
-    assert t_secrets < 5, f"the key and the Ray token went {t_secrets:.1f} s after scancel"
-    assert not ray_folder(job_id).parent.exists(), "Ray's per-job session files should be removed"
-    print(f"\nSLURM CPU job {job_id}: sbatch -> ready {t_ready:.1f} s through {[s for s, _ in seen]}; after scancel "
-          f"the key and the token went in {t_secrets:.1f} s, the launcher's clean-up took {took[1]} s (KillWait "
-          f"15 s), every process of the job was gone after {t_gone:.1f} s")
 
 
 @needs_slurm

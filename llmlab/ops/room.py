@@ -276,8 +276,6 @@ class Scraper(threading.Thread):
 def run_learners(room: Room, notebooks: list[Path], server: dict, *, stagger: float, revoke: bool, restart: bool,
                  timeout: float) -> dict:
     """Seat the learners ``stagger`` seconds apart, revoke and restart as planned, wait for all to finish."""
-    from llmlab.ops import jobs
-
     python = learner_python()
     n = len(room.learners)
     revoked = room.learners[-1] if revoke and n >= 2 else None
@@ -303,7 +301,7 @@ def run_learners(room: Room, notebooks: list[Path], server: dict, *, stagger: fl
                     f"{name}'s driver failed (exit {procs[name].returncode}): {last_line_of(room, name)}")
             if revoked and plan["revocation"] is None and any(
                     e["kind"] == "notebook" and e["notebook"] == REVOKE_AT for e in events_of(room, revoked)):
-                plan["revocation"] = {"t": time.time(), "said": jobs.revoke(room.job_id, revoked)}
+                plan["revocation"] = {"t": time.time(), "said": instructor_revokes(room, revoked)}
                 say(room, f"instructor: {plan['revocation']['said']}")
             if time.monotonic() - last_line > 15:
                 say(room, "  " + "; ".join(f"{nm.rsplit('-', 1)[-1]}: {where(room, nm)}" for nm in room.learners)
@@ -328,6 +326,20 @@ def run_learners(room: Room, notebooks: list[Path], server: dict, *, stagger: fl
     plan["metrics"] = scraper.samples
     plan["metrics_errors"] = scraper.errors
     return plan
+
+
+def instructor_revokes(room: Room, name: str) -> str:
+    """``llmlab revoke JOB USER``, as the instructor types it: what it printed (or why it failed)."""
+    done = subprocess.run([sys.executable, "-m", "llmlab", "revoke", room.job_id, name], capture_output=True,
+                          text=True, timeout=120)
+    return (done.stdout + done.stderr).strip()
+
+
+def job_status(room: Room) -> str:
+    """What ``llmlab status JOB`` says of the room's job: READY, and the learners registered and revoked."""
+    from llmlab.ops import jobs
+
+    return jobs.status(room.job_id).detail
 
 
 def room_listing(room: Room) -> tuple[list[dict], str]:
@@ -509,6 +521,7 @@ def rehearse(learners: int = 3, out: str | Path = "build/room", *, stagger: floa
             plan = run_learners(room, notebooks, server, stagger=stagger, revoke=revoke, restart=restart,
                                 timeout=timeout)
             listing = room_listing(room)
+            plan["job_status"] = job_status(room)
             say(room, "instructor: llmlab progress --room\n" + listing[1])
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -10,7 +10,8 @@ last line; the goal is none); ``path_seconds`` per learner (first notebook opene
 (p50/p99 of the generation requests as the learners' kernels saw them); ``server`` (peak running and waiting
 requests, peak KV-cache use, from ``/metrics`` every 0.5 s); ``revocation`` (who, when, what the instructor was
 told, and the one sentence the learner got); ``restart`` (whose kernel, where, and whether they finished);
-``handed_in`` (the learners ``llmlab progress --room`` lists); ``left_behind`` (what the clean-up did not remove;
+``handed_in`` (the learners ``llmlab progress --room`` lists); ``job_status`` (what ``llmlab status JOB`` said
+after the path: the learners registered and revoked); ``left_behind`` (what the clean-up did not remove;
 the goal is none); ``wall_s``.
 
 :func:`replay` sends the recorded traces again for K learners (no kernels): each replayed learner is one of the
@@ -142,7 +143,8 @@ def build(room, plan: dict, listing: tuple[list[dict], str], behind: list[str], 
             "revocation": revocation(plan, results), "restart": restart(plan, results),
             "handed_in": [row.get("user") for row in rows],
             "hand_in_output": {n: r.get("hand_in", {}).get("output") for n, r in results.items()},
-            "progress_room": listing[1] if listing else "", "exit_codes": plan.get("exit_codes", {}),
+            "progress_room": listing[1] if listing else "", "job_status": plan.get("job_status"),
+            "exit_codes": plan.get("exit_codes", {}),
             "missing_results": [n for n in room.learners if n not in results],
             "left_behind": behind, "wall_s": round(wall_s, 1)}
 

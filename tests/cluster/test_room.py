@@ -4,7 +4,8 @@ One SLURM job (the launcher's CPU job of the tiny model, shared with a group mad
 accounts made for the run; each runs the workshop path's notebooks in kernels of their own, the last is revoked when
 they open lesson 03, the second's kernel restarts in lesson 04; all hand in.  The report must say: no cell failed,
 all three handed in and ``llmlab progress --room`` lists them, the revoked learner was refused with a sentence (and
-nobody else was), the restarted learner walked the whole path, and nothing of the run is left.  Skipped (with the
+nobody else was) after ``llmlab revoke`` said so, ``llmlab status`` counts two keys registered and one revoked, the
+restarted learner walked the whole path, and nothing of the run is left.  Skipped (with the
 reason) where the test cannot create users (not root) or SLURM's test bed cannot run.
 
 About three and a half minutes on CI's 2-core machine (203 s measured): a minute of the job's start-up, a minute
@@ -71,6 +72,10 @@ def test_room_revoked_learner_gets_one_sentence_and_nobody_else_notices(report):
     assert rev["learner"] == r["names"][-1] and rev["refused"], rev
     assert "revoked" in rev["sentence"] and "\n" not in rev["sentence"]
     assert rev["others_refused"] == []
+    said = f"{rev['learner']} can no longer use job {r['job']}'s server (their key stops working within a second)"
+    assert rev["instructor"] == said  # what `llmlab revoke JOB USER` printed
+    assert r["job_status"].endswith(f"shared with group {r['group']}: 2 learner(s) registered, 1 revoked"), \
+        r["job_status"]  # `llmlab status JOB` counts the room's keys
 
 
 def test_room_restarted_kernel_learner_completes_the_path(report):

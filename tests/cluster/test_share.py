@@ -2,7 +2,8 @@
 
 Real users and a real server: the test (root, as in CI) makes a group with one learner, and an outsider;
 the embedded vLLM server's socket gets a second llmlab.serve.proxy that also accepts the keys registered in a share
-directory; and the same through SLURM with ``llmlab launch --share``.  As the learner, ``llmlab.connect()``
+directory.  (The same through SLURM, ``llmlab launch --share`` with ``llmlab revoke`` and ``llmlab status``
+counting the keys, is tests/cluster/test_room.py's room: one shared job for both.)  As the learner, ``llmlab.connect()``
 makes and registers a key and generates text; the instructor revokes the learner without restarting
 anything; the outsider cannot even read where the server is.  Skipped (with the reason) only where the test
 cannot create users, i.e. not as root.
@@ -22,11 +23,7 @@ from pathlib import Path
 
 import pytest
 from slurm_helpers import (
-    CPU_JOB,
     ROOT,
-    job_processes,
-    needs_slurm,
-    wait_for,
 )
 
 from llmlab.ops import jobs
@@ -223,34 +220,3 @@ def test_revoke_refuses_the_learners_digests_in_every_file(keys_dir):
     share.revoke(keys_dir.parent, LEARNER)  # again: what was refused stays refused
     assert f"revoked sha256:{digest('theirs').hex()}" in (keys_dir / LEARNER).read_text()
     assert not list(keys_dir.glob(".*"))  # no temp file left behind
-
-
-@needs_slurm
-def test_launch_share_serves_the_group_through_slurm(slurm_env, monkeypatch):
-    """``llmlab launch --share GROUP``: the job publishes server.json for the group, a learner uses it with a key
-    of their own, ``llmlab status`` counts them, ``llmlab revoke`` shuts them out, and the stop removes it."""
-    ensure_user(LEARNER, GROUP)
-    for key in ("SLURM_CONF", "PATH", "LLMLAB_PYTHON"):
-        monkeypatch.setenv(key, slurm_env[key])
-    parent = Path(tempfile.mkdtemp(prefix="llmlab-share-"))
-    os.chmod(parent, 0o755)
-    record = jobs.launch(jobs.prepare(CPU_JOB, nodes=1, share=GROUP, share_dir=str(parent / "ws")))
-    job_id, conn = record.job_id, parent / "ws" / "server.json"
-    try:
-        ready = jobs.wait(job_id, timeout=900, poll=1)
-        assert ready.state == "READY" and ready.detail.endswith(f"shared with group {GROUP}: 0 learner(s) registered")
-        out = as_user(LEARNER, LEARN, conn)
-        assert out.returncode == 0 and "tokens 4" in out.stdout and "the shared server of SLURM job" in out.stdout, \
-            out.stderr
-        assert jobs.status(job_id).detail.endswith("1 learner(s) registered")
-        revoked = subprocess.run([sys.executable, "-m", "llmlab", "revoke", job_id, LEARNER], capture_output=True,
-                                 text=True)
-        assert revoked.returncode == 0 and f"{LEARNER} can no longer use job {job_id}" in revoked.stdout
-        time.sleep(1.5)
-        out = as_user(LEARNER, LEARN, conn)
-        assert out.returncode != 0 and "was revoked by its owner" in out.stderr
-    finally:
-        stopped = jobs.stop(job_id)
-    assert stopped.state == "STOPPED" and not conn.exists()
-    wait_for(lambda: not job_processes(job_id), 60, f"job {job_id}'s processes to end")
-    shutil.rmtree(parent, ignore_errors=True)

@@ -514,14 +514,8 @@ def stage(src, to, *, progress: bool = True, say=print) -> dict:
                         bar.update(len(chunk))
                 shutil.copymode(p, target)
         seconds = time.monotonic() - started
-        if dest.exists() and same_files(src, dest) and verify(dest, group=False).ok:
-            shutil.rmtree(tmp)  # another job on this node staged it meanwhile, and may be reading it: keep that one
-        else:
-            if dest.exists():  # a stale or broken copy: out of the way first (a folder cannot replace another)
-                old = to / f".{src.name}.old-{os.getpid()}"
-                dest.rename(old)
-                shutil.rmtree(old)
-            tmp.rename(dest)
+        if not _staged_by_another(src, dest, tmp):
+            _put_in_place(src, tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -530,6 +524,31 @@ def stage(src, to, *, progress: bool = True, say=print) -> dict:
         + (f" ({rate:,.0f} MB/s)" if rate else ""))
     return {"src": str(src), "dest": str(dest), "skipped": False, "bytes": total, "seconds": seconds,
             "mb_per_s": rate}
+
+
+def _put_in_place(src: Path, tmp: Path, dest: Path) -> None:
+    """Rename the finished copy ``tmp`` to ``dest``.  Where a folder is there already, look again first: another
+    node sharing the stage folder may have just renamed its verified copy there (keep it); else it is a stale or
+    broken copy, moved out of the way and removed (a folder cannot replace a non-empty one)."""
+    try:
+        tmp.rename(dest)
+        return
+    except OSError:
+        if _staged_by_another(src, dest, tmp):
+            return
+    old = dest.with_name(f".{src.name}.old-{os.getpid()}")
+    dest.rename(old)
+    shutil.rmtree(old)
+    tmp.rename(dest)
+
+
+def _staged_by_another(src: Path, dest: Path, tmp: Path) -> bool:
+    """Did another job, or another node of this job where the stage folder is shared, put a verified copy at
+    ``dest`` while this one copied?  Then it may be reading it: keep that one and drop this copy."""
+    if dest.exists() and same_files(src, dest) and verify(dest, group=False).ok:
+        shutil.rmtree(tmp)
+        return True
+    return False
 
 
 # --------------------------------------------------------------------------------------------------

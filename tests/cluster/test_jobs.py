@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -43,8 +45,8 @@ from slurm_helpers import (
 )
 
 import llmlab
-from llmlab import cluster
-from llmlab.ops import jobs
+from llmlab import cluster, memory
+from llmlab.ops import jobs, weights
 from llmlab.serve.info import read_key, servers_dir
 
 
@@ -87,12 +89,14 @@ class FileWatch(threading.Thread):
 
 @pytest.fixture(scope="class")
 def launched(slurm_env):
-    """One CPU job launched as a learner launches it (``llmlab launch llmlab-tiny-cpu``: two nodes, Ray) and waited
-    for: what the lifecycle tests read and the second UNIX user attacks.  One job for all of them: a job takes the
-    test bed's two nodes and more than a minute to start.  The class's last test stops it; this stops it too if that
-    test did not run."""
+    """One CPU job launched as a learner launches it (``llmlab launch llmlab-tiny-cpu``: two nodes, Ray), its weights
+    staged first (``LLMLAB_STAGE_DIR``, as for a 405B on node-local disks), and waited for: what the lifecycle tests
+    read and the second UNIX user attacks.  One job for all of them: a job takes the test bed's two nodes and more
+    than a minute to start.  The class's last test stops it; this stops it too if that test did not run."""
+    stage_dir = Path(tempfile.mkdtemp(prefix="llmlab-stage-"))  # "node-local disk": both test-bed nodes share it
     with pytest.MonkeyPatch.context() as mp:
         use_testbed(mp, slurm_env)
+        mp.setenv("LLMLAB_STAGE_DIR", str(stage_dir))
         t0 = time.monotonic()
         record = jobs.launch(jobs.prepare(CPU_JOB))
         job_id, seen = record.job_id, []
@@ -106,12 +110,13 @@ def launched(slurm_env):
             info = json.loads(conn.read_text()) if conn.exists() else {}
             yield {**info, "job_id": job_id, "record": record, "ready": ready, "seen": seen, "connection_file": conn,
                    "files_seen": watch.seen, "key": read_key(info["api_key_file"]) if info else None,
-                   "output": Path(record.output), "info": info,
+                   "output": Path(record.output), "info": info, "stage_dir": stage_dir,
                    "token_file": Path(os.environ["LLMLAB_HOME"]) / "keys" / f"ray-job-{job_id}.token"}
         finally:
             watch.done.set()
             if jobs.status(job_id).state != "STOPPED":
                 jobs.stop(job_id)
+            shutil.rmtree(stage_dir, ignore_errors=True)
 
 
 @needs_slurm
@@ -131,6 +136,24 @@ class TestALaunchedJob:
         assert (cluster.job_log_dir(launched["job_id"]) / "settings.toml").read_text() in script  # what ran, as ran
         assert stat.S_IMODE(Path(record.script).stat().st_mode) == 0o600
         assert "Ray: 2/2 nodes" in launched["output"].read_text()
+
+    def test_it_staged_the_weights_on_each_node_and_serves_that_copy(self, launched):
+        """``LLMLAB_STAGE_DIR``: each node ran ``llmlab weights stage`` before vLLM (the test bed's two nodes share
+        one disk, so one of them may find the other's copy in place), and vLLM loaded the staged copy."""
+        job_id, staged = launched["job_id"], launched["stage_dir"] / "llmlab-tiny"
+        shipped = memory.MODELS_DIR / memory.TINY_NAME  # what the CPU job loads without LLMLAB_STAGE_DIR
+        logs = cluster.job_log_dir(job_id)
+        assert "copying the weights to node-local disk" in [phase for _, phase in launched["files_seen"]]
+        text = launched["output"].read_text()
+        assert f"staging the weights on node1 node2: {sys.executable} -m llmlab weights stage " in text
+        for node in ("node1", "node2"):
+            last = (logs / f"stage-{node}.log").read_text().strip().splitlines()[-1]
+            assert last.startswith(f"staged {shipped} -> {staged}: ") or \
+                last == f"{staged} already holds a verified copy of {shipped}: not copied again", last
+            assert f"{node}: {last}" in text
+        assert weights.verify(staged, group=False).ok and weights.same_files(shipped, staged)
+        assert [p.name for p in launched["stage_dir"].iterdir()] == ["llmlab-tiny"]  # no half copy left
+        assert f"model='{staged}'" in (logs / "vllm.log").read_text()
 
     def test_its_connection_file_output_ray_folder_and_processes(self, launched):
         """What the launcher publishes on the way and once ready: the phases in the connection file (Ray, then the

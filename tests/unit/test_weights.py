@@ -264,6 +264,27 @@ def test_stage_refuses_a_source_that_does_not_verify(sharded, tmp_path):
     assert cli.main(["weights", "stage", str(sharded), "--to", str(tmp_path / "local")]) == 2
 
 
+def test_two_nodes_staging_into_one_shared_folder_keep_one_copy(sharded, tmp_path, monkeypatch):
+    """A stage folder on a disk the nodes share (a misconfigured LLMLAB_STAGE_DIR, or the SLURM test bed's two
+    nodes on one machine): the other node renames its verified copy into place between this node's check and its
+    own rename.  This node keeps theirs (vLLM may be reading it) and drops its own copy; nothing fails."""
+    local = tmp_path / "local"
+    real = weights._staged_by_another
+    calls = []
+
+    def the_other_node_finishes_just_after_the_check(src, dest, tmp):
+        calls.append(dest.exists())
+        if len(calls) == 1:
+            shutil.copytree(sharded, dest)  # its copy lands now, after this node looked
+            return False
+        return real(src, dest, tmp)
+
+    monkeypatch.setattr(weights, "_staged_by_another", the_other_node_finishes_just_after_the_check)
+    done = weights.stage(sharded, local, progress=False)
+    assert calls == [False, True] and not done["skipped"]
+    assert [p.name for p in local.iterdir()] == ["llmlab-tiny"] and weights.verify(local / "llmlab-tiny").ok
+
+
 def test_a_dummy_tree_is_real_safetensors_that_verifies(tmp_path):
     """The benchmark's dummy trees (an 8B-sized one for the GPU machine) are written without safetensors, chunk by
     chunk; safetensors' own reader opens them, and verify finds the config's tensors."""

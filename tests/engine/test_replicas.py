@@ -11,6 +11,9 @@ This file holds the tests that start the real engine (or need root); the rest ar
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +23,7 @@ import pytest
 
 import llmlab
 from llmlab import engines, kvcache, replicas
+from llmlab.serve.info import ServerInfo
 from llmlab.serve.metrics import fetch_metrics
 from llmlab.serve.proc import pid_alive
 
@@ -156,3 +160,48 @@ def test_no_engine_key_reaches_a_client_or_the_routers_command_line(two_models, 
     for key in (api_key, draft.api_key):
         assert not any(key in r.text or key in str(r.headers) for r in seen)
         assert key not in " ".join(router.proc.args)  # key files only
+
+
+@pytest.mark.server
+def test_the_front_job_routes_to_the_models_jobs_once_each_is_ready(two_models, api_key, tmp_path):
+    """``python -m llmlab.ops.front``, what the front job of ``llmlab launch A B`` runs, with the two engines standing
+    in for two models' jobs (their connection files written as a job's launcher writes them), in a home of its own."""
+    _, tiny, draft = two_models
+    home = tmp_path / "home"
+    (home / "servers").mkdir(parents=True)
+    jobs_ = {"201": (tiny.model, tiny.port, tiny.api_key_file), "202": (draft.name, draft.port, draft.key_file)}
+
+    def publish(job_id, status):
+        model, port, key_file = jobs_[job_id]
+        ServerInfo(kind="slurm", host="127.0.0.1", port=port, model=model, api_key_file=str(key_file), job_id=job_id,
+                   status=status, extra={"phase": "loading weights"}).write(home / "servers" / f"job-{job_id}.json")
+
+    publish("201", "ready")
+    publish("202", "loading")
+    env = {**os.environ, "LLMLAB_HOME": str(home), "SLURM_JOB_ID": "203", "LLMLAB_BIND_HOST": "127.0.0.1",
+           "LLMLAB_ADVERTISE_HOST": "127.0.0.1"}
+    conn = home / "servers" / "job-203.json"
+    with open(tmp_path / "front.out", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "llmlab.ops.front", "--job", "201", "--job", "202",
+                                 "--poll", "0.2"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting for job 202" not in ((ServerInfo.read(conn).get("phase") if conn.exists() else "") or ""):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "front.out").read_text()
+            time.sleep(0.1)
+        publish("202", "ready")
+        while not conn.exists() or ServerInfo.read(conn).status != "ready":
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "front.out").read_text()
+            time.sleep(0.1)
+        info = ServerInfo.read(conn)
+        assert info["models"] == [tiny.model, draft.name] and info.model == tiny.model
+        client, _ = llmlab.connect(info.base_url, info.key(), quiet=True)
+        assert sorted(m.id for m in client.models.list().data) == sorted([tiny.model, draft.name])
+        done = client.completions.create(model=draft.name, prompt="In the beginning", max_tokens=2, temperature=0)
+        assert done.model == draft.name
+        key_file = Path(info.api_key_file)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert not conn.exists() and not key_file.exists() and (home / "servers" / "job-203.ended").exists()
+    assert "READY: llmlab-tiny, llmlab-tiny-draft at http://127.0.0.1:" in (tmp_path / "front.out").read_text()

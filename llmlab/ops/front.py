@@ -192,7 +192,9 @@ class Front:
         return wait_bound(ready, lambda: self.router.poll() is None, log)["port"]
 
     def close(self) -> None:
-        """Secrets and publications first (the key, the connection files), then the router."""
+        """Secrets and publications first (the key, the connection files), then the router.  A second SIGTERM
+        (SLURM signals every process of the step, and ``llmlab stop`` may follow) must not cut this short."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.conn_file.exists():
             write_private(ended_marker(self.job_id), "the front of several models\n")
         self.conn_file.unlink(missing_ok=True)

@@ -221,7 +221,7 @@ def serve_front(job_ids: list[str], job_id: str, timeout: float = FRONT_TIMEOUT,
     from llmlab.serve.proc import health
 
     front = Front(job_id)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         front.publish("loading", phase="waiting for the models' jobs")
         members = wait_for_members(job_ids, timeout, poll, on_wait=lambda line: front.publish("loading", phase=line))
@@ -244,6 +244,7 @@ def serve_front(job_ids: list[str], job_id: str, timeout: float = FRONT_TIMEOUT,
         return 1
     finally:
         front.close()
+        signal.signal(signal.SIGTERM, before)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,3 +72,11 @@ def test_launch_of_several_models_prints_each_plan_and_the_front(monkeypatch, ca
     assert [p["gpus"] for p in shown["plans"]] == [1, 4] and "--job '<job of llama3.1-8b>'" in shown["front"]
     assert cli.main(["launch", "llama3.1-8b", "llama3.1-70b", "--tp", "2", "--dry-run"]) == 2
     assert "apply to one model" in capsys.readouterr().err
+
+
+def test_a_front_whose_model_is_gone_says_so_and_leaves_nothing_published(capsys):
+    publish("401", "llama3.1-8b", "ready")  # ids of its own: the session shares one home
+    assert front.serve_front(["401", "402"], "300", timeout=0, poll=0) == 1
+    assert "FAILED: job 402's connection file" in capsys.readouterr().out
+    assert not cluster.connection_file_of("300").exists() and ended_marker("300").exists()
+    assert not (llmlab_home() / "keys" / "job-300.key").exists()

@@ -79,7 +79,7 @@ def cmd_launch_set(a, overrides: dict) -> int:
                           extra_sbatch=a.sbatch or [], command=command) for m in a.model]
     front.check_set(plans)
     share = (a.share, share_directory(a.share, a.share_dir)) if a.share else None
-    options = front.front_options(a.account, a.partition, a.time)
+    options = front.front_options(a.account, a.partition, a.time, plans)
     if a.dry_run:
         script = front.front_script([f"<job of {p.job.name}>" for p in plans], [p.job.name for p in plans],
                                     options, share=share, command=command)

@@ -68,10 +68,16 @@ def front_script(job_ids: list[str], names: list[str], options: dict[str, str], 
     return "\n".join(lines) + "\n"
 
 
-def front_options(account: str | None, partition: str | None, time_limit: str | None) -> dict[str, str]:
-    """The front's allocation: one task of two CPUs, no GPU (the router is an event loop and a parser)."""
+def front_options(account: str | None, partition: str | None, time_limit: str | None,
+                  plans: list[Launch] = ()) -> dict[str, str]:
+    """The front's allocation: one task of two CPUs, no GPU (the router is an event loop and a parser), for
+    ``time_limit`` or else as long as the longest of the models' jobs (``plans``): it must not end before them."""
+    from llmlab.ops.launcher import seconds_left
+
+    times = [p.sbatch_options["time"] for p in plans]
+    longest = max(times, key=lambda t: seconds_left(t) or 0, default=DEFAULT_TIME)
     options = {"job-name": "llmlab-front", "nodes": "1", "ntasks-per-node": "1", "cpus-per-task": "2",
-               "time": time_limit or DEFAULT_TIME}
+               "time": time_limit or longest}
     options.update({k: v for k, v in (("account", account), ("partition", partition)) if v})
     options["output"] = str(llmlab_home() / "logs" / "llmlab-%j.out")
     return options

@@ -30,6 +30,10 @@ def test_a_set_is_two_models_or_more_each_once():
 
 
 def test_the_front_job_is_one_cpu_task_that_names_its_models_jobs(tmp_path):
+    short = jobs.prepare("llama3.1-8b", time_limit="02:00:00")
+    long = jobs.prepare("llama3.1-70b", time_limit="1-00:00:00")
+    assert front.front_options(None, None, None, [short, long])["time"] == "1-00:00:00"  # not before the models end
+    assert front.front_options(None, None, "03:00:00", [short, long])["time"] == "03:00:00"
     options = front.front_options("course", "gpu", None)
     assert options["cpus-per-task"] == "2" and "gpus-per-node" not in options and options["partition"] == "gpu"
     script = front.front_script(["101", "102"], ["llama3.1-8b", "llama3.1-70b"], options,

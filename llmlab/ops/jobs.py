@@ -292,8 +292,15 @@ def _ready_status(st: JobStatus, conn: Path) -> JobStatus | None:
     url = info.base_url
     st = replace(st, url=url, model=info.model, api_key_file=info.api_key_file, nodes=info.get("nodes") or [],
                  use=f"client, model = llmlab.connect()  # or LLMLAB_CONNECTION_FILE={conn}")
+    members = info.get("members") or {}  # the front of several models (llmlab.ops.front)
     if cluster.is_alive(info, timeout=5):
-        return replace(st, state="READY", detail=f"{info.model} at {url}{_shared(info)}")
+        served = ", ".join(members) if members else info.model
+        return replace(st, state="READY", detail=f"{served} at {url}{_shared(info)}")
+    if members:  # its /health is 503 while any model is down: say which jobs to look at, not "the front failed"
+        each = ", ".join(f"`llmlab status {job}` ({model})" for model, job in members.items())
+        return replace(st, state="FAILED", detail=f"the front at {url} does not answer /health now: a model behind it "
+                       f"is down, or the front itself; {each} says which", reason="a model or the front stopped",
+                       use=None)
     return replace(st, state="FAILED", detail=f"the server at {url} was READY but does not answer /health now",
                    reason="the server stopped answering after READY", use=None)
 

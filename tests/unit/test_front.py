@@ -84,3 +84,14 @@ def test_a_front_whose_model_is_gone_says_so_and_leaves_nothing_published(capsys
     assert "FAILED: job 402's connection file" in capsys.readouterr().out
     assert not cluster.connection_file_of("300").exists() and ended_marker("300").exists()
     assert not (llmlab_home() / "keys" / "job-300.key").exists()
+
+
+def test_status_of_a_front_names_its_models_and_their_jobs(monkeypatch):
+    publish("501", "llama3.1-8b", "ready", members={"llama3.1-8b": "502", "llama3.1-70b": "503"})
+    st = jobs.JobStatus("501", "STARTING", "")
+    monkeypatch.setattr(cluster, "is_alive", lambda info, timeout: True)
+    assert jobs._ready_status(st, cluster.connection_file_of("501")).detail.startswith(
+        "llama3.1-8b, llama3.1-70b at http://node-501:8000/v1")
+    monkeypatch.setattr(cluster, "is_alive", lambda info, timeout: False)
+    down = jobs._ready_status(st, cluster.connection_file_of("501"))
+    assert down.state == "FAILED" and "`llmlab status 503` (llama3.1-70b) says which" in down.detail

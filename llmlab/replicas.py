@@ -66,15 +66,22 @@ def tp_engine(tp: int = 2, extra_args: list[str] = ()) -> EmbeddedServer:
 class Router:
     """llmlab's proxy in front of several vLLM sockets, with a key of its own: what a learner connects to.
 
+    ``sockets`` as a list: replicas of one model.  As a dict, ``{model: [socket or "http://host:port", ...]}``:
+    several models behind one endpoint (issue 41), each request sent to the model its ``"model"`` names, each
+    ``http://`` upstream with its own key file from ``upstream_key_files`` (by model), e.g. another server's proxy.
+
     Started as a :class:`~llmlab.serve.vllm.VLLMProcess` (the one way llmlab starts, waits for and stops a server's
     processes: its own process group, its log), bound before its port is used (``wait_bound``), stopped with its
     group.  Secrets only in 0600 files, as for every llmlab server."""
 
-    def __init__(self, sockets: list[Path], route: str = "least-loaded", *, balance: int = BALANCE,
-                 prefix_chars: int = PREFIX_CHARS):
+    def __init__(self, sockets: list[Path] | dict[str, list[Path | str]], route: str = "least-loaded", *,
+                 balance: int = BALANCE, prefix_chars: int = PREFIX_CHARS,
+                 upstream_key_files: dict[str, Path] | None = None):
         if route not in ROUTES:
             raise ValueError(f"route={route!r}: give one of {', '.join(ROUTES)}.")
-        self.sockets, self.route, self.balance, self.prefix_chars = list(sockets), route, balance, prefix_chars
+        self.sockets = {m: list(p) for m, p in sockets.items()} if isinstance(sockets, dict) else list(sockets)
+        self.route, self.balance, self.prefix_chars = route, balance, prefix_chars
+        self.upstream_key_files = dict(upstream_key_files or {})
         self.process: VLLMProcess | None = None
         self.port: int | None = None
         self.run_dir: Path | None = None
@@ -91,6 +98,7 @@ class Router:
         ready = self.run_dir / "ready"
         cmd = proxy_command("127.0.0.1:0", self.sockets, self.key_file, ready_file=ready, route=self.route,
                             balance=self.balance, prefix_chars=self.prefix_chars,
+                            upstream_key_files=self.upstream_key_files,
                             watch_pid=os.getpid())  # no router left behind when the kernel that started it ends
         self.process = VLLMProcess(cmd, dict(os.environ), self.log_path, header="").start()
         try:

@@ -31,6 +31,9 @@ def cmd_launch(a) -> int:
                      dtype=a.dtype, max_model_len=a.max_model_len, backend=a.backend,
                      expert_parallel=a.expert_parallel or None,
                      extra_args=extra)
+    if len(a.model) > 1:
+        return cmd_launch_set(a, overrides)
+    a.model = a.model[0]
     plan = jobs.prepare(a.model, account=a.account, partition=a.partition, time_limit=a.time,
                         extra_sbatch=a.sbatch or [], command=shlex.join(sys.argv[2:]), share=a.share,
                         share_dir=a.share_dir, rehearse=a.rehearse, **overrides)
@@ -58,6 +61,45 @@ def cmd_launch(a) -> int:
     else:
         print(f"\nsubmitted job {record.job_id}; job script saved as {record.script}")
         print(f"next: llmlab status {record.job_id} --wait")
+    return 0
+
+
+def cmd_launch_set(a, overrides: dict) -> int:
+    """``llmlab launch A B ...``: each model's job as ``llmlab launch A`` would submit it, and the front job that
+    routes between them (``llmlab.ops.front``).  A model's layout comes from slurm/models.toml only."""
+    from llmlab.cluster.plan import share_directory
+    from llmlab.ops import front
+
+    if a.rehearse or any(v is not None for v in overrides.values()):
+        raise jobs.JobError("--nodes, --tp, --pp, --gpu-type, --dtype, ... and --rehearse apply to one model: with "
+                            "several, each takes its layout from slurm/models.toml (`llmlab list`); launch a model "
+                            "alone to change it.")
+    command = shlex.join(sys.argv[2:])
+    plans = [jobs.prepare(m, account=a.account, partition=a.partition, time_limit=a.time,
+                          extra_sbatch=a.sbatch or [], command=command) for m in a.model]
+    front.check_set(plans)
+    share = (a.share, share_directory(a.share, a.share_dir)) if a.share else None
+    options = front.front_options(a.account, a.partition, a.time, plans)
+    if a.dry_run:
+        script = front.front_script([f"<job of {p.job.name}>" for p in plans], [p.job.name for p in plans],
+                                    options, share=share, command=command)
+        if a.json:
+            _json({"plans": [p.report for p in plans], "scripts": [p.script for p in plans], "front": script})
+            return 0
+        for plan in plans:
+            print(f"Plan for {plan.job.name}:\n{jobs.table(jobs.plan_rows(plan.report))}\n")
+        print("--- the front job (not submitted: --dry-run): one endpoint for " + ", ".join(a.model) + " ---")
+        print(script, end="")
+        return 0
+    jobs.require_slurm("sbatch")
+    members, router = front.launch_set(plans, options, share=share, command=command)
+    if a.json:
+        _json({"models": [m.as_dict() for m in members], "front": router.as_dict()})
+        return 0
+    for m in members:
+        print(f"submitted job {m.job_id} ({m.name}); job script {m.script}")
+    print(f"submitted job {router.job_id}, the one endpoint for {', '.join(m.name for m in members)} (it starts "
+          f"routing once every model answers)\nnext: llmlab status {router.job_id} --wait")
     return 0
 
 
@@ -178,8 +220,9 @@ def add_commands(sub) -> None:
     p = sub.add_parser("launch", help="check a layout, then submit a vLLM server as a SLURM job",
                        description="Per-model defaults come from slurm/models.toml; the layout is checked with "
                        "llmlab.memory before anything is submitted.")
-    p.add_argument("model", help="a server of slurm/models.toml (`llmlab list`), e.g. llama3.1-70b, or any shipped "
-                   "model (listed by `llmlab list`), laid out by the planner unless --tp/--pp say otherwise")
+    p.add_argument("model", nargs="+", help="a server of slurm/models.toml (`llmlab list`), e.g. llama3.1-70b, or "
+                   "any shipped model (listed by `llmlab list`), laid out by the planner unless --tp/--pp say "
+                   "otherwise; several: a job each, and one endpoint in front of them all (llmlab.ops.front)")
     for flag, kind, text in (("--nodes", int, "nodes"), ("--gpus-per-node", int, "GPUs per node"),
                              ("--tp", int, "tensor-parallel size (inside a node)"),
                              ("--pp", int, "pipeline-parallel size (one stage per node)"),

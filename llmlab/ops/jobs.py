@@ -109,8 +109,10 @@ class Submitted:
         return asdict(self)
 
 
-def launch(plan: Launch) -> Submitted:
-    """Submit the rendered script with ``sbatch``; save it, its settings and a record beside the job's logs."""
+def launch(plan: Launch, name: str | None = None) -> Submitted:
+    """Submit the rendered script with ``sbatch``; save it, its settings and a record beside the job's logs.
+    ``name``: what the record and the first connection file call the job (default: the model's table), e.g. the
+    front of several models (``llmlab.ops.front``)."""
     logs = llmlab_home() / "logs"
     logs.mkdir(mode=0o700, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=logs, prefix="submit-", suffix=".sbatch", delete=False) as f:
@@ -126,7 +128,7 @@ def launch(plan: Launch) -> Submitted:
         os.replace(f.name, script)
     finally:
         Path(f.name).unlink(missing_ok=True)
-    record = Submitted(job_id, plan.job.name, plan.job.model, str(script),
+    record = Submitted(job_id, name or plan.job.name, name or plan.job.model, str(script),
                        output=plan.sbatch_options["output"].replace("%j", job_id),
                        submitted=datetime.now(UTC).isoformat(timespec="seconds"),
                        layout={k: plan.report[k] for k in ("nodes", "gpus", "tp", "pp", "context")},
@@ -134,7 +136,7 @@ def launch(plan: Launch) -> Submitted:
                        rehearse=plan.rehearse)
     (jobs_dir() / f"{job_id}.json").write_text(json.dumps(record.as_dict(), indent=1))
     if not plan.rehearse:
-        publish_queued(job_id, plan.job.name, plan.share)
+        publish_queued(job_id, name or plan.job.name, plan.share)
     return record
 
 
@@ -290,8 +292,15 @@ def _ready_status(st: JobStatus, conn: Path) -> JobStatus | None:
     url = info.base_url
     st = replace(st, url=url, model=info.model, api_key_file=info.api_key_file, nodes=info.extra.get("nodes") or [],
                  use=f"client, model = llmlab.connect()  # or LLMLAB_CONNECTION_FILE={conn}")
+    members = info.get("members") or {}  # the front of several models (llmlab.ops.front)
     if cluster.is_alive(info, timeout=5):
-        return replace(st, state="READY", detail=f"{info.model} at {url}{_shared(info)}")
+        served = ", ".join(members) if members else info.model
+        return replace(st, state="READY", detail=f"{served} at {url}{_shared(info)}")
+    if members:  # its /health is 503 while any model is down: say which jobs to look at, not "the front failed"
+        each = ", ".join(f"`llmlab status {job}` ({model})" for model, job in members.items())
+        return replace(st, state="FAILED", detail=f"the front at {url} does not answer /health now: a model behind it "
+                       f"is down, or the front itself; {each} says which", reason="a model or the front stopped",
+                       use=None)
     return replace(st, state="FAILED", detail=f"the server at {url} was READY but does not answer /health now",
                    reason="the server stopped answering after READY", use=None)
 

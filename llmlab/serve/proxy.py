@@ -34,6 +34,14 @@ caller waits for (:func:`wait_bound`) before it publishes the port or sends the 
 ``--upstream`` given several times makes the proxy a router between replicas of one model (``--route``,
 :meth:`Proxy.pick`; notebook 15): the key check and the allow-list are the same for every replica.
 
+Several models, one endpoint (issue 41): ``--upstream MODEL=URL`` names the model an upstream serves (given again
+for a replica of it), and ``--upstream-key-file MODEL=FILE`` the key that upstream wants (another job's own proxy,
+``http://node:port``).  The proxy then reads each request body's ``"model"`` (:func:`model_of`, bounded like prefix
+routing) and sends it to that model's replicas only; a model it does not serve gets a 404 that names those it does.
+``GET /v1/models`` is answered by the proxy itself, the lists of all models in one (:func:`merge_models`), and
+``/health`` is 200 only when every model answers.  Everything above holds for every upstream: a key on every route,
+the one allow-list, the memory bounds; an upstream's key goes only to that upstream, never to a client.
+
 Under load from others (docs/security.md, tests/cluster/test_security.py): the soft open-file limit is raised to the
 hard one, and near it idle connections are closed, oldest first, those that never showed a key before keyed ones
 (:meth:`Proxy.admit`); a connection that has shown no key is closed after its first refusal; a client that pipelines
@@ -321,6 +329,7 @@ class Request:
         self.keep_alive = True
         self.http10 = False
         self.counted = 0  # bytes of its body counted in Proxy.body_bytes (0 once released)
+        self.gather: str | None = None  # a path the proxy answers from every model (GATHERED), not one upstream
 
 
 class Upstream(asyncio.Protocol):
@@ -616,7 +625,14 @@ class Client(asyncio.Protocol):
             self._arm_idle()
 
     async def _forward(self, request: Request) -> None:
-        replica = self.proxy.pick(request)
+        if request.gather:
+            self.write(await self.proxy.gathered(request.gather))
+            return
+        try:
+            replica = self.proxy.pick(request)
+        except Unroutable as e:
+            self.write(e.answer)
+            return
         replica.in_flight += 1
         try:
             await self._relay(request, replica)
@@ -638,7 +654,7 @@ class Client(asyncio.Protocol):
             return
         self.upstream = upstream
         try:
-            upstream.transport.write(self.proxy.upstream_head(request))
+            upstream.transport.write(self.proxy.upstream_head(request, replica))
             upstream.transport.write(request.body)
             request.body = bytearray()  # the transport holds what it could not send yet; no second copy here
             await upstream.done
@@ -653,10 +669,11 @@ class Client(asyncio.Protocol):
 
 
 class Replica:
-    """One vLLM behind the proxy: where it listens, and the requests the proxy has in flight to it (what
-    least-loaded routing compares) and has sent it in all."""
+    """One vLLM behind the proxy: where it listens, the model it serves (None: the proxy routes by no model), the
+    ``Authorization`` line it wants (its own key, sent to it alone), and the requests the proxy has in flight to it
+    (what least-loaded routing compares) and has sent it in all."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, model: str | None = None, key: str | None = None):
         if upstream.startswith("unix:"):
             self.uds, self.address = upstream[5:], None
         elif upstream.startswith("http://"):
@@ -667,6 +684,107 @@ class Replica:
         else:
             raise ProxyError(f"--upstream {upstream!r}: give unix:/path/to/vllm.sock or http://127.0.0.1:PORT.")
         self.name, self.in_flight, self.sent = upstream, 0, 0
+        self.model = model
+        self.auth = b"authorization: Bearer %b\r\n" % key.encode() if key else b""
+
+
+def split_upstream(spec: str) -> tuple[str | None, str]:
+    """``--upstream``'s value as ``(model, url)``: ``MODEL=unix:/path`` or ``MODEL=http://host:port`` name the model
+    that upstream serves; a bare URL names none (``model`` None)."""
+    if spec.startswith(("unix:", "http://")):
+        return None, spec
+    model, sep, url = spec.partition("=")
+    if not sep or not model.strip() or not url.startswith(("unix:", "http://")):
+        raise ProxyError(f"--upstream {spec!r}: give unix:/path/vllm.sock or http://HOST:PORT, or MODEL=... before "
+                         "either to route between several models by the request's \"model\".")
+    return model, url
+
+
+class Unroutable(Exception):
+    """A request that no upstream may take (no model named, a model not served, a body too large to read the model
+    from): ``answer`` is the whole error answer the client gets instead."""
+
+    def __init__(self, answer: bytes):
+        super().__init__(answer)
+        self.answer = answer
+
+
+# A router of several models reads the "model" of every request body.  Up to MODEL_PARSE_MAX bytes the body is parsed
+# as it is (PREFIX_PARSE_MAX's bound: 256 KiB of empty objects parse in about 5 ms on 2 cores); a larger one only if
+# it holds at most MODEL_PARSE_ITEMS of '{', '[' and ',' (counted in C, a MiB at a time, strings included, so never
+# fewer than the values it holds).  Parsing costs per value more than per byte: a 32 MiB body of empty objects took
+# seconds and 900 MB (security-review-2, finding 6) and is now refused after 1 ms of counting; 32,768 objects and
+# a MiB of spaces parse in 4 ms and 3.4 MiB; the largest body, a 32 MiB prompt string, costs about 85 ms of the
+# loop (29 of them counting).  A prompt that fits a 128k-token context (~500 KB of text) holds some tens of
+# thousands of commas; a body over the bound is refused (413), never parsed.
+MODEL_PARSE_MAX = 256 * 2**10
+MODEL_PARSE_ITEMS = 2**16
+
+
+def model_of(body: bytes | bytearray) -> str | None:
+    """The ``"model"`` a JSON request body names, or None (not a JSON object, or no string ``model``).  Raises
+    ValueError for a body over ``MODEL_PARSE_MAX`` that holds more than ``MODEL_PARSE_ITEMS`` values: reading it
+    would cost the event loop (and memory) in proportion to them."""
+    if len(body) > MODEL_PARSE_MAX and _items_over(body, MODEL_PARSE_ITEMS):
+        raise ValueError(f"more than {MODEL_PARSE_ITEMS:,} JSON values in a body of {len(body) // 2**10:,} KiB")
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    model = request.get("model") if isinstance(request, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def _items_over(body: bytes | bytearray, limit: int, chunk: int = 2**20) -> bool:
+    """True once the body's '{', '[' and ',' exceed ``limit``, counted a MiB at a time (stops as soon as they do)."""
+    seen = 0
+    for start in range(0, len(body), chunk):
+        end = start + chunk
+        seen += body.count(b",", start, end) + body.count(b"{", start, end) + body.count(b"[", start, end)
+        if seen > limit:
+            return True
+    return False
+
+
+def merge_models(answers: list[tuple[int, bytes]]) -> dict | None:
+    """One ``/v1/models`` list out of several upstreams' answers (``(status, body)`` each): every model of every
+    upstream that answered 200 with a list, in the upstreams' order; None when none did."""
+    data, answered = [], False
+    for status, body in answers:
+        try:
+            listed = json.loads(body)["data"] if status == 200 else None
+        except (ValueError, KeyError, TypeError):
+            listed = None
+        if isinstance(listed, list):
+            answered = True
+            data += [m for m in listed if isinstance(m, dict)]
+    return {"object": "list", "data": data} if answered else None
+
+
+def json_response(status: int, obj) -> bytes:
+    """A whole JSON answer, head and body (what the proxy answers itself: the merged ``/v1/models``)."""
+    body = json.dumps(obj).encode()
+    return b"\r\n".join([status_line(status), b"content-type: application/json",
+                          b"content-length: %d" % len(body)]) + b"\r\n\r\n" + body
+
+
+# Paths a router of several models answers itself, from every model's upstream: GET only.
+GATHERED = ("/v1/models", "/health")
+GATHER_MAX = 2**20  # bytes of one upstream's answer to a GATHERED path (a /v1/models list is a few hundred)
+GATHER_TIMEOUT = 10.0  # seconds one upstream may take to answer it
+
+
+class _Collected:
+    """``httptools`` callbacks that keep one small answer: its body (a GATHERED path's)."""
+
+    def __init__(self):
+        self.body, self.complete = bytearray(), False
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        self.complete = True
 
 
 # How a proxy with several replicas picks one (notebook 15).  "least-loaded": the one with the fewest requests in
@@ -731,18 +849,30 @@ class Proxy:
     set by :func:`serve`)."""
 
     def __init__(self, upstreams: str | list[str], keys: KeyRing, upstream_key: str | None = None,
-                 route: str = "least-loaded", prefix_chars: int = PREFIX_CHARS, balance: int = BALANCE):
+                 route: str = "least-loaded", prefix_chars: int = PREFIX_CHARS, balance: int = BALANCE,
+                 upstream_keys: dict[str, str] | None = None):
         upstreams = [upstreams] if isinstance(upstreams, str) else list(upstreams)
         if not upstreams:
             raise ProxyError("no --upstream: give the vLLM socket (unix:/path/vllm.sock) or several, one each.")
+        specs = [split_upstream(u) for u in upstreams]
+        if len({model is None for model, _ in specs}) > 1:
+            raise ProxyError("--upstream: name the model of every upstream (MODEL=URL, a router of several models) "
+                             "or of none (replicas of one model).")
+        upstream_keys = dict(upstream_keys or {})
+        if stray := sorted(set(upstream_keys) - {model for model, _ in specs}):
+            raise ProxyError(f"--upstream-key-file for {', '.join(stray)}: no --upstream serves that model; give "
+                             "MODEL=FILE with a MODEL of an --upstream MODEL=URL.")
         if route not in ROUTES:
             raise ProxyError(f"--route {route!r}: give one of {', '.join(ROUTES)}.")
         if prefix_chars < 1 or balance < 1:
             raise ProxyError(f"--prefix-chars {prefix_chars} and --balance {balance}: both must be at least 1.")
-        self.replicas = [Replica(u) for u in upstreams]
+        self.replicas = [Replica(url, model, upstream_keys.get(model, upstream_key)) for model, url in specs]
+        self.pools: dict[str | None, list[Replica]] = {}  # model -> its replicas (one pool, None, without models)
+        for replica in self.replicas:
+            self.pools.setdefault(replica.model, []).append(replica)
+        self.by_model = None not in self.pools  # route by each request's "model"
         self.route, self.prefix_chars, self.balance = route, prefix_chars, balance
         self.upstream, self.keys = " + ".join(upstreams), keys
-        self.auth = b"authorization: Bearer %b\r\n" % upstream_key.encode() if upstream_key else b""
         self.clients: dict[Client, None] = {}  # open client connections, oldest first
         self.upstreams = 0  # open connections to vLLM
         self.fd_budget: int | None = None  # connections (both kinds) to hold before shedding; None: no limit
@@ -798,17 +928,100 @@ class Proxy:
             await asyncio.wait_for(loop.create_connection(factory, *replica.address), 30)
 
     def pick(self, r: Request) -> Replica:
-        """The replica that answers ``r`` (see ``ROUTES``).  Ties in load go to the replica sent the fewest requests
-        so far, so an idle pool takes turns.  ``/metrics`` never reaches here with several replicas (``judge``)."""
-        replica = min(self.replicas, key=lambda x: (x.in_flight, x.sent))
-        if self.route == "prefix" and len(self.replicas) > 1:
+        """The replica that answers ``r``: among the replicas of the model it names (:meth:`pool_of`), the one
+        ``ROUTES`` says.  Ties in load go to the replica sent the fewest requests so far, so an idle pool takes
+        turns.  ``/metrics`` never reaches here with several replicas (``judge``).  Raises :class:`Unroutable`."""
+        pool = self.pool_of(r)
+        replica = min(pool, key=lambda x: (x.in_flight, x.sent))
+        if self.route == "prefix" and len(pool) > 1:
             key = prefix_key(r.body, self.prefix_chars)
             if key is not None:
-                home = self.replicas[home_replica(key, len(self.replicas))]
+                home = pool[home_replica(key, len(pool))]
                 if home.in_flight - replica.in_flight < self.balance:
                     replica = home
         replica.sent += 1
         return replica
+
+    @property
+    def models(self) -> str:
+        return ", ".join(m for m in self.pools if m is not None)
+
+    def pool_of(self, r: Request) -> list[Replica]:
+        """The replicas that may answer ``r``: all of them without models, else those of the model its body names.
+
+        Why refuse rather than guess: a request for the 70B that lands on the 8B answers, and nobody notices which
+        model wrote it; an unknown name gets the list of those served, as vLLM's own 404 would not."""
+        if not self.by_model:
+            return self.pools[None]
+        try:
+            model = model_of(r.body)
+        except ValueError as e:
+            raise Unroutable(error_response(413, f"Refused: this server routes between models by the request's "
+                                                 f"\"model\" and will not read a body with {e}; send a shorter "
+                                                 "request.")) from None
+        if model is None:
+            raise Unroutable(error_response(400, f"Refused: this server serves several models ({self.models}) and "
+                                                 "picks one by the request's JSON field \"model\"; this request "
+                                                 "names none: add \"model\": one of them."))
+        pool = self.pools.get(model)
+        if pool is None:
+            shown = model if len(model) <= 200 else model[:200] + "..."
+            raise Unroutable(error_response(404, f"The model {shown!r} is not served here; this server serves "
+                                                 f"{self.models} (GET /v1/models lists them): use one of those."))
+        return pool
+
+    async def gathered(self, path: str) -> bytes:
+        """The answer to a ``GATHERED`` path from a router of several models: each model's idlest replica is asked
+        (with that upstream's own key), at once.  ``/v1/models``: every listed model in one list, 503 when no upstream
+        answers; ``/health``: 200 when every model answers, else 503 naming those that do not (a model still
+        loading: the others serve meanwhile)."""
+        names = list(self.pools)
+        answers = await asyncio.gather(*(self.fetch(min(self.pools[m], key=lambda x: x.in_flight), path)
+                                         for m in names))
+        down = [m for m, (status, _) in zip(names, answers, strict=True) if status != 200]
+        if path == "/health":
+            if down:
+                return error_response(503, f"Not ready: {', '.join(down)} of the models served here "
+                                           f"({self.models}) does not answer yet (loading, or stopped).")
+            return json_response(200, {"models": names})
+        merged = merge_models(answers)
+        if merged is None:
+            return error_response(503, f"None of the models served here ({self.models}) answers yet (loading, or "
+                                       "stopped); `llmlab status` shows which.")
+        if down:
+            log.info("/v1/models: %s did not answer; listed the others", ", ".join(down))
+        return json_response(200, merged)
+
+    async def fetch(self, replica: Replica, path: str) -> tuple[int, bytes]:
+        """``GET path`` from one upstream, with its own key: ``(status, body)``, ``(0, b"")`` if it does not answer
+        within ``GATHER_TIMEOUT`` or sends more than ``GATHER_MAX`` bytes."""
+        self.upstreams += 1  # a file descriptor (admit)
+        try:
+            return await asyncio.wait_for(self._fetch(replica, path), GATHER_TIMEOUT)
+        except (OSError, TimeoutError, httptools.HttpParserError) as e:
+            log.info("upstream %s, %s: %s", replica.name, path, e or type(e).__name__)
+            return 0, b""
+        finally:
+            self.upstreams -= 1
+
+    async def _fetch(self, replica: Replica, path: str) -> tuple[int, bytes]:
+        if replica.uds:
+            reader, writer = await asyncio.open_unix_connection(replica.uds)
+        else:
+            reader, writer = await asyncio.open_connection(*replica.address)
+        try:
+            writer.write(b"GET %b HTTP/1.1\r\nhost: vllm\r\n%bconnection: close\r\n\r\n" % (path.encode(),
+                                                                                            replica.auth))
+            collected = _Collected()
+            parser, got = httptools.HttpResponseParser(collected), 0
+            while not collected.complete and (data := await reader.read(65536)):
+                got += len(data)
+                if got > GATHER_MAX:
+                    return 0, b""
+                parser.feed_data(data)
+            return (parser.get_status_code(), bytes(collected.body)) if collected.complete else (0, b"")
+        finally:
+            writer.close()
 
     def judge(self, r: Request) -> bytes | None:
         """The refusal for a request whose head is complete, or None to forward it.  The order matters: a path
@@ -835,7 +1048,7 @@ class Proxy:
         if path == "/metrics" and len(self.replicas) > 1:
             return error_response(404, f"Not Found: this proxy routes between {len(self.replicas)} vLLM servers, "
                                        "each with counters of its own; read /metrics from each server (notebook 15: "
-                                       "llmlab.replicas.Replicas.metrics()).")
+                                       "llmlab.replicas.Replicas.metrics(); `llmlab metrics` of each model's job).")
         if not allowed(path):
             return error_response(404, f"Not Found: this server forwards only {ALLOWED_PREFIX}*, "
                                        f"{' and '.join(ALLOWED_EXACT)}.")
@@ -843,14 +1056,19 @@ class Proxy:
         if method not in METHODS:
             return error_response(405, f"Method {method} is not forwarded (only {', '.join(sorted(METHODS))}).")
         r.url = raw + (b"?" + url.query if url.query else b"")  # origin form, even if the client sent a full URL
+        if self.by_model and path in GATHERED:
+            if method != "GET":
+                return error_response(405, f"Method {method} is not allowed on {path} (GET only).")
+            r.gather = path
         return None
 
-    def upstream_head(self, r: Request) -> bytes:
-        """The request line and headers vLLM gets: the client's end-to-end headers, then our own framing."""
+    def upstream_head(self, r: Request, replica: Replica) -> bytes:
+        """The request line and headers vLLM gets: the client's end-to-end headers, then our own framing and the
+        replica's own key (if it wants one)."""
         skip = HOP_BY_HOP | {b"content-length", b"expect"}
         head = [b"%b %b HTTP/1.1\r\nhost: vllm\r\n" % (r.method, r.url)]
         head += [k + b": " + v + b"\r\n" for k, v in r.headers if k.lower() not in skip]
-        return b"".join(head) + self.auth + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(r.body)
+        return b"".join(head) + replica.auth + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(r.body)
 
 
 async def _watch_pid(pid: int, stop: asyncio.Event) -> None:
@@ -926,21 +1144,43 @@ def wait_bound(ready_file: Path, alive, log_path: Path, timeout: float = 60.0) -
         time.sleep(0.05)
 
 
+def upstream_keys(specs: Path | str | list | None, models: set) -> tuple[str | None, dict[str, str]]:
+    """The ``--upstream-key-file`` values read: ``(the key of every upstream, {model: its own key})``.  ``MODEL=FILE``
+    gives one model's upstream its key (each job of a set has its own); a bare ``FILE``, every upstream's."""
+    every, own = None, {}
+    for spec in [] if specs is None else [specs] if isinstance(specs, (str, Path)) else specs:
+        model, sep, path = str(spec).partition("=")
+        if sep and model in models:
+            own[model] = _read_secret(Path(path))
+        else:
+            every = _read_secret(Path(spec))
+    return every, own
+
+
+def _read_secret(path: Path) -> str:
+    try:
+        key = path.read_text().strip()
+    except OSError as e:
+        raise ProxyError(f"Cannot read the upstream key file {path} ({e.strerror}); it must exist and be readable by "
+                         "the proxy's user.") from None
+    if not key:
+        raise ProxyError(f"The upstream key file {path} is empty; give the file the upstream's server was started "
+                         "with.")
+    return key
+
+
 def serve(listen: str, upstream: str | list[str], key_file: Path, keys: Path | None = None,
-          upstream_key_file: Path | None = None, watch_pid: int | None = None, ready_file: Path | None = None,
+          upstream_key_file: Path | str | list | None = None, watch_pid: int | None = None,
+          ready_file: Path | None = None,
           route: str = "least-loaded", prefix_chars: int = PREFIX_CHARS, balance: int = BALANCE) -> None:
     """Run the proxy until SIGTERM/SIGINT (or until ``watch_pid`` exits).  Once it listens, ``ready_file`` says
     where (removed again when it stops)."""
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise ProxyError(f"--listen {listen!r}: give HOST:PORT, e.g. 127.0.0.1:8000.")
-    upstream_key = None
-    if upstream_key_file:
-        try:
-            upstream_key = Path(upstream_key_file).read_text().strip()
-        except OSError as e:
-            raise ProxyError(f"Cannot read the upstream key file {upstream_key_file} ({e.strerror}).") from None
-    proxy = Proxy(upstream, KeyRing(key_file, keys), upstream_key, route, prefix_chars, balance)
+    models = {split_upstream(u)[0] for u in ([upstream] if isinstance(upstream, str) else upstream)}
+    upstream_key, per_model = upstream_keys(upstream_key_file, models)
+    proxy = Proxy(upstream, KeyRing(key_file, keys), upstream_key, route, prefix_chars, balance, per_model)
     if ready_file:
         Path(ready_file).unlink(missing_ok=True)  # a file left by an earlier run must not say "listening"
     limit = raise_fd_limit()
@@ -985,16 +1225,31 @@ def pin(cpus: str) -> None:
         raise ProxyError(f"--cpus {cpus!r}: give CPU numbers this process may use, e.g. 0,1 ({e}).") from None
 
 
-def proxy_command(listen: str, uds: Path | list[Path], key_file: Path, keys: Path | None = None,
+def upstream_url(where: Path | str) -> str:
+    """``--upstream``'s spelling of a vLLM socket (a path) or of a server's URL (``http://host:port``)."""
+    where = str(where)
+    return where if where.startswith(("http://", "unix:")) else f"unix:{where}"
+
+
+def proxy_command(listen: str, uds: Path | list[Path] | dict[str, list], key_file: Path, keys: Path | None = None,
                   python: str = sys.executable, cpus: list[int] | None = None,
                   ready_file: Path | None = None, route: str | None = None, *, balance: int | None = None,
-                  prefix_chars: int | None = None, watch_pid: int | None = None) -> list[str]:
+                  prefix_chars: int | None = None, watch_pid: int | None = None,
+                  upstream_key_files: dict[str, Path] | None = None) -> list[str]:
     """``python -m llmlab.serve.proxy`` in front of the socket (or several, routed by ``route``, with ``balance``
-    and ``prefix_chars``), exiting with ``watch_pid``: file paths only, never a key.  The one builder of the
-    proxy's argv, for the embedded server, the launcher, rehearsals and ``llmlab.replicas.Router``."""
+    and ``prefix_chars``), exiting with ``watch_pid``: file paths only, never a key.  ``uds`` as a dict,
+    ``{model: [socket or http://host:port, ...]}``, routes by model, each upstream with its key file from
+    ``upstream_key_files`` (by model).  The one builder of the proxy's argv, for the embedded server, the launcher,
+    rehearsals and ``llmlab.replicas.Router``."""
     cmd = [python, "-m", "llmlab.serve.proxy", "--listen", listen]
-    for path in uds if isinstance(uds, list) else [uds]:
-        cmd += ["--upstream", f"unix:{path}"]
+    if isinstance(uds, dict):
+        for model, places in uds.items():
+            cmd += [arg for place in places for arg in ("--upstream", f"{model}={upstream_url(place)}")]
+        for model, path in (upstream_key_files or {}).items():
+            cmd += ["--upstream-key-file", f"{model}={path}"]
+    else:
+        for path in uds if isinstance(uds, list) else [uds]:
+            cmd += ["--upstream", f"unix:{path}"]
     cmd += ["--key-file", str(key_file)] + (["--route", route] if route else [])
     cmd += ["--keys", str(keys)] if keys else []
     cmd += ["--ready-file", str(ready_file)] if ready_file else []
@@ -1035,7 +1290,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "of a vLLM server (see the module docstring). Secrets only through files.")
     p.add_argument("--listen", required=True, help="HOST:PORT others connect to")
     p.add_argument("--upstream", required=True, action="append",
-                   help="unix:/path/vllm.sock, or http://127.0.0.1:PORT; give it again for each replica to route to")
+                   help="unix:/path/vllm.sock, or http://HOST:PORT; give it again for each replica to route to; "
+                   "MODEL=... before it routes by the request's model (several models, one endpoint)")
     p.add_argument("--route", choices=ROUTES, default="least-loaded", help="how a replica is picked (ROUTES)")
     p.add_argument("--prefix-chars", type=int, default=PREFIX_CHARS, help="prompt characters that --route prefix "
                    "hashes")
@@ -1043,7 +1299,8 @@ def main(argv: list[str] | None = None) -> int:
                    "the prefix's replica has this many more requests in flight")
     p.add_argument("--key-file", required=True, type=Path, help="0600 file with the owner's key")
     p.add_argument("--keys", type=Path, help="file or directory of registered 'sha256:<hex>' lines (re-read)")
-    p.add_argument("--upstream-key-file", type=Path, help="the internal key of an http:// upstream")
+    p.add_argument("--upstream-key-file", action="append", help="the key file of an http:// upstream; MODEL=FILE "
+                   "for that model's upstreams only (given once per model)")
     p.add_argument("--watch-pid", type=int, help="exit when this process (vLLM) exits")
     p.add_argument("--ready-file", type=Path, help="write {host, port, pid} here (0600) once listening")
     p.add_argument("--log-level", default=os.environ.get("LLMLAB_PROXY_LOG_LEVEL", "warning"))

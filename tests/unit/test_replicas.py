@@ -12,6 +12,7 @@ tests/engine/test_replicas.py (the tests that start the real engine).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +140,110 @@ def test_the_router_refuses_metrics_that_would_be_one_replicas(key_ring):
     assert proxy.Proxy("unix:/a.sock", key_ring).judge(r) is None
     answer = proxy.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring).judge(r)
     assert answer.startswith(b"HTTP/1.1 404") and b"read /metrics from each server" in answer
+
+
+# -- several models, one endpoint (issue 41): the router picks the model's pool by the request's "model"
+
+def test_named_upstreams_make_one_pool_per_model_each_with_its_own_key(key_ring):
+    p = proxy.Proxy(["8b=unix:/a.sock", "70b=http://node2:8000", "8b=unix:/b.sock"], key_ring,
+                    upstream_keys={"70b": "seventy-key"})
+    assert p.by_model and list(p.pools) == ["8b", "70b"] and p.models == "8b, 70b"
+    a, big, b = p.replicas
+    assert p.pools["8b"] == [a, b] and big.address == ("node2", 8000)
+    assert big.auth == b"authorization: Bearer seventy-key\r\n" and a.auth == b.auth == b""
+    assert b"seventy-key" in p.upstream_head(request({"model": "70b"}), big)
+    assert b"seventy-key" not in p.upstream_head(request({"model": "8b"}), a)  # a key goes to its upstream alone
+    assert not proxy.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring).by_model  # replicas of one model, as before
+
+
+def test_a_request_goes_to_the_replicas_of_the_model_it_names_and_nowhere_else(key_ring):
+    p = proxy.Proxy(["8b=unix:/a.sock", "8b=unix:/b.sock", "70b=unix:/c.sock"], key_ring)
+    a, b, c = p.replicas
+    assert [p.pick(request({"model": "8b", "prompt": "hi"})) for _ in range(4)] == [a, b, a, b]  # least-loaded
+    c.in_flight = 50  # busy: still the only one that may answer the 70B
+    assert all(p.pick(request({"model": "70b", "prompt": "hi"})) is c for _ in range(3))
+    assert c.sent == 3 and a.sent == b.sent == 2
+
+
+def test_prefix_routing_works_inside_a_models_pool(key_ring):
+    p = proxy.Proxy(["8b=unix:/a.sock", "8b=unix:/b.sock", "70b=unix:/c.sock"], key_ring, route="prefix")
+    body = {"model": "8b", "prompt": "the same system prompt"}
+    home = p.pools["8b"][proxy.home_replica(proxy.prefix_key(json.dumps(body).encode()), 2)]
+    assert all(p.pick(request(body)) is home for _ in range(5))
+    assert p.pick(request({**body, "model": "70b"})).name == "unix:/c.sock"
+
+
+def test_an_unknown_or_missing_model_gets_a_sentence_that_names_the_models_served(key_ring):
+    p = proxy.Proxy(["8b=unix:/a.sock", "70b=unix:/b.sock"], key_ring)
+    for body, status, words in (({"model": "405b"}, 404, "The model '405b' is not served here; this server serves "
+                                 "8b, 70b (GET /v1/models lists them)"),
+                                ({"prompt": "hi"}, 400, 'names none: add \\"model\\": one of them'),
+                                ({"model": 8}, 400, "serves several models (8b, 70b)")):
+        with pytest.raises(proxy.Unroutable) as e:
+            p.pick(request(body))
+        assert e.value.answer.startswith(b"HTTP/1.1 %d" % status) and words.encode() in e.value.answer, e.value.answer
+    assert all(r.sent == 0 for r in p.replicas)
+
+
+def test_model_of_reads_the_model_and_no_large_body_made_of_many_values():
+    """security-review-2, finding 6, for a router of several models: a large body is parsed only if it holds few JSON
+    values (a long prompt does; a body of a million empty objects does not)."""
+    assert proxy.model_of(json.dumps({"prompt": "x", "model": "8b"}).encode()) == "8b"
+    for nameless in (b"not json", b"[1, 2]", b'{"model": null}', b"[" * 100_000):
+        assert proxy.model_of(nameless) is None
+    long_prompt = json.dumps({"messages": [{"role": "user", "content": "word " * 400_000}], "model": "70b"}).encode()
+    assert len(long_prompt) > proxy.MODEL_PARSE_MAX and proxy.model_of(long_prompt) == "70b"
+    empty_objects = b'{"model":"8b","messages":[' + b"{}," * (proxy.MODEL_PARSE_MAX // 3) + b"{}]}"
+    with pytest.raises(ValueError, match="more than 65,536 JSON values"):
+        proxy.model_of(empty_objects)
+
+
+def test_a_body_too_many_values_to_read_the_model_from_is_refused_413(key_ring):
+    p = proxy.Proxy(["8b=unix:/a.sock", "70b=unix:/b.sock"], key_ring)
+    r = proxy.Request()
+    r.body = bytearray(b'{"model":"8b","prompt":[' + b"1," * (proxy.MODEL_PARSE_MAX // 2) + b"1]}")
+    with pytest.raises(proxy.Unroutable) as e:
+        p.pick(r)
+    assert e.value.answer.startswith(b"HTTP/1.1 413") and b"send a shorter request" in e.value.answer
+
+
+def test_the_model_lists_of_every_upstream_are_merged_into_one():
+    listed = lambda *ids: json.dumps({"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}).encode()  # noqa: E731
+    merged = proxy.merge_models([(200, listed("8b")), (200, listed("70b")), (0, b""), (503, b"loading")])
+    assert merged == {"object": "list", "data": [{"id": "8b", "object": "model"}, {"id": "70b", "object": "model"}]}
+    assert proxy.merge_models([(0, b""), (200, b"not json"), (200, b'{"data": 3}')]) is None
+
+
+def test_a_router_of_models_answers_models_and_health_itself_get_only(key_ring):
+    p = proxy.Proxy(["8b=unix:/a.sock", "70b=unix:/b.sock"], key_ring)
+    for path, method, expected in ((b"/v1/models", b"GET", None), (b"/health", b"GET", None),
+                                   (b"/v1/models", b"POST", 405), (b"/metrics", b"GET", 404)):
+        r = request()
+        r.url, r.method, r.headers = path, method, [(b"authorization", b"Bearer " + b"k" * 32)]
+        answer = p.judge(r)
+        assert (answer is None and r.gather == path.decode()) if expected is None else \
+            answer.startswith(b"HTTP/1.1 %d" % expected), (path, method, answer)
+    r = request()
+    r.url, r.method = b"/v1/models", b"GET"  # no key: 401 before anything, as on every route
+    assert p.judge(r).startswith(b"HTTP/1.1 401") and r.gather is None
+
+
+def test_upstream_specs_and_key_files_are_named_when_wrong(key_ring, tmp_path):
+    assert proxy.split_upstream("meta-llama/Llama-3.1-8B=http://n1:8000") == ("meta-llama/Llama-3.1-8B",
+                                                                              "http://n1:8000")
+    assert proxy.split_upstream("unix:/run/a=b/vllm.sock") == (None, "unix:/run/a=b/vllm.sock")
+    for bad, words in ((["8b=/a.sock"], "give unix:/path/vllm.sock"), (["8b=unix:/a", "unix:/b"], "or of none")):
+        with pytest.raises(proxy.ProxyError, match=words):
+            proxy.Proxy(bad, key_ring)
+    with pytest.raises(proxy.ProxyError, match="--upstream-key-file for 405b: no --upstream serves that model"):
+        proxy.Proxy(["8b=unix:/a"], key_ring, upstream_keys={"405b": "k"})
+    write_private(tmp_path / "70b.key", "seventy\n")
+    write_private(tmp_path / "all.key", "every\n")
+    assert proxy.upstream_keys([f"70b={tmp_path}/70b.key", str(tmp_path / "all.key")], {"8b", "70b"}) == (
+        "every", {"70b": "seventy"})
+    with pytest.raises(proxy.ProxyError, match="Cannot read the upstream key file .*nowhere"):
+        proxy.upstream_keys([f"70b={tmp_path}/nowhere"], {"70b"})
+    cmd = proxy.proxy_command("127.0.0.1:0", {"8b": [Path("/a.sock")], "70b": ["http://n2:8000"]}, Path("/k"),
+                              upstream_key_files={"70b": Path("/keys/70b.key")})
+    assert " ".join(cmd).count("--upstream ") == 2 and "8b=unix:/a.sock" in cmd and "70b=http://n2:8000" in cmd
+    assert cmd[cmd.index("--upstream-key-file") + 1] == "70b=/keys/70b.key"

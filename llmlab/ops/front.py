@@ -119,7 +119,7 @@ def members_ready(job_ids: list[str]) -> tuple[list[ServerInfo], list[str]]:
         if info.status == "ready":
             ready.append(info)
         else:
-            waiting.append(f"job {job_id} ({info.model}: {info.get('phase') or info.status})")
+            waiting.append(f"job {job_id} ({info.model}: {info.extra.get('phase') or info.status})")
     return ready, waiting
 
 

@@ -292,7 +292,7 @@ def _ready_status(st: JobStatus, conn: Path) -> JobStatus | None:
     url = info.base_url
     st = replace(st, url=url, model=info.model, api_key_file=info.api_key_file, nodes=info.extra.get("nodes") or [],
                  use=f"client, model = llmlab.connect()  # or LLMLAB_CONNECTION_FILE={conn}")
-    members = info.get("members") or {}  # the front of several models (llmlab.ops.front)
+    members = info.extra.get("members") or {}  # the front of several models (llmlab.ops.front)
     if cluster.is_alive(info, timeout=5):
         served = ", ".join(members) if members else info.model
         return replace(st, state="READY", detail=f"{served} at {url}{_shared(info)}")

@@ -186,7 +186,7 @@ def test_the_front_job_routes_to_the_models_jobs_once_each_is_ready(two_models, 
                                  "--poll", "0.2"], env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
-        while "waiting for job 202" not in ((ServerInfo.read(conn).get("phase") if conn.exists() else "") or ""):
+        while "waiting for job 202" not in ((ServerInfo.read(conn).extra.get("phase") if conn.exists() else "") or ""):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "front.out").read_text()
             time.sleep(0.1)
         publish("202", "ready")
@@ -194,7 +194,7 @@ def test_the_front_job_routes_to_the_models_jobs_once_each_is_ready(two_models, 
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "front.out").read_text()
             time.sleep(0.1)
         info = ServerInfo.read(conn)
-        assert info["models"] == [tiny.model, draft.name] and info.model == tiny.model
+        assert info.extra["models"] == [tiny.model, draft.name] and info.model == tiny.model
         client, _ = llmlab.connect(info.base_url, info.key(), quiet=True)
         assert sorted(m.id for m in client.models.list().data) == sorted([tiny.model, draft.name])
         done = client.completions.create(model=draft.name, prompt="In the beginning", max_tokens=2, temperature=0)

@@ -20,6 +20,10 @@
 #   19 MB repository of 2026-11-22; beside its 24.7 MB of 2026-11-27, PIECE_BYTES=33100000 (three pieces).
 # - XZ_OPTS (default -9e): -6 compresses in a few minutes on a busy 2-core machine where -9e takes most of an hour;
 #   its set was 99.2 MB (2026-11-27).
+# - A mixture of experts needs the MoE kernels this set drops (vllm/_moe_C_stable_libtorch.abi3.so, 47.5 MB; 40.4 MB
+#   as xz -6): tar that one file from the same vLLM wheel into moe.tar.xz, and send `cat site.tar.xz moe.tar.xz` cut
+#   into 4 pieces named bundle.NN with `BUNDLE=4 SITE_BYTES=<site.tar.xz's size> benchmarks/rehearse_on_device.sh`
+#   (the held-out qwen3-30b-a3b runs, 2026-11-27).
 set -euo pipefail
 PY=${PY:-python3.12}
 VLLM=${VLLM:-0.26.0}

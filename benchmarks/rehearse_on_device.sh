@@ -13,6 +13,8 @@
 #   PIECES=2 benchmarks/rehearse_on_device.sh lessons quant                    # benchmarks/lessons_on_gpu.py
 #   PIECES=3 benchmarks/rehearse_on_device.sh room --traces benchmarks/results/cpu-room-10 --wave 1@0:300 ...
 #                                                                   # benchmarks/room_on_gpu.py (issue 36)
+#   PIECES=3 benchmarks/rehearse_on_device.sh python benchmarks/kv_held_out_on_gpu.py ...   # any script, the set
+#                                                                   # on its path (issue 39's held-out runs)
 #
 # A run longer than one call of the machine's tool (10 minutes) goes on after the call returns: DETACH=1 starts it
 # in a session of its own (setsid), with its output, exit status and results in /tmp/llmlab-detached; each later
@@ -22,13 +24,19 @@
 #   DETACH=1 PIECES=3 benchmarks/rehearse_on_device.sh room ...   # returns at once
 #   benchmarks/rehearse_on_device.sh wait 560                     # repeat until it says "ended"
 #
+# Carry what a detached run reads from the checkout (PYTHON_FIRST's folder) in the `wait` calls too: an ignored
+# folder that a later call did not carry was gone from the checkout during that call (2026-11-27), while /tmp kept
+# the staged pieces, the unpacked set and the results.
+#
 # With Ray (multi-node jobs), the set and Ray's own tar.xz travel as one byte stream cut into BUNDLE pieces of
 # 46.4 MB (bundle.NN: site.tar.xz's SITE_BYTES bytes, then ray.tar.xz), three calls instead of four:
 #
 #   BUNDLE=3 SITE_BYTES=108045892 benchmarks/rehearse_on_device.sh launch llama3.1-8b --nodes 2 --tp 1 --pp 2 ...
 #
 # Environment: PIECES (how many pieces make the set), WHL_DIR (where this call's pieces are, default .whl), OUT
-# (results folder), CONCURRENCY (default 1,8,64,256), READY_TIMEOUT (seconds for /health, default 420), DETACH.
+# (results folder), CONCURRENCY (default 1,8,64,256), READY_TIMEOUT (seconds for /health, default 420), DETACH,
+# PYTHON_FIRST (the python mode: a folder before the set on PYTHONPATH, e.g. a copy of llmlab that the working trees
+# of later calls cannot change under a detached run).
 # NVLink multicast stays off (the lending workplace asks it: NCCL_NVLS_ENABLE=0 and friends), and so does vLLM's
 # symmetric-memory all-reduce, which would use it.
 set -euo pipefail
@@ -114,6 +122,10 @@ if [ "$1" = room ]; then  # a room's traces replayed against the llama3.1-8b job
     PYTHONPATH=$site:$PWD python3 "$(dirname "$0")/room_on_gpu.py" "$@" --out "$out" || status=$?
     tar -czf "$out/room.tar.gz" --exclude='*/model' -C "$out" room || true
     exit "$status"
+fi
+if [ "$1" = python ]; then  # any script of this checkout with the set on its path (benchmarks/kv_held_out_on_gpu.py)
+    shift
+    PYTHONPATH=${PYTHON_FIRST:+$PYTHON_FIRST:}$site:$PWD exec python3 "$@"
 fi
 if [ "$1" = proxy ]; then  # the proxy's cost on a GPU node (its proxy subprocess imports llmlab from here)
     shift

@@ -270,12 +270,18 @@ def kv_record(log_text: str, layout: Layout) -> tuple[dict, dict]:
     return mem.as_dict(), kv
 
 
-def predict_before_launch(layout: Layout, total_gib: float) -> memory.StartupMemory:
+def predict_before_launch(layout: Layout, total_gib: float, args: dict | None = None) -> memory.StartupMemory:
     """:func:`llmlab.memory.predict_kv_before_launch` for a rehearsed layout on the card whose total memory a log
-    reports (79.18 GiB: an H100; 139.8 GiB: an H200): the model of every reserved byte, with no vLLM figure."""
+    reports (79.18 GiB: an H100; 139.8 GiB: an H200): the model of every reserved byte, with no vLLM figure.
+    ``args``: the server's other engine arguments (a log's "non-default args"), of which the token budget, the
+    sequence limit and eager mode move the reserved bytes."""
+    args = args or {}
     return memory.predict_kv_before_launch(layout.model, memory.gpu_of_total(total_gib), layout.tp, layout.pp,
                                            dtype=layout.dtype, kv_dtype=layout.kv_dtype,
-                                           max_model_len=layout.max_model_len, utilization=layout.utilization)
+                                           max_model_len=layout.max_model_len, utilization=layout.utilization,
+                                           max_num_batched_tokens=args.get("max_num_batched_tokens"),
+                                           max_num_seqs=args.get("max_num_seqs"),
+                                           enforce_eager=bool(args.get("enforce_eager")))
 
 
 def bytes_per_decode_step(layout: Layout) -> int:
@@ -413,9 +419,10 @@ def before_launch_row(path: Path, root: Path) -> dict:
     text = path.read_text(errors="replace")
     layout, args = log_layout(text)
     mem = parse_memory_log(text)
-    pred = predict_before_launch(layout, mem.total_gib)
+    pred = predict_before_launch(layout, mem.total_gib, args)
     logged = require_kv(mem)
-    flags = {k: args[k] for k in ("quantization", "kv_cache_dtype", "enforce_eager") if k in args}
+    flags = {k: args[k] for k in ("quantization", "kv_cache_dtype", "enforce_eager", "max_num_batched_tokens",
+                                  "max_num_seqs") if k in args}
     return {"run": str(path.relative_to(root)), "gpu": pred.gpu, "model": layout.model, "tp": layout.tp,
             "pp": layout.pp, "flags": flags, "vllm_version": mem.vllm_version, "runner": pred.runner,
             "logged": logged, "predicted_before_launch": pred.kv_tokens,
@@ -438,7 +445,8 @@ def write_before_launch_table(root: str | Path | None = None) -> Path:
     doc = {"about": "KV tokens vLLM logged vs llmlab.memory.predict_kv_before_launch (no vLLM figure used), per "
                     "committed GPU server log; error = (predicted - logged) / logged",
            "fitted_on": {k: list(v) for k, v in memory.FITTED.items()},
-           "largest_error": max((abs(r["error"]) for r in rows), default=0.0), "rows": rows}
+           "largest_error": max((abs(r["error"]) for r in rows), default=0.0),
+           "misses": [r["run"] for r in rows if abs(r["error"]) >= 0.01], "rows": rows}
     path = root / BEFORE_LAUNCH_TABLE
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return path

@@ -4,12 +4,16 @@ A test here that starts one of those fails at once with a sentence naming what i
 belongs in (``tests/engine``: the real vLLM engine, JupyterLab, a browser, root; ``tests/cluster``: the SLURM
 test bed, OnDemand, sharing, a second UNIX user).  The guard watches this process's own ``subprocess.Popen``
 calls, which is where every such start begins (``llmlab`` commands run as ``python -m llmlab ...`` included).
+
+A unit test leaves no connection file in the session's ``LLMLAB_HOME`` either: the notebooks that run after it in
+the same pytest session (``make test``'s lanes) would ``connect()`` to the newest one, a server that never was.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +55,25 @@ def no_engine_no_slurm_no_root_no_browser(monkeypatch):
         return real(self, args, *a, **k)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+
+
+def _published(servers: Path, state: Path) -> set[Path]:
+    return {*servers.glob("*.json"), *[state][:state.exists()]}
+
+
+@pytest.fixture(autouse=True)
+def publishes_no_server():
+    """Fail (and clean up after) a test that published a connection file in the session's home (a test that moves
+    LLMLAB_HOME to a folder of its own may publish there)."""
+    from llmlab.serve.embedded import state_file
+    from llmlab.serve.info import servers_dir
+
+    where = servers_dir(), state_file()  # the session's, as this test starts
+    before = _published(*where)
+    yield
+    left = sorted(_published(*where) - before)
+    for path in left:
+        path.unlink()
+    assert not left, (f"the test left the connection file(s) {', '.join(map(str, left))} in the session's "
+                      "LLMLAB_HOME, where a later notebook's connect() would find them: give it a home of its own "
+                      "(monkeypatch.setenv('LLMLAB_HOME', str(tmp_path))).")

@@ -14,6 +14,12 @@ from llmlab.ops import cli, front, jobs
 from llmlab.serve.info import ServerError, ServerInfo, ended_marker, llmlab_home
 
 
+@pytest.fixture(autouse=True)
+def own_home(tmp_path, monkeypatch):
+    """The models' and the front's connection files go to a home of the test's own, never the session's."""
+    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / "home"))
+
+
 def publish(job_id: str, model: str, status: str, port: int = 8000, **extra) -> None:
     ServerInfo(kind="slurm", host=f"node-{job_id}", port=port, model=model, status=status, job_id=job_id,
                api_key_file=str(llmlab_home() / "keys" / f"job-{job_id}.key"), extra=extra).write(

@@ -40,7 +40,7 @@ PREEMPTIONS = top.PREEMPTIONS                    # counter: running requests pus
 REQUEST_PREEMPTIONS = "vllm:request_num_preemptions"  # histogram, per finished request: times it was preempted
 
 __all__ = ["static_steps", "continuous_steps", "blocks_at_longest", "fit_without_preemption", "counters",
-           "difference", "largest_step", "Sampler", "send_over_time", "static", "continuous", "measure",
+           "difference", "Sampler", "send_over_time", "static", "continuous", "measure",
            "compare_table", "plot_timeline", "in_flight"]
 
 
@@ -101,26 +101,20 @@ def fit_without_preemption(pool_blocks: int, block_size: int, prompt_tokens: int
 def counters(client) -> dict:
     """The scheduler's counters now: engine ``steps`` and the ``step_tokens`` they computed (the histogram
     :data:`STEPS`), ``preemptions``, ``generated`` tokens and ``finished`` requests (the count of the histogram
-    :data:`REQUEST_PREEMPTIONS`, observed once per request that ends)."""
+    :data:`REQUEST_PREEMPTIONS`, observed once per request that ends).
+
+    A step's tokens are what vLLM credits it with: the answer tokens it gave, and a prompt's computed tokens in the
+    step that finishes the prompt (``vllm/v1/metrics/stats.py``), so one step of a chunked prompt can show more than
+    the budget; a preempted request's recomputation is not credited at all."""
     m = fetch_metrics(str(client.base_url), client.api_key)
     return {"steps": m.value(STEPS + "_count", default=0.0), "step_tokens": m.value(STEPS + "_sum", default=0.0),
             "preemptions": m.value(PREEMPTIONS, default=0.0), "generated": m.value(GENERATED, default=0.0),
-            "finished": m.value(REQUEST_PREEMPTIONS + "_count", default=0.0),
-            "steps_by_size": {float(s.labels["le"]): s.value for s in m[STEPS + "_bucket"]}}
+            "finished": m.value(REQUEST_PREEMPTIONS + "_count", default=0.0)}
 
 
 def difference(before: dict, after: dict) -> dict:
-    """What a run added to each counter of :func:`counters` (whole numbers; ``steps_by_size`` bucket by bucket)."""
-    out = {k: int(after[k] - before[k]) for k in before if k != "steps_by_size"}
-    out["steps_by_size"] = {le: int(after["steps_by_size"].get(le, 0) - n) for le, n in before["steps_by_size"].items()}
-    return out
-
-
-def largest_step(delta: dict) -> float:
-    """The smallest bound of vLLM's step-size buckets (1, 8, 16, ..., 256, 512, ...) under which every step of a
-    run stayed: its largest step computed at most this many tokens (and more than the bucket below)."""
-    sizes = delta["steps_by_size"]
-    return min((le for le, n in sizes.items() if n >= delta["steps"]), default=float("inf"))
+    """What a run added to each counter of :func:`counters` (whole numbers)."""
+    return {k: int(after[k] - before[k]) for k in before}
 
 
 class Sampler:
@@ -253,19 +247,19 @@ def in_flight(result: loadtest.LoadResult) -> float:
 
 
 def compare_table(runs: dict[str, dict]) -> pd.DataFrame:
-    """One row per :func:`measure` result: wall time, output tokens/s, TTFT and latency (p50), the engine's steps
-    and tokens per step, the most requests running and waiting at one scrape, and preemptions."""
+    """One row per :func:`measure` result: wall time, output tokens/s, TTFT, TPOT and latency (p50), the engine's
+    steps and tokens per step, the most requests running and waiting at one scrape, and preemptions."""
     rows = {}
     for name, run in runs.items():
         s, d = run["summary"], run["delta"]
         rows[name] = {"wall (s)": s["duration_s"], "output tok/s": s["output_tokens_per_s"],
-                      "TTFT p50 (ms)": s["ttft_p50"] * 1e3, "latency p50 (s)": s["latency_p50"],
+                      "TTFT p50 (ms)": s["ttft_p50"] * 1e3, "TPOT p50 (ms)": s["tpot_p50"] * 1e3,
+                      "latency p50 (s)": s["latency_p50"],
                       "engine steps": d["steps"], "tokens/step": d["step_tokens"] / d["steps"] if d["steps"] else 0,
-                      "largest step (tokens, at most)": largest_step(d),
                       "peak running": run["sampler"].peak("running"), "peak waiting": run["sampler"].peak("waiting"),
                       "preemptions": d["preemptions"]}
-    return pd.DataFrame(rows).T.round({"wall (s)": 2, "output tok/s": 0, "TTFT p50 (ms)": 0, "latency p50 (s)": 2,
-                                       "tokens/step": 1})
+    return pd.DataFrame(rows).T.round({"wall (s)": 2, "output tok/s": 0, "TTFT p50 (ms)": 0, "TPOT p50 (ms)": 1,
+                                       "latency p50 (s)": 2, "tokens/step": 1})
 
 
 def plot_timeline(run: dict, ax=None, title: str = ""):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -249,12 +250,15 @@ def in_flight(result: loadtest.LoadResult) -> float:
 def compare_table(runs: dict[str, dict]) -> pd.DataFrame:
     """One row per :func:`measure` result: wall time, output tokens/s, TTFT, TPOT and latency (p50), the engine's
     steps and tokens per step, the most requests running and waiting at one scrape, and preemptions."""
+    def scaled(value, factor=1.0):  # a percentile of no sample (e.g. TPOT of one-token answers) is None
+        return math.nan if value is None else value * factor
+
     rows = {}
     for name, run in runs.items():
         s, d = run["summary"], run["delta"]
         rows[name] = {"wall (s)": s["duration_s"], "output tok/s": s["output_tokens_per_s"],
-                      "TTFT p50 (ms)": s["ttft_p50"] * 1e3, "TPOT p50 (ms)": s["tpot_p50"] * 1e3,
-                      "latency p50 (s)": s["latency_p50"],
+                      "TTFT p50 (ms)": scaled(s["ttft_p50"], 1e3), "TPOT p50 (ms)": scaled(s["tpot_p50"], 1e3),
+                      "latency p50 (s)": scaled(s["latency_p50"]),
                       "engine steps": d["steps"], "tokens/step": d["step_tokens"] / d["steps"] if d["steps"] else 0,
                       "peak running": run["sampler"].peak("running"), "peak waiting": run["sampler"].peak("waiting"),
                       "preemptions": d["preemptions"]}

@@ -153,3 +153,35 @@ def test_recomputed_tokens(capsys):
     not_yet(check.recomputed_tokens, 60, hint="the prompt's blocks were freed as well")
     not_yet(check.recomputed_tokens, 1_090, hint="never fed back")
     not_yet(check.recomputed_tokens, 1_000, hint="all but the last answer token")
+
+
+# --- reading a run: the table and the picture, from made-up records and scrapes ----------------------------------
+
+def made_up_run(preemptions: int = 0) -> dict:
+    from llmlab import top
+
+    result = records((10.0, 11.0), (10.2, 12.0), (10.4, 11.5))
+    sampler = SimpleNamespace(points=[top.Point(t=10.0 + i / 10, running=min(i, 3), waiting=max(0, 2 - i))
+                                      for i in range(20)])
+    sampler.peak = lambda name: int(max(getattr(p, name) for p in sampler.points))
+    delta = {"steps": 40, "step_tokens": 100, "preemptions": preemptions, "generated": 12, "finished": 3}
+    return {"result": result, "summary": result.summary(), "delta": delta, "sampler": sampler, "alone": True}
+
+
+def test_the_table_has_one_row_per_run_with_the_engines_steps_and_the_peaks():
+    table = batching.compare_table({"a": made_up_run(), "b": made_up_run(preemptions=2)})
+    assert list(table.index) == ["a", "b"]
+    assert table.loc["a", "engine steps"] == 40 and table.loc["a", "tokens/step"] == 2.5
+    assert table.loc["a", "peak running"] == 3 and table.loc["a", "peak waiting"] == 2
+    assert table.loc["b", "preemptions"] == 2 and table.loc["a", "wall (s)"] == 2.0
+    assert table["TPOT p50 (ms)"].isna().all()  # answers of one timed token each: no TPOT, a gap not a crash
+
+
+def test_the_timeline_draws_a_bar_pair_per_request_and_the_two_gauges():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    bars, gauges = batching.plot_timeline(made_up_run())
+    assert len(bars.patches) == 2 * 3  # waiting-and-prefill, then decoding, for each of the 3 requests
+    assert [line.get_label() for line in gauges.get_lines()] == ["running", "waiting"]
+    assert gauges.get_lines()[0].get_xdata()[0] == pytest.approx(0.0)  # seconds since the first request was sent

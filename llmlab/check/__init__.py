@@ -16,6 +16,12 @@ its lesson module inside the function, so ``import llmlab`` stays light.
 from llmlab.check import progress
 
 # course:checks (rendered from llmlab/course.toml by `llmlab course`)
+from llmlab.check.batching import (  # noqa: F401
+    best_static_steps,
+    mean_in_flight,
+    recomputed_tokens,
+    requests_before_preemption,
+)
 from llmlab.check.cluster import load_eta_minutes, pp_boundary, tp8_allreduce_bytes, tp_link_times  # noqa: F401
 from llmlab.check.determinism import first_varying_batch, seeded_choice  # noqa: F401
 from llmlab.check.kvcache import (  # noqa: F401

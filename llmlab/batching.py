@@ -1,0 +1,297 @@
+"""Continuous batching and the scheduler made visible (notebook 16): the running batch step by step, static against
+continuous batching, the server's limits, and preemption when the KV cache runs out.
+
+Why: lesson 06 showed that requests in flight together are served faster than one after another; this is why.
+vLLM's scheduler (``vllm/v1/core/sched/scheduler.py``) runs the model one **step** at a time, and before each step
+it decides which requests take part: every running request gets its next token, and while the step's token
+budget (``--max-num-batched-tokens``) and the cap on running requests (``--max-num-seqs``) allow, waiting requests
+join -- their prompts are prefilled in the same step.  A request that ends leaves the batch at once, and the
+next waiting one takes its place at the next step: **continuous batching**.  Static batching (a batch of N sent
+together, the next batch only once all N have ended) leaves the finished requests' places empty until the
+longest one ends.
+
+The engine counts its own steps: ``vllm:iteration_tokens_total`` is a histogram observed once per step with the
+tokens that step computed (prompt tokens prefilled, plus one per request that got a token), so the difference of
+its ``_count`` over a run is the steps the run took and of its ``_sum`` the tokens.  Both are read with
+:func:`counters`.  The pure arithmetic to hold them against: :func:`static_steps` and :func:`continuous_steps`
+(the fewest steps either way can take), :func:`blocks_at_longest` and :func:`fit_without_preemption` (how many
+requests the KV pool holds to their end).  At the edges: :func:`send_over_time` (requests arriving over time),
+:func:`static` and :func:`continuous` (the two ways of batching, through :mod:`llmlab.loadtest`), :class:`Sampler`
+(the running and waiting requests over time, through :mod:`llmlab.top`'s readings) and :func:`measure`, which
+puts a run, its counters and its samples together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pandas as pd
+
+from llmlab import loadtest, top
+from llmlab.kvcache import GENERATED, blocks_for
+from llmlab.serve.metrics import fetch_metrics
+
+STEPS = "vllm:iteration_tokens_total"            # histogram, one observation per engine step: its tokens
+PREEMPTIONS = top.PREEMPTIONS                    # counter: running requests pushed back to the waiting queue
+REQUEST_PREEMPTIONS = "vllm:request_num_preemptions"  # histogram, per finished request: times it was preempted
+
+__all__ = ["static_steps", "continuous_steps", "blocks_at_longest", "fit_without_preemption", "counters",
+           "difference", "Sampler", "send_over_time", "static", "continuous", "measure",
+           "compare_table", "plot_timeline", "in_flight"]
+
+
+# --------------------------------------------------------------------------------------------------
+# 1. The arithmetic: steps of static and continuous batching, KV blocks per request
+# --------------------------------------------------------------------------------------------------
+
+def _lengths(lengths, n) -> list[int]:
+    lengths = list(lengths)
+    if not lengths or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in lengths):
+        raise ValueError(f"lengths={lengths!r}: give each request's output tokens as a whole number, at least 1.")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r}: the batch (or the requests in flight) is a whole number, at least 1.")
+    return lengths
+
+
+def static_steps(lengths, n: int) -> int:
+    """The fewest engine steps static batching takes: the requests in batches of ``n`` (in the order given), a
+    batch sent only once the one before has ended.  A request of m output tokens takes part in m steps (its
+    prompt is prefilled in the step that gives its first token), so a batch lasts as long as its longest request:
+    the sum, over the batches, of their longest."""
+    lengths = _lengths(lengths, n)
+    return sum(max(lengths[i:i + n]) for i in range(0, len(lengths), n))
+
+
+def continuous_steps(lengths, n: int) -> int:
+    """The fewest engine steps continuous batching takes with ``n`` requests in flight: each request (in the order
+    given) joins the batch at the step after one has left, as a client that keeps ``n`` in flight sends the next.
+    Requests that arrive later than that (a round trip, a busy CPU) only add steps, so a run takes at least this."""
+    lengths = _lengths(lengths, n)
+    ends = [0] * min(n, len(lengths))  # when each place in the batch is free again (a heap)
+    for m in lengths:
+        heapq.heappush(ends, heapq.heappop(ends) + m)
+    return max(ends)
+
+
+def blocks_at_longest(prompt_tokens: int, output_tokens: int, block_size: int) -> int:
+    """KV blocks a request holds at its longest: its prompt and every output token but the last (sampled, never
+    fed back), in whole blocks."""
+    if prompt_tokens < 1 or output_tokens < 1:
+        raise ValueError("a request has at least one prompt token and asks for at least one output token.")
+    return blocks_for(prompt_tokens + output_tokens - 1, block_size)
+
+
+def fit_without_preemption(pool_blocks: int, block_size: int, prompt_tokens: int, output_tokens: int) -> int:
+    """How many such requests the pool holds at their longest, all at once: more running together and some are
+    preempted before they end.  ``pool_blocks`` is vLLM's ``num_gpu_blocks``; one of them is its null block, never
+    given to a request (``vllm/v1/core/block_pool.py``), so ``pool_blocks - 1`` are shared out."""
+    if pool_blocks < 2:
+        raise ValueError(f"pool_blocks={pool_blocks}: vLLM keeps one block aside, so a pool needs at least 2.")
+    return (pool_blocks - 1) // blocks_at_longest(prompt_tokens, output_tokens, block_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. The engine's own counters, and the running batch over time
+# --------------------------------------------------------------------------------------------------
+
+def counters(client) -> dict:
+    """The scheduler's counters now: engine ``steps`` and the ``step_tokens`` they computed (the histogram
+    :data:`STEPS`), ``preemptions``, ``generated`` tokens and ``finished`` requests (the count of the histogram
+    :data:`REQUEST_PREEMPTIONS`, observed once per request that ends).
+
+    A step's tokens are what vLLM credits it with: the answer tokens it gave, and a prompt's computed tokens in the
+    step that finishes the prompt (``vllm/v1/metrics/stats.py``), so one step of a chunked prompt can show more than
+    the budget; a preempted request's recomputation is not credited at all."""
+    m = fetch_metrics(str(client.base_url), client.api_key)
+    return {"steps": m.value(STEPS + "_count", default=0.0), "step_tokens": m.value(STEPS + "_sum", default=0.0),
+            "preemptions": m.value(PREEMPTIONS, default=0.0), "generated": m.value(GENERATED, default=0.0),
+            "finished": m.value(REQUEST_PREEMPTIONS + "_count", default=0.0)}
+
+
+def difference(before: dict, after: dict) -> dict:
+    """What a run added to each counter of :func:`counters` (whole numbers)."""
+    return {k: int(after[k] - before[k]) for k in before}
+
+
+class Sampler:
+    """Scrape a server's ``/metrics`` every ``every`` seconds in a thread, keeping :mod:`llmlab.top`'s points
+    (running and waiting requests, KV-cache use, the counters) until the ``with`` block ends."""
+
+    def __init__(self, client, every: float = 0.1):
+        self.top = top.Top(top.target(client), size=100_000)
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmlab-batching-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.top.sample()
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> Sampler:
+        self.top.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.top.sample()
+
+    @property
+    def points(self) -> list[top.Point]:
+        return list(self.top.history.points)
+
+    def peak(self, name: str) -> int:
+        """The largest value a gauge (``"running"``, ``"waiting"``) had at any scrape."""
+        return int(max((getattr(p, name) or 0) for p in self.points))
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Sending: over time, static batches, continuous
+# --------------------------------------------------------------------------------------------------
+
+def _in_a_loop(coroutine):
+    """Run ``coroutine`` on a fresh event loop in a worker thread: in a script and in a notebook cell alike."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _one_session(records, concurrency: int | None, session: str) -> loadtest.LoadResult:
+    """Records of several sends as one run: their wall time is the run's, not the sum of theirs."""
+    records = list(records)
+    for r in records:
+        r.session = session
+    return loadtest.LoadResult(records, concurrency=concurrency)
+
+
+def send_over_time(client, model: str, jobs: list, arrivals: list[float], **sampling) -> loadtest.LoadResult:
+    """Send ``jobs[i]`` ``arrivals[i]`` seconds after the start (each as soon as it arrives, whatever is in
+    flight), as users do; each asks for its own ``max_tokens`` (:class:`llmlab.loadtest.Job`).  Greedy and
+    ``ignore_eos`` unless ``sampling`` says otherwise, so that each answer is exactly as long as asked."""
+    if len(jobs) != len(arrivals):
+        raise ValueError(f"{len(jobs)} jobs but {len(arrivals)} arrival times: give one time per job.")
+    sampling = {"temperature": 0, "ignore_eos": True, "progress": False, **sampling}
+
+    async def arrive(job, at, start):
+        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+        return await loadtest.run_async(client, model, [job], concurrency=1, **sampling)
+
+    async def everyone():
+        start = time.monotonic()
+        return await asyncio.gather(*(arrive(j, a, start) for j, a in zip(jobs, arrivals, strict=True)))
+
+    runs = _in_a_loop(everyone())
+    return _one_session([r for run in runs for r in run.records], len(jobs), "over time").raise_on_failure()
+
+
+def static(client, model: str, jobs: list, n: int, **sampling) -> loadtest.LoadResult:
+    """Static batching from the client: ``n`` jobs sent together, the next ``n`` only when all of them ended."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r}: a batch holds a whole number of requests, at least 1.")
+    sampling = {"temperature": 0, "ignore_eos": True, "progress": False, **sampling}
+    records = []
+    for i in range(0, len(jobs), n):
+        records += loadtest.run(client, model, jobs[i:i + n], concurrency=n, **sampling).records
+    return _one_session(records, n, f"static {n}").raise_on_failure()
+
+
+def continuous(client, model: str, jobs: list, n: int, **sampling) -> loadtest.LoadResult:
+    """Continuous batching from the client's side: ``n`` in flight, the next job sent as soon as one ends
+    (:func:`llmlab.loadtest.run`); the server then keeps its batch full."""
+    sampling = {"temperature": 0, "ignore_eos": True, "progress": False, **sampling}
+    return loadtest.run(client, model, jobs, concurrency=n, **sampling).raise_on_failure()
+
+
+def measure(client, send, *args, every: float = 0.1, **kwargs) -> dict:
+    """``send(*args, **kwargs)`` (one of the senders above) while a :class:`Sampler` watches the server, and its
+    counters around it.  Returns ``{"result", "summary", "delta" (the counters' differences), "sampler",
+    "alone"}``; ``alone``: the server generated exactly this run's tokens meanwhile, so its counters are this
+    run's only (on a server others share, they add everyone's requests)."""
+    before = counters(client)
+    with Sampler(client, every) as sampler:
+        result = send(*args, **kwargs)
+    after = _settled(client, before, len(result.records))
+    delta = difference(before, after)
+    return {"result": result, "summary": result.summary(), "delta": delta, "sampler": sampler,
+            "alone": delta["generated"] == sum(r.output_tokens for r in result.records)}
+
+
+def _settled(client, before: dict, requests: int, timeout: float = 10.0) -> dict:
+    """:func:`counters` once the server has counted ``requests`` more finished requests: vLLM records a request's
+    statistics just after its answer may have reached the client."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = counters(client)
+        if now["finished"] - before["finished"] >= requests or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------------------------------
+# 4. Reading a run: a table, a picture, the batch a client kept
+# --------------------------------------------------------------------------------------------------
+
+def in_flight(result: loadtest.LoadResult) -> float:
+    """The mean number of this run's requests in flight (Little's law): the time each spent in the server, summed,
+    over the run's wall time."""
+    ok = result.ok
+    duration = loadtest.duration_of(result.records)
+    if not ok or duration <= 0:
+        raise ValueError("no successful request, or a run of no duration: nothing was in flight.")
+    return sum(r.end - r.start for r in ok) / duration
+
+
+def compare_table(runs: dict[str, dict]) -> pd.DataFrame:
+    """One row per :func:`measure` result: wall time, output tokens/s, TTFT, TPOT and latency (p50), the engine's
+    steps and tokens per step, the most requests running and waiting at one scrape, and preemptions."""
+    def scaled(value, factor=1.0):  # a percentile of no sample (e.g. TPOT of one-token answers) is None
+        return math.nan if value is None else value * factor
+
+    rows = {}
+    for name, run in runs.items():
+        s, d = run["summary"], run["delta"]
+        rows[name] = {"wall (s)": s["duration_s"], "output tok/s": s["output_tokens_per_s"],
+                      "TTFT p50 (ms)": scaled(s["ttft_p50"], 1e3), "TPOT p50 (ms)": scaled(s["tpot_p50"], 1e3),
+                      "latency p50 (s)": scaled(s["latency_p50"]),
+                      "engine steps": d["steps"], "tokens/step": d["step_tokens"] / d["steps"] if d["steps"] else 0,
+                      "peak running": run["sampler"].peak("running"), "peak waiting": run["sampler"].peak("waiting"),
+                      "preemptions": d["preemptions"]}
+    return pd.DataFrame(rows).T.round({"wall (s)": 2, "output tok/s": 0, "TTFT p50 (ms)": 0, "TPOT p50 (ms)": 1,
+                                       "latency p50 (s)": 2, "tokens/step": 1})
+
+
+def plot_timeline(run: dict, ax=None, title: str = ""):
+    """Above: each request as a bar, from its sending to its first token (light: waiting and prefill) and on to its
+    last (dark: decoding).  Below: the running and waiting requests the server reported at each scrape."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(2, 1, figsize=(9, 5), sharex=True, height_ratios=[3, 2], layout="constrained")
+    bars, gauges = ax
+    records = sorted(run["result"].records, key=lambda r: r.start)
+    t0 = records[0].start
+    for i, r in enumerate(records):
+        first = r.start + (r.ttft or 0.0)
+        bars.barh(i, first - r.start, left=r.start - t0, color="tab:orange", alpha=0.4)
+        bars.barh(i, r.end - first, left=first - t0, color="tab:blue")
+    bars.set_ylabel("request (by arrival)")
+    bars.yaxis.get_major_locator().set_params(integer=True)
+    bars.invert_yaxis()
+    bars.set_title(title or "light: sent -> first token, dark: decoding", fontsize=9)
+    points = [p for p in run["sampler"].points if p.running is not None]
+    x = [p.t - t0 for p in points]
+    gauges.step(x, [p.running for p in points], where="post", label="running")
+    gauges.step(x, [p.waiting for p in points], where="post", label="waiting")
+    gauges.set_xlabel("seconds since the first request was sent")
+    gauges.set_ylabel("requests")
+    gauges.yaxis.get_major_locator().set_params(integer=True)
+    gauges.legend(fontsize=8, loc="upper right")
+    for a in ax:
+        a.grid(alpha=0.3)
+    return ax

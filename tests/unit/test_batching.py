@@ -1,0 +1,187 @@
+"""Continuous batching and the scheduler (notebook 16, ``llmlab.batching``): the arithmetic of static and continuous
+batching and of a KV pool's fit, the counters read from a recorded ``/metrics`` text, a run's mean batch (Little's
+law), and the exercise checks, each with the right answer and the wrong ones they name.
+
+This file holds the pure tests (no engine, no SLURM, no root, no browser); tests/engine/test_batching.py starts the
+real engine (the running batch against ``--max-num-seqs``, preemptions on a tiny KV pool).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from llmlab import batching, check
+from llmlab.loadtest import LoadResult, Record
+from llmlab.serve.metrics import parse_prometheus
+
+RECORDED = (Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "0.32.0" / "metrics.txt").read_text()
+
+
+def not_yet(fn, *args, hint: str) -> None:
+    with pytest.raises(check.NotYet, match=re.escape(hint)) as e:
+        fn(*args)
+    assert str(e.value).startswith("Not yet: ")
+
+
+def right(capsys, fn, *args) -> str:
+    fn(*args)
+    out = capsys.readouterr().out
+    assert out.startswith("Right: ") and out.count("\n") == 1, out
+    return out
+
+
+# --- the arithmetic -----------------------------------------------------------------------------------------------
+
+def test_static_batching_costs_the_longest_of_each_batch():
+    assert batching.static_steps([10, 100, 20, 30], 2) == 100 + 30
+    assert batching.static_steps([100, 30, 20, 10], 2) == 100 + 20  # the long ones together
+    assert batching.static_steps([5, 7, 9], 5) == 9                 # one partial batch
+    assert batching.static_steps([5, 7, 9], 1) == 21                # one at a time: the sum
+
+
+def test_continuous_batching_refills_a_place_as_soon_as_it_frees():
+    # 2 places: 10 and 100 start; at 10 the 20 takes the first place (ends 30), then 30 (ends 60): the 100 ends last
+    assert batching.continuous_steps([10, 100, 20, 30], 2) == 100
+    assert batching.continuous_steps([100, 10, 10, 10], 2) == 100
+    assert batching.continuous_steps([5, 7, 9], 5) == 9
+    assert batching.continuous_steps([5, 7, 9], 1) == 21
+    lengths = [40, 300, 25, 60, 280, 35, 50, 45, 310, 30, 55, 40, 290, 20]
+    # never fewer steps than the longest request or than the work spread over every place
+    assert batching.continuous_steps(lengths, 4) >= max(max(lengths), -(-sum(lengths) // 4))
+    assert batching.continuous_steps(lengths, 4) <= batching.static_steps(lengths, 4)
+
+
+@pytest.mark.parametrize("bad", [[], [0], [3, -1], [2.5], [True]])
+def test_lengths_must_be_whole_token_counts(bad):
+    with pytest.raises(ValueError, match="whole number"):
+        batching.static_steps(bad, 2)
+    with pytest.raises(ValueError, match="whole number"):
+        batching.continuous_steps(bad, 2)
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.5, True])
+def test_the_batch_must_be_a_whole_number(n):
+    with pytest.raises(ValueError, match="n="):
+        batching.static_steps([3], n)
+
+
+def test_a_request_holds_its_prompt_and_all_but_its_last_answer_token():
+    assert batching.blocks_at_longest(61, 300, 128) == 3       # 360 tokens
+    assert batching.blocks_at_longest(64, 65, 128) == 1        # 128 tokens: exactly one block
+    assert batching.blocks_at_longest(64, 66, 128) == 2
+    with pytest.raises(ValueError, match="at least one"):
+        batching.blocks_at_longest(0, 5, 16)
+
+
+def test_one_block_of_the_pool_is_the_null_block():
+    assert batching.fit_without_preemption(12, 128, 61, 300) == 3      # 11 usable blocks, 3 each
+    assert batching.fit_without_preemption(12, 128, 61, 400) == 2      # 4 each: 12 // 4 would say 3
+    assert batching.fit_without_preemption(28_123, 16, 1_030, 100) == 396
+    with pytest.raises(ValueError, match="at least 2"):
+        batching.fit_without_preemption(1, 16, 10, 10)
+
+
+# --- the counters, from a recorded scrape -------------------------------------------------------------------------
+
+def test_the_counters_come_from_vllms_own_metric_names(monkeypatch):
+    """The recorded scrape (vLLM 0.32, after one request: 6 prompt and 8 generated tokens) has every metric the
+    lesson reads; a renamed one would read as 0 steps."""
+    metrics = parse_prometheus(RECORDED)
+    monkeypatch.setattr(batching, "fetch_metrics", lambda url, key: metrics)
+    now = batching.counters(SimpleNamespace(base_url="http://x/v1", api_key="k"))
+    assert now["steps"] >= 1 and now["step_tokens"] == 6 + 8 and now["generated"] == 8
+    assert now["finished"] == 1 and now["preemptions"] == 0
+    assert batching.difference(dict.fromkeys(now, 0.0), now) == {k: int(v) for k, v in now.items()}
+
+
+# --- a run's mean batch -------------------------------------------------------------------------------------------
+
+def records(*spans) -> LoadResult:
+    return LoadResult([Record(id=i, status="ok", start=s, end=e, ttft=0.1, output_tokens=4)
+                       for i, (s, e) in enumerate(spans)], concurrency=2)
+
+
+def test_littles_law_is_the_time_in_the_server_over_the_wall_time():
+    run = records((0.0, 2.0), (0.0, 1.0), (1.0, 2.0))
+    assert batching.in_flight(run) == pytest.approx(4.0 / 2.0)
+    with pytest.raises(ValueError, match="nothing was in flight"):
+        batching.in_flight(LoadResult([], concurrency=1))
+
+
+# --- the checks, with the right answer and the wrong ones they name ----------------------------------------------
+
+def test_best_static_steps(capsys):
+    lengths = check.batching.EX1_LENGTHS
+    best, cont = batching.static_steps(sorted(lengths, reverse=True), 4), batching.continuous_steps(lengths, 4)
+    assert (best, cont) == (435, 535)
+    assert "static in the best order: 435 steps" in right(capsys, check.best_static_steps, best, cont)
+    not_yet(check.best_static_steps, 1180, cont, hint="is the order given")
+    not_yet(check.best_static_steps, 685, cont, hint="from the shortest up the last batch is a partial one")
+    not_yet(check.best_static_steps, sum(lengths), cont, hint="not the sum of its requests")
+    not_yet(check.best_static_steps, 440, cont, hint="sort the 14 lengths from the longest down")
+    not_yet(check.best_static_steps, best, 395, hint="as if every place were always busy")
+    not_yet(check.best_static_steps, best, 500, hint="batching.continuous_steps does exactly that")
+    not_yet(check.best_static_steps, best, 535.5, hint="whole number")
+
+
+def test_mean_in_flight(capsys):
+    run = records((0.0, 2.0), (0.0, 1.0), (1.0, 2.0))
+    assert "2.00 of the run's requests" in right(capsys, check.mean_in_flight, 2.0, run)
+    not_yet(check.mean_in_flight, 4.0 / 3, run, hint="the mean time a request spent in the server")
+    not_yet(check.mean_in_flight, 4.0, run, hint="the summed time in the server")
+    not_yet(check.mean_in_flight, 1.5, run, hint="4.00 request-seconds over 2.00 s")
+    not_yet(check.mean_in_flight, 2.0, LoadResult([], concurrency=2), hint="no successful request")
+    not_yet(check.mean_in_flight, "2", run, hint="should be a number")
+    over = records((0.0, 2.0), (0.0, 2.0), (0.0, 2.0))  # 3 in flight while the client said 2: a wall time too short
+    not_yet(check.mean_in_flight, 3.5, over, hint="more than the 2 in flight the client allowed")
+
+
+def test_requests_before_preemption(capsys):
+    assert "396 requests hold 28,116" in right(capsys, check.requests_before_preemption, 396)
+    not_yet(check.requests_before_preemption, 398, hint="divides tokens by tokens")
+    not_yet(check.requests_before_preemption, 400, hint="rounded down")
+    not_yet(check.requests_before_preemption, 396.5, hint="whole number")
+
+
+def test_recomputed_tokens(capsys):
+    assert "1,089 tokens computed twice" in right(capsys, check.recomputed_tokens, 1_089)
+    not_yet(check.recomputed_tokens, 1_030, hint="num_computed_tokens to 0")
+    not_yet(check.recomputed_tokens, 60, hint="the prompt's blocks were freed as well")
+    not_yet(check.recomputed_tokens, 1_090, hint="never fed back")
+    not_yet(check.recomputed_tokens, 1_000, hint="all but the last answer token")
+
+
+# --- reading a run: the table and the picture, from made-up records and scrapes ----------------------------------
+
+def made_up_run(preemptions: int = 0) -> dict:
+    from llmlab import top
+
+    result = records((10.0, 11.0), (10.2, 12.0), (10.4, 11.5))
+    sampler = SimpleNamespace(points=[top.Point(t=10.0 + i / 10, running=min(i, 3), waiting=max(0, 2 - i))
+                                      for i in range(20)])
+    sampler.peak = lambda name: int(max(getattr(p, name) for p in sampler.points))
+    delta = {"steps": 40, "step_tokens": 100, "preemptions": preemptions, "generated": 12, "finished": 3}
+    return {"result": result, "summary": result.summary(), "delta": delta, "sampler": sampler, "alone": True}
+
+
+def test_the_table_has_one_row_per_run_with_the_engines_steps_and_the_peaks():
+    table = batching.compare_table({"a": made_up_run(), "b": made_up_run(preemptions=2)})
+    assert list(table.index) == ["a", "b"]
+    assert table.loc["a", "engine steps"] == 40 and table.loc["a", "tokens/step"] == 2.5
+    assert table.loc["a", "peak running"] == 3 and table.loc["a", "peak waiting"] == 2
+    assert table.loc["b", "preemptions"] == 2 and table.loc["a", "wall (s)"] == 2.0
+    assert table["TPOT p50 (ms)"].isna().all()  # answers of one timed token each: no TPOT, a gap not a crash
+
+
+def test_the_timeline_draws_a_bar_pair_per_request_and_the_two_gauges():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    bars, gauges = batching.plot_timeline(made_up_run())
+    assert len(bars.patches) == 2 * 3  # waiting-and-prefill, then decoding, for each of the 3 requests
+    assert [line.get_label() for line in gauges.get_lines()] == ["running", "waiting"]
+    assert gauges.get_lines()[0].get_xdata()[0] == pytest.approx(0.0)  # seconds since the first request was sent

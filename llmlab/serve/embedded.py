@@ -128,6 +128,10 @@ class EmbeddedServer:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedServer:
+        """``with EmbeddedServer(...) as s`` starts it; ``with engines.start(...) as s`` (already started, and
+        ready) only stops it at the end: starting it again would take its own port."""
+        if self.engine is not None and self.engine.alive:
+            return self
         try:
             return self.start().wait_ready()
         except BaseException:

@@ -14,7 +14,7 @@ from llmlab import loadtest as lt
 from llmlab import top
 from llmlab.serve.info import AuthenticationFailed
 
-CONCURRENCY, REQUESTS, OUTPUT = 4, 8, 200
+CONCURRENCY, REQUESTS, OUTPUT = 4, 12, 300
 
 
 def settle(view: top.Top, timeout: float = 20.0) -> top.Point:
@@ -31,10 +31,13 @@ def settle(view: top.Top, timeout: float = 20.0) -> top.Point:
 
 @pytest.mark.server
 def test_a_load_raises_running_requests_and_tokens_per_second_then_both_fall_back_to_zero(embedded):
-    """Predictions: with 4 workers sending 8 requests of 200 tokens, the running batch holds 4 at its peak (the
-    server's limit, --max-num-seqs, is far above 4), generation tokens/s is above zero while they run, the KV cache
-    holds their blocks, and the counters grow by exactly the tokens the requests report.  After the load: nothing
-    running, 0 tokens/s, the KV cache empty (finished requests free their blocks; cached prefixes are free blocks)."""
+    """Predictions: with 4 workers sending 12 requests of 300 tokens, the running batch holds several at its peak
+    and never more than 4 (the server's limit, --max-num-seqs, is far above 4; the view samples the gauge between
+    scrapes, which a loaded machine slows: a clean clone at load 16 saw a peak of 1 with 8 requests of 200 tokens,
+    so the load is three rounds long and the peak asserted is "more than one"), generation tokens/s is above zero
+    while they run, the KV cache holds their blocks, and the counters grow by exactly the tokens the requests
+    report.  After the load: nothing running, 0 tokens/s, the KV cache empty (finished requests free their blocks;
+    cached prefixes are free blocks)."""
     client, model = llmlab.connect(quiet=True)
     view = top.Top(top.target(client), size=10_000)
     before = settle(view)
@@ -51,7 +54,7 @@ def test_a_load_raises_running_requests_and_tokens_per_second_then_both_fall_bac
     records = done["result"].records
     assert [r.status for r in records] == ["ok"] * REQUESTS
     during = [p for p in view.history.points if before.t < p.t <= after.t]
-    assert max(p.running for p in during) == CONCURRENCY
+    assert 2 <= max(p.running for p in during) <= CONCURRENCY  # several at once, never more than the client sends
     assert max(p.generation_tokens_per_s for p in during) > 0 and max(p.kv_usage for p in during) > 0
     assert (after.running, after.waiting, after.generation_tokens_per_s, after.kv_usage) == (0, 0, 0, 0)
     grew = {k: after.totals[k] - before.totals[k] for k in after.totals}

@@ -45,7 +45,8 @@ exercises: install
 # machine's two (27.7 min in one session, 20.3 in two, on CI's kind of machine; 17.8 min on a clean clone of
 # 2026-11-27, lanes 17:40 and 16:34, once test_slurm's and test_share's own jobs were folded into others).  Each line
 # says its lane; each lane prints its own summary and durations.  The executed notebooks land in build/executed/
-# (make book reads them); then no lesson may print an exercise's answer: a number an answer cell of solutions/ printed, in its lesson's outputs.
+# (make book reads them); then no lesson may print an exercise's answer: a number an answer cell of solutions/
+# printed, in its lesson's outputs.
 EXECUTED ?= $(or $(LLMLAB_EXECUTED_DIR),build/executed)
 test: install lint
 	$(BIN)/shellcheck slurm/*.sh

@@ -33,12 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pandas as pd
 
 from llmlab import loadtest, top
-from llmlab.kvcache import GENERATED, blocks_for
+from llmlab.kvcache import FINISHED, GENERATED, blocks_for, wait_for_request
 from llmlab.serve.metrics import fetch_metrics
 
 STEPS = "vllm:iteration_tokens_total"            # histogram, one observation per engine step: its tokens
 PREEMPTIONS = top.PREEMPTIONS                    # counter: running requests pushed back to the waiting queue
-REQUEST_PREEMPTIONS = "vllm:request_num_preemptions"  # histogram, per finished request: times it was preempted
 
 __all__ = ["static_steps", "continuous_steps", "blocks_at_longest", "fit_without_preemption", "counters",
            "difference", "Sampler", "send_over_time", "static", "continuous", "measure",
@@ -101,8 +100,8 @@ def fit_without_preemption(pool_blocks: int, block_size: int, prompt_tokens: int
 
 def counters(client) -> dict:
     """The scheduler's counters now: engine ``steps`` and the ``step_tokens`` they computed (the histogram
-    :data:`STEPS`), ``preemptions``, ``generated`` tokens and ``finished`` requests (the count of the histogram
-    :data:`REQUEST_PREEMPTIONS`, observed once per request that ends).
+    :data:`STEPS`), ``preemptions``, ``generated`` tokens and ``finished`` requests (``vllm:request_success_total``,
+    as :func:`llmlab.kvcache.kv_snapshot` reads it).
 
     A step's tokens are what vLLM credits it with: the answer tokens it gave, and a prompt's computed tokens in the
     step that finishes the prompt (``vllm/v1/metrics/stats.py``), so one step of a chunked prompt can show more than
@@ -110,7 +109,7 @@ def counters(client) -> dict:
     m = fetch_metrics(str(client.base_url), client.api_key)
     return {"steps": m.value(STEPS + "_count", default=0.0), "step_tokens": m.value(STEPS + "_sum", default=0.0),
             "preemptions": m.value(PREEMPTIONS, default=0.0), "generated": m.value(GENERATED, default=0.0),
-            "finished": m.value(REQUEST_PREEMPTIONS + "_count", default=0.0)}
+            "finished": m.value(FINISHED, default=0.0)}
 
 
 def difference(before: dict, after: dict) -> dict:
@@ -223,14 +222,15 @@ def measure(client, send, *args, every: float = 0.1, **kwargs) -> dict:
 
 
 def _settled(client, before: dict, requests: int, timeout: float = 10.0) -> dict:
-    """:func:`counters` once the server has counted ``requests`` more finished requests: vLLM records a request's
-    statistics just after its answer may have reached the client."""
-    deadline = time.monotonic() + timeout
-    while True:
-        now = counters(client)
-        if now["finished"] - before["finished"] >= requests or time.monotonic() > deadline:
-            return now
-        time.sleep(0.05)
+    """:func:`counters` once the server has counted ``requests`` more finished requests
+    (:func:`llmlab.kvcache.wait_for_request`: vLLM records a request just after its answer may have reached the
+    client); after ``timeout`` seconds, the counters as they are."""
+    try:
+        wait_for_request(str(client.base_url), client.api_key, {"requests_finished": before["finished"]}, requests,
+                         timeout)
+    except TimeoutError:
+        pass
+    return counters(client)
 
 
 # --------------------------------------------------------------------------------------------------

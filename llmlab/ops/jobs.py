@@ -322,7 +322,7 @@ def revoke(job_id: str, name: str) -> str:
     """Shut one learner out of a shared server (``llmlab revoke JOB USER``); the server keeps running."""
     from llmlab.serve import share
 
-    info = _connection(job_id)
+    info = server_info(job_id)
     if not info.extra.get("share_dir"):
         raise JobError(f"Job {job_id} is not shared (launch it with --share GROUP): there is nobody to revoke.")
     share.revoke(info.extra["share_dir"], name)
@@ -452,7 +452,9 @@ def wait(job_id: str, timeout: float = 7200, poll: float = 2.0, on_change=None) 
 # Metrics, logs, stop, list
 # --------------------------------------------------------------------------------------------------
 
-def _connection(job_id: str) -> ServerInfo:
+def server_info(job_id: str) -> ServerInfo:
+    """The connection file of a job's server (``"embedded"``: the embedded one): what ``llmlab metrics`` and
+    ``llmlab top`` scrape, with its key file; a job without a server yet says where it is instead."""
     if job_id == "embedded":
         from llmlab.serve.embedded import state_file
 
@@ -464,12 +466,6 @@ def _connection(job_id: str) -> ServerInfo:
         where = f"it is {st.state}: {st.detail}" if st else "the embedded server is not running (llmlab serve)"
         raise JobError(f"Job {job_id} has no server to ask ({where}).")
     return ServerInfo.read(path)
-
-
-def server_info(job_id: str) -> ServerInfo:
-    """The connection file of a job's server (``"embedded"``: the embedded one): what ``llmlab metrics`` and
-    ``llmlab top`` scrape, with its key file; a job without a server yet says where it is instead."""
-    return _connection(job_id)
 
 
 def histogram_quantile(metrics, name: str, q: float) -> float | None:
@@ -496,7 +492,7 @@ def metrics(job_id: str, interval: float = 2.0) -> dict:
     """The server's load, from two ``/metrics`` scrapes ``interval`` seconds apart (rates need two)."""
     from llmlab import kvcache
 
-    info = _connection(job_id)
+    info = server_info(job_id)
     url, key = info.base_url, info.key()
     first = kvcache.fetch_metrics(url, key)
     time.sleep(interval)

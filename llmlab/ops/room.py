@@ -192,7 +192,7 @@ def start_server(room: Room, timeout: float = 900) -> dict:
     if st.state != "READY":
         raise RoomError(f"job {room.job_id} ended {st.state} before serving ({st.detail}): `llmlab logs {room.job_id}`"
                         f" (LLMLAB_HOME={room.instructor_home}) shows why.")
-    info = jobs._connection(room.job_id)
+    info = jobs.server_info(room.job_id)
     return {"url": info.base_url, "key": info.key(), "model": info.model}
 
 

@@ -166,22 +166,11 @@ class Front:
 
     def publish(self, status: str, port: int = 0, models: list[str] = (), **extra) -> ServerInfo:
         """The front's connection file (and the room's ``server.json``): what ``llmlab.connect()`` finds."""
-        try:
-            extra["started"] = ServerInfo.read(self.conn_file).started
-        except ServerError:
-            pass
-        if self.share_dir:
-            extra.update(share_dir=self.share_dir, group=os.environ.get("LLMLAB_SHARE_GROUP"))
-        info = ServerInfo.from_dict(dict(kind="slurm", host=self.host if port else "", port=port,
-                                         model=models[0] if models else "several models", status=status,
-                                         api_key_file=str(self.key_file), job_id=self.job_id, models=list(models),
-                                         **extra))
-        info.write(self.conn_file)
-        if self.share_dir:
-            from llmlab.serve import share
+        from llmlab.ops.launcher import publish_connection
 
-            share.publish(self.share_dir, info)
-        return info
+        return publish_connection(self.conn_file, kind="slurm", host=self.host if port else "", port=port,
+                                  model=models[0] if models else "several models", status=status,
+                                  api_key_file=str(self.key_file), job_id=self.job_id, models=list(models), **extra)
 
     def start_router(self, members: list[ServerInfo]) -> int:
         """The router in front of the models' jobs, bound before anything names its port; returns the port."""

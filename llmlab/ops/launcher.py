@@ -414,20 +414,26 @@ def publish(a, status: str, phase: str | None = None, **extra) -> ServerInfo:
              **extra}
     if phase is not None:
         extra["phase"] = phase
-    if os.environ.get("LLMLAB_SHARE_DIR"):  # llmlab launch --share GROUP: where the group's learners look
-        extra.update(share_dir=os.environ["LLMLAB_SHARE_DIR"], group=os.environ.get("LLMLAB_SHARE_GROUP"))
-    path = Path(a.connection_file)
-    try:  # "started" is the first publication's time, kept through every rewrite
-        extra["started"] = ServerInfo.read(path).started
+    return publish_connection(Path(a.connection_file), kind="slurm", host=a.host, port=a.port, model=a.model,
+                              api_key_file=a.key_file, job_id=a.job_id, status=status, **extra)
+
+
+def publish_connection(path: Path, **fields) -> ServerInfo:
+    """Write a job's connection file with ``fields``, and under ``llmlab launch --share GROUP`` (LLMLAB_SHARE_DIR)
+    the room's ``server.json``, where the group's learners look.  ``started`` is the first publication's time, kept
+    through every rewrite.  The launcher and the front of several models (``llmlab.ops.front``) both publish so."""
+    if os.environ.get("LLMLAB_SHARE_DIR"):
+        fields.update(share_dir=os.environ["LLMLAB_SHARE_DIR"], group=os.environ.get("LLMLAB_SHARE_GROUP"))
+    try:
+        fields["started"] = ServerInfo.read(path).started
     except ServerError:
         pass
-    info = ServerInfo.from_dict(dict(kind="slurm", host=a.host, port=a.port, model=a.model, api_key_file=a.key_file,
-                                     job_id=a.job_id, status=status, **extra))
+    info = ServerInfo.from_dict(fields)
     info.write(path)
-    if extra.get("share_dir"):
+    if fields.get("share_dir"):
         from llmlab.serve import share
 
-        share.publish(extra["share_dir"], info)
+        share.publish(fields["share_dir"], info)
     return info
 
 

@@ -52,9 +52,15 @@ def _lengths(lengths, n) -> list[int]:
     lengths = list(lengths)
     if not lengths or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in lengths):
         raise ValueError(f"lengths={lengths!r}: give each request's output tokens as a whole number, at least 1.")
+    _batch(n)
+    return lengths
+
+
+def _batch(n) -> int:
+    """``n``, the batch (or the requests in flight), or one sentence for what it cannot be."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r}: the batch (or the requests in flight) is a whole number, at least 1.")
-    return lengths
+    return n
 
 
 def static_steps(lengths, n: int) -> int:
@@ -191,8 +197,7 @@ def send_over_time(client, model: str, jobs: list, arrivals: list[float], **samp
 
 def static(client, model: str, jobs: list, n: int, **sampling) -> loadtest.LoadResult:
     """Static batching from the client: ``n`` jobs sent together, the next ``n`` only when all of them ended."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r}: a batch holds a whole number of requests, at least 1.")
+    _batch(n)
     sampling = {"temperature": 0, "ignore_eos": True, "progress": False, **sampling}
     records = []
     for i in range(0, len(jobs), n):

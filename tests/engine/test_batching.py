@@ -53,12 +53,15 @@ def test_static_and_continuous_batching_each_take_at_least_their_minimum_of_step
 
 def test_the_running_batch_reaches_the_concurrency_and_never_exceeds_max_num_seqs(small):
     client, model = small
-    run = batching.measure(client, batching.continuous, client, model, jobs([64] * 12), 12, every=0.02)
+    # 24 answers of 96 tokens, 6 waves of 4: ~3 s on two cores.  A scrape waits behind the streams it competes with
+    # (0.1-0.4 s under this load), so a run of 12 x 64 tokens (0.75 s) caught the steady batch in only 2 of its
+    # scrapes here, and in none on CI's slower machine.  15 prompt tokens + 96 still fit one block of 128.
+    run = batching.measure(client, batching.continuous, client, model, jobs([96] * 24), 24, every=0.02)
     assert run["alone"] and run["delta"]["preemptions"] == 0  # 4 running of one block each: 4 of 7
     running = [p.running for p in run["sampler"].points if p.running is not None]
-    assert max(running) == 4  # the cap, reached (12 in flight) and never passed
+    assert max(running) == 4, f"the cap, reached (24 in flight) and never passed; {len(running)} scrapes: {running}"
     assert run["sampler"].peak("waiting") >= 1
-    assert run["delta"]["steps"] >= batching.continuous_steps([64] * 12, 4) == 192
+    assert run["delta"]["steps"] >= batching.continuous_steps([96] * 24, 4) == 576
 
 
 def test_a_pool_that_holds_three_requests_preempts_when_four_run(small):

@@ -315,10 +315,11 @@ def usage_while_running(client, model: str, prompt, max_tokens: int = 64, attemp
     this request's alone only when the server ran exactly one request at that scrape and no request finished
     between the scrapes before and during (so that one was still this one): ``alone``.  On a shared server that
     may never happen; after ``attempts`` readings the last is returned with ``alone=False``.
-    Returns ``{"during": snapshot, "after": snapshot, "blocks_held": blocks in use during, "alone": bool}``.
+    Returns ``{"during": snapshot, "after": snapshot, "blocks_held": blocks in use during, "alone": bool,
+    "tries": [(requests running, requests finished meanwhile) at each reading]}``: the tries say why none was alone.
     """
     url, key = str(client.base_url), client.api_key
-    reading = None
+    reading, tries = None, []
     for _ in range(attempts):
         before = kv_snapshot(fetch_metrics(url, key))
         during = None
@@ -330,8 +331,11 @@ def usage_while_running(client, model: str, prompt, max_tokens: int = 64, attemp
         after = wait_for_request(url, key, before)
         if during is None:
             continue
-        alone = during["requests_finished"] == before["requests_finished"] and during["requests_running"] == 1
-        reading = {"during": during, "after": after, "blocks_held": blocks_in_use(during), "alone": alone}
+        finished = during["requests_finished"] - before["requests_finished"]
+        tries.append((during["requests_running"], finished))
+        alone = finished == 0 and during["requests_running"] == 1
+        reading = {"during": during, "after": after, "blocks_held": blocks_in_use(during), "alone": alone,
+                   "tries": tries}
         if alone:
             return reading
     if reading is None:

@@ -10,7 +10,8 @@ and the one listener others can reach is this proxy, which
   in a keys file or directory (a workshop's learners: each learner makes a key of their own and hands in
   only its hash; deleting the hash revokes that learner within a second, without restarting the server).
   Comparisons are ``hmac.compare_digest`` over sha256 digests, against every registered digest;
-- forwards only an allow-list: ``/v1/...``, ``/health`` and ``/metrics`` (for ``llmlab status``/``metrics``),
+- forwards only an allow-list: ``/v1/...`` (but never the LoRA loading routes, :data:`CLOSED`), ``/health`` and
+  ``/metrics`` (for ``llmlab status``/``metrics``),
   after refusing paths that are not already normal (``..``, ``.``, ``//``, backslashes, percent-encoded
   separators or dots, double encoding): the path that was checked is the path vLLM gets;
 - streams the answer chunk by chunk as it arrives (server-sent events unbuffered), and cancels the upstream
@@ -239,6 +240,12 @@ def check_path(raw_path: bytes, path: str) -> str | None:
     if any(s in (".", "..") for s in segments):
         return "'.' or '..' segment in the path"
     return None
+
+
+# Routes under /v1/ that change what the server serves for everyone.  vLLM opens them only with
+# VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, but a key holder of a shared server must never reach them: one learner could
+# unload the adapters the others use, or load one by a path on the server's file system (lesson 17).
+CLOSED = {"/v1/load_lora_adapter": "loading", "/v1/unload_lora_adapter": "unloading"}
 
 
 def allowed(path: str) -> bool:
@@ -1049,6 +1056,10 @@ class Proxy:
             return error_response(404, f"Not Found: this proxy routes between {len(self.replicas)} vLLM servers, "
                                        "each with counters of its own; read /metrics from each server (notebook 15: "
                                        "llmlab.replicas.Replicas.metrics(); `llmlab metrics` of each model's job).")
+        if path in CLOSED:
+            return error_response(403, f"Forbidden: {CLOSED[path]} a LoRA adapter while the server runs is closed "
+                                       "here, since every key holder shares its adapters; a server serves the "
+                                       "adapters named at its start (--lora-modules NAME=DIR).")
         if not allowed(path):
             return error_response(404, f"Not Found: this server forwards only {ALLOWED_PREFIX}*, "
                                        f"{' and '.join(ALLOWED_EXACT)}.")

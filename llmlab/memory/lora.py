@@ -1,0 +1,60 @@
+"""What a LoRA adapter weighs: its own parameters, and the slots vLLM reserves to serve adapters (lesson 17).
+
+Why: an adapter replaces none of the base model's weights; each adapted matrix ``W`` (``out x in``) gains two
+thin ones, ``A`` (``rank x in``) and ``B`` (``out x rank``), and the layer computes ``W x + (alpha / rank) B A x``.
+So an adapter costs ``rank x (in + out)`` parameters per adapted matrix -- a fraction of a percent of the model
+at the ranks people use -- and many adapters fit beside one copy of the base weights.  The engine, for its part,
+keeps ``--max-loras`` slots of ``--max-lora-rank`` on the device for every adaptable layer, whichever adapters
+fill them: that reservation, not the adapters on disk, is what comes out of the KV cache's budget.
+"""
+
+from __future__ import annotations
+
+from llmlab.memory.model import ConfigError, bytes_per_param, model_spec, serve_dtype
+from llmlab.memory.weights import param_count, tensors
+
+# The linear layers of a Llama-family block, by the names Hugging Face and PEFT give them.
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = ATTENTION + MLP
+
+
+def adapted_matrices(model, targets=ALL_LINEAR) -> list[tuple[str, int, int]]:
+    """``(name, out, in)`` of every weight matrix an adapter of ``targets`` adapts: one per target per layer."""
+    targets = tuple(targets)
+    unknown = [t for t in targets if t not in ALL_LINEAR]
+    if unknown or not targets:
+        raise ConfigError(f"LoRA targets {unknown or '(none)'}: name some of {', '.join(ALL_LINEAR)} "
+                          "(the linear layers of a Llama-family block).")
+    spec = model_spec(model)
+    found = [(t.name, *t.shape) for t in tensors(spec)
+             if len(t.shape) == 2 and t.name.rsplit(".", 2)[-2] in targets and ".layers." in t.name]
+    if not found:
+        raise ConfigError(f"{spec.name} has no {', '.join(targets)} matrices llmlab knows (an MoE's experts or "
+                          "MLA's projections are named otherwise): LoRA arithmetic covers dense Llama-family blocks.")
+    return found
+
+
+def lora_params(model, rank: int, targets=ALL_LINEAR) -> int:
+    """Parameters of one adapter of ``rank``: ``rank x (in + out)`` for each adapted matrix."""
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank={rank!r}: a LoRA rank is a whole number of at least 1 (8 and 16 are common).")
+    return sum(rank * (n_in + n_out) for _, n_out, n_in in adapted_matrices(model, targets))
+
+
+def lora_bytes(model, rank: int, targets=ALL_LINEAR, dtype: str | None = None) -> int:
+    """Bytes of one adapter's weights in ``dtype`` (default: the model's serving dtype)."""
+    return int(lora_params(model, rank, targets) * bytes_per_param(serve_dtype(model, dtype)))
+
+
+def lora_slots_bytes(model, max_loras: int, max_rank: int, targets=ALL_LINEAR, dtype: str | None = None) -> int:
+    """What the engine reserves for ``--max-loras`` adapters of up to ``--max-lora-rank``: a slot of the full
+    rank for every adapted matrix, ``max_loras`` times, whether or not an adapter fills it."""
+    if not isinstance(max_loras, int) or max_loras < 1:
+        raise ValueError(f"max_loras={max_loras!r}: the engine holds at least 1 adapter slot (--max-loras).")
+    return max_loras * lora_bytes(model, max_rank, targets, dtype)
+
+
+def lora_share(model, rank: int, targets=ALL_LINEAR) -> float:
+    """One adapter's parameters as a fraction of the base model's."""
+    return lora_params(model, rank, targets) / param_count(model)

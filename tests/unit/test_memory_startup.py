@@ -28,16 +28,29 @@ PROBED = [("h100-llama3.1-8b-tp1", "llama3.1-8b", "H100-80", 1, 1),
           ("h100-gpt-oss-20b-tp1", "gpt-oss-20b", "H100-80", 1, 1)]
 
 
+# (run, model, gpu, tp): the held-out runs of a mixture of experts whose kv-held-out.json holds the probe's bytes
+MOE_PROBED = [("h200-qwen3-30b-a3b-tp1", "qwen3-30b-a3b", "H200-141", 1),
+              ("h100x2-qwen3-30b-a3b-tp2", "qwen3-30b-a3b", "H100-80", 2)]
+
+
 def _probe(run: str) -> dict:
-    return json.loads((RESULTS / run / "rehearsal.json").read_text())["memory_probe"][0]
+    if (RESULTS / run / "rehearsal.json").exists():
+        return json.loads((RESULTS / run / "rehearsal.json").read_text())["memory_probe"][0]
+    return json.loads((RESULTS / run / "kv-held-out.json").read_text())["probe"][0]
 
 
-# The two held-out runs of a mixture of experts (qwen3-30b-a3b, on one H200 and on two H100s; issue 39) missed: the
-# model predicted +1.07 % and +1.75 % too many KV tokens, mostly because the profile run's activation peak of this
-# MoE is about 630 MiB above the model's (gpt-oss-20b, the MoE it was fitted on, is within 1 %).  Every dense run,
-# the two dense held-out runs included, is within 1 %.  A model that fixes the MoE peak needs new held-out runs.
-MOE_HELD_OUT_MISSES = [f"{run}/server-log-excerpt.txt"
-                       for run in ("h100x2-qwen3-30b-a3b-tp2", "h200-qwen3-30b-a3b-tp1")]
+# The first two held-out runs of a mixture of experts (qwen3-30b-a3b, on one H200 and on two H100s; issue 39)
+# missed: +1.07 % and +1.75 % too many KV tokens, the profile run's activation peak 630 MiB above that model's (it
+# left out the fused-MoE workspace and the sampler's Triton buffer).  The model now counts them from vLLM's source
+# and fits its MoE constants on those two runs and gpt-oss, so they are fit data, no longer held out; their
+# original predictions and misses stay in kv-before-launch-held-out.json, and new held-out runs check the model.
+MOE_HELD_OUT_MISSES = ["h100x2-qwen3-30b-a3b-tp2", "h200-qwen3-30b-a3b-tp1"]
+
+# The held-out MoE runs made after the model above (predictions of 2026-11-27T12:35:50Z, runs 12:37-12:42 UTC)
+NEW_MOE_HELD_OUT = ["h200-qwen3-30b-a3b-tp1-util50-batched-16k", "h200-qwen3-30b-a3b-tp1-util50-seqs-256"]
+
+# Committed runs the model misses by 1 % or more (a held-out run that missed stays here, never refitted away)
+TABLE_MISSES: list[str] = []
 
 
 def test_the_committed_table_is_what_todays_model_predicts_and_every_run_is_within_one_percent():
@@ -51,7 +64,9 @@ def test_the_committed_table_is_what_todays_model_predicts_and_every_run_is_with
     assert {(r["tp"], r["pp"]) for r in rows} == {(1, 1), (2, 1), (1, 2)}
     assert {"fp8"} == {r["flags"].get("quantization") for r in rows} - {None}
     misses = [r["run"] for r in rows if abs(r["error"]) >= 0.01]
-    assert misses == committed["misses"] == MOE_HELD_OUT_MISSES, [r for r in rows if abs(r["error"]) >= 0.01]
+    assert misses == committed["misses"] == TABLE_MISSES, [r for r in rows if abs(r["error"]) >= 0.01]
+    moe = [r for r in rows if r["runner"] == "v1"]
+    assert {r["model"] for r in moe} >= {"gpt-oss-20b", "qwen3-30b-a3b"} and {r["tp"] for r in moe} == {1, 2}
     assert committed["largest_error"] == max(abs(r["error"]) for r in rows)
 
 
@@ -73,15 +88,59 @@ def test_each_reserved_term_against_the_probes_bytes(run, model, card, tp, pp):
     assert pred.total_bytes == p["total"] and pred.requested_bytes == p["requested"]
     weights_off = pred.weights_per_stage[0] - p["weights"]
     peak_off = pred.activation_peak_per_stage[0] - p["activation_peak"]
-    if model == "gpt-oss-20b":  # MXFP4 experts: vLLM's kernel layout takes 218 MiB more than the checkpoint's bytes
+    if model == "gpt-oss-20b":  # MXFP4 experts: vLLM's kernel layout takes 202 MiB more than the checkpoint's bytes
         assert -240 * MiB < weights_off < -200 * MiB
-        assert abs(peak_off) < 160 * MiB  # the older runner's sampler warm-up, counted from vLLM's source
-        assert pred.cuda_graph_bytes == p["cudagraph_estimate"]  # fitted on this run
+        assert abs(peak_off) < 1 * MiB  # the older runner's profile peak: vLLM's source plus V1_PEAK_EXTRA
+        assert abs(pred.cuda_graph_bytes - p["cudagraph_estimate"]) <= 16 * MiB
+        assert abs(pred.non_torch_bytes - p["non_torch"]) <= 4 * MiB
     else:
         assert -30 * MiB < weights_off <= 0
         assert abs(peak_off) < (2 * MiB if run in startup.FITTED["activation peak (ACT_PER_MLP, ACT_PER_HIDDEN)"]
                                 else 150 * MiB)
         assert pred.non_torch_bytes == p["non_torch"] and pred.cuda_graph_bytes == 0
+
+
+@pytest.mark.parametrize("run,model,card,tp", MOE_PROBED, ids=[p[0] for p in MOE_PROBED])
+def test_the_moe_profile_peak_is_vllms_workspace_and_sampler_to_the_megabyte(run, model, card, tp):
+    """qwen3-30b-a3b's probe (the same peak at TP=1 and TP=2, to the byte): Triton's MoE workspace (512 MiB, as
+    2 x intermediate / TP <= hidden at both), the sampler's float32 logits and Triton buffer, the held hidden
+    states, and the fitted 34 MiB; weights, non-torch and the CUDA-graph estimate within their fits."""
+    p, pred = _probe(run), m.predict_kv_before_launch(model, card, tp, max_model_len=40960)
+    assert pred.total_bytes == p["total"] and pred.requested_bytes == p["requested"]
+    assert abs(pred.activation_peak_per_stage[0] - p["activation_peak"]) < 1 * MiB
+    assert -3 * MiB < pred.weights_per_stage[0] - p["weights"] <= 0
+    assert abs(pred.non_torch_bytes - p["non_torch"]) <= 4 * MiB
+    assert abs(pred.cuda_graph_bytes - p["cudagraph_estimate"]) <= 16 * MiB
+    assert abs(pred.kv_budget_per_stage[0] - p["available_kv"]) < 0.001 * p["available_kv"]
+
+
+def test_the_moe_workspace_follows_tritons_shapes():
+    """workspace13 = M x top_k x max(I/TP, K), workspace2 = M x top_k x max(2I/TP, K), in bf16 (qwen3-30b-a3b:
+    I = 768, K = 2,048, top_k = 8); none for gpt-oss's monolithic MXFP4 kernel; linear in the batched tokens."""
+    assert startup.moe_workspace_bytes("qwen3-30b-a3b", 1, 8192) == 2 * 8192 * 8 * 2048 * 2 == 512 * MiB
+    assert startup.moe_workspace_bytes("qwen3-30b-a3b", 2, 8192) == 512 * MiB
+    assert startup.moe_workspace_bytes("qwen3-30b-a3b", 1, 16384) == 1024 * MiB
+    mixtral = 8192 * 2 * 14_336 * 2 + 8192 * 2 * 2 * 14_336 * 2  # experts wider than hidden: the workspace shrinks
+    assert startup.moe_workspace_bytes("mixtral-8x7b", 1, 8192) == mixtral
+    assert startup.moe_workspace_bytes("mixtral-8x7b", 2, 8192) == mixtral // 2
+    assert startup.moe_workspace_bytes("gpt-oss-20b", 1, 8192) == 0
+    assert startup.moe_workspace_bytes("llama3.1-8b", 1, 8192) == 0
+
+
+def test_cuda_graph_counts_follow_vllms_capture_sizes():
+    """The committed logs: "PIECEWISE=51 (largest=512), FULL=51" for qwen3-30b-a3b, 83 and 83 for gpt-oss-20b."""
+    assert startup.cuda_graph_sizes("qwen3-30b-a3b", 8192, 1024) == (51, 51)
+    assert startup.cuda_graph_sizes("gpt-oss-20b", 8192, 1024) == (83, 83)
+    assert startup.cuda_graph_sizes("qwen3-30b-a3b", 8192, 256) == (51, 35)
+    assert startup.cuda_graph_sizes("qwen3-30b-a3b", 8192, 64) == (19, 11)  # up to 2 x 64 = 128
+    assert startup.cuda_graph_sizes("qwen3-30b-a3b", 300, 1024) == (38, 38)  # 3 + 31 + 256..288 + 300 itself
+
+
+def test_pipeline_stages_other_than_the_last_skip_the_sampler_warm_up():
+    pp2 = m.predict_kv_before_launch("qwen3-30b-a3b", "H200", 1, 2, max_model_len=40960)
+    first, last = pp2.activation_peak_per_stage
+    assert last == m.predict_kv_before_launch("qwen3-30b-a3b", "H200", max_model_len=40960).activation_peak_per_stage[0]
+    assert first < last and first >= startup.moe_workspace_bytes("qwen3-30b-a3b", 1, 8192)
 
 
 def test_the_budget_is_vllms_subtraction_and_the_parts_add_up_to_the_card():
@@ -145,13 +204,39 @@ def test_each_rehearsal_json_keeps_todays_prediction_before_launch(run, model, c
 def test_the_held_out_predictions_were_made_by_todays_model_and_hold_once_run():
     """``kv-before-launch-held-out.json``: predictions committed before their runs.  They must stay what the model
     says (a changed model needs new held-out runs, not edited predictions); a run's logged tokens, once filled in,
-    must be within 1 %."""
+    must be within 1 %.  A run later used for fitting keeps its original prediction and miss, and today's model
+    on it ('refit') must hold."""
     doc = json.loads((RESULTS / "kv-before-launch-held-out.json").read_text())
-    assert len(doc["runs"]) >= 2
-    for r in doc["runs"]:
+    held_out = [r for r in doc["runs"] if "used_for_fitting" not in r]
+    fitted = [r for r in doc["runs"] if "used_for_fitting" in r]
+    assert len(held_out) >= 4 and sorted(r["name"] for r in fitted) == sorted(MOE_HELD_OUT_MISSES)
+    for r in held_out:
         pred = m.predict_kv_before_launch(**r["inputs"])
         assert r["predicted_before_launch"] == pred.kv_tokens and r["reserved_bytes_per_gpu"] == pred.reserved()
-    logged = [r for r in doc["runs"] if r["logged"] is not None]
+    for r in fitted:
+        pred = m.predict_kv_before_launch(**r["inputs"])
+        assert r["refit"]["predicted"] == pred.kv_tokens and r["refit"]["reserved_bytes_per_gpu"] == pred.reserved()
+        assert abs(r["refit"]["predicted"] - r["logged"]) < 0.01 * r["logged"]
+        assert abs(r["predicted_before_launch"] - r["logged"]) >= 0.01 * r["logged"]  # the miss stays recorded
+    logged = [r for r in held_out if r["logged"] is not None]
     within = [r["name"] for r in logged if abs(r["predicted_before_launch"] - r["logged"]) < 0.01 * r["logged"]]
     assert len(within) >= 2 and sorted(r["name"] for r in logged if r["name"] not in within) == \
-        sorted(m.split("/")[0] for m in MOE_HELD_OUT_MISSES)
+        sorted(run.split("/")[0] for run in TABLE_MISSES)
+    # the model of the MoE terms has held-out runs of its own, made after its predictions were written
+    moe = [r for r in logged if r["runner"] == "v1" and r["name"] in within]
+    assert len(moe) >= 2 and all(r["predicted_at"] < r["ran_at"] for r in moe)
+
+
+@pytest.mark.parametrize("run", NEW_MOE_HELD_OUT)
+def test_where_the_new_moe_held_out_runs_differ_from_the_model(run):
+    """The probe's bytes of the held-out MoE runs: the profile peak within 3 MiB (16,384 batched tokens: the
+    workspace doubled to 1 GiB; 256 sequences: the sampler's rows a quarter), weights and non-torch as fitted; the
+    CUDA-graph estimate is the weak term (-94 MiB with 35 FULL graphs instead of 51, see V1_GRAPH_BYTES_PER_LAYER)."""
+    doc = json.loads((RESULTS / "kv-before-launch-held-out.json").read_text())
+    inputs = next(r["inputs"] for r in doc["runs"] if r["name"] == run)
+    p, pred = _probe(run), m.predict_kv_before_launch(**inputs)
+    assert pred.requested_bytes == p["requested"]
+    assert abs(pred.activation_peak_per_stage[0] - p["activation_peak"]) < 3 * MiB
+    assert -3 * MiB < pred.weights_per_stage[0] - p["weights"] <= 0
+    assert abs(pred.non_torch_bytes - p["non_torch"]) <= 4 * MiB
+    assert abs(pred.cuda_graph_bytes - p["cudagraph_estimate"]) < 100 * MiB

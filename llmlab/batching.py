@@ -18,7 +18,9 @@ its ``_count`` over a run is the steps the run took and of its ``_sum`` the toke
 requests the KV pool holds to their end).  At the edges: :func:`send_over_time` (requests arriving over time),
 :func:`static` and :func:`continuous` (the two ways of batching, through :mod:`llmlab.loadtest`), :class:`Sampler`
 (the running and waiting requests over time, through :mod:`llmlab.top`'s readings) and :func:`measure`, which
-puts a run, its counters and its samples together.
+puts a run, its counters and its samples together.  The lesson's workloads, which
+``benchmarks/continuous_batching.py`` sends again for the figures the lesson quotes: :func:`arriving_requests`,
+:func:`short_and_long_requests`, :func:`burst_requests` and :func:`long_requests`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pandas as pd
 
 from llmlab import loadtest, top
@@ -41,7 +44,8 @@ PREEMPTIONS = top.PREEMPTIONS                    # counter: running requests pus
 
 __all__ = ["static_steps", "continuous_steps", "blocks_at_longest", "fit_without_preemption", "counters",
            "difference", "Sampler", "send_over_time", "static", "continuous", "measure",
-           "compare_table", "plot_timeline", "in_flight"]
+           "compare_table", "plot_timeline", "in_flight", "SEED", "arriving_requests", "short_and_long_requests",
+           "burst_requests", "long_requests"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -300,3 +304,50 @@ def plot_timeline(run: dict, ax=None, title: str = ""):
     for a in ax:
         a.grid(alpha=0.3)
     return ax
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. The lesson's workloads: notebook 16 and benchmarks/continuous_batching.py send the same requests
+# --------------------------------------------------------------------------------------------------
+
+SEED = 16  # one generator draws section 1's arrival times and lengths, then section 2's lengths
+
+
+def _drawn(seed: int) -> tuple[list[float], list[int], list[int]]:
+    """Sections 1 and 2's random figures, from one generator in this order: the arrival times and lengths of the
+    requests arriving over time, then the short and long requests' lengths, shuffled."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(0.1, size=16)).round(3).tolist()
+    arriving = rng.integers(16, 193, size=16).tolist()
+    mixed = rng.permutation(rng.integers(8, 33, size=18).tolist() + rng.integers(160, 241, size=6).tolist()).tolist()
+    return arrivals, arriving, mixed
+
+
+def arriving_requests(seed: int = SEED) -> tuple[list[loadtest.Job], list[float]]:
+    """Section 1's sixteen users: each sends one request at a random moment (gaps of 0.1 s on average, drawn from an
+    exponential distribution: about a second and a half in all) and asks for 16 to 192 tokens.  Returns the jobs
+    and each one's arrival time in seconds, for :func:`send_over_time`."""
+    arrivals, lengths, _ = _drawn(seed)
+    jobs = [loadtest.Job(id=i, prompt=f"User {i + 1} asks: how does a server answer many people at once?", max_tokens=m)
+            for i, m in enumerate(lengths)]
+    return jobs, arrivals
+
+
+def short_and_long_requests(seed: int = SEED) -> list[loadtest.Job]:
+    """Section 2's twenty-four requests, like a chat service's: 18 short answers of 8 to 32 tokens and 6 long ones
+    of 160 to 240, in no particular order (drawn after :func:`arriving_requests`'s figures, by the same
+    generator)."""
+    *_, lengths = _drawn(seed)
+    return [loadtest.Job(id=i, prompt=f"Request {i + 1}: tell me a story about the number {i + 1}.", max_tokens=m)
+            for i, m in enumerate(lengths)]
+
+
+def burst_requests() -> list[loadtest.Job]:
+    """Section 3's burst: 24 prompts of 64 random tokens (65 with the start token), 32 answer tokens each."""
+    return loadtest.synthetic_workload(24, input_len=64, output_len=32, seed=16)
+
+
+def long_requests() -> list[loadtest.Job]:
+    """Section 4's six long requests: prompts of 60 random tokens (61 with the start token), 300 answer tokens
+    each, enough to outgrow a small KV pool."""
+    return loadtest.synthetic_workload(6, input_len=60, output_len=300, seed=17)

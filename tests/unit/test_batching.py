@@ -85,6 +85,24 @@ def test_one_block_of_the_pool_is_the_null_block():
         batching.fit_without_preemption(1, 16, 10, 10)
 
 
+# --- the lesson's workloads ---------------------------------------------------------------------------------------
+
+def test_the_lessons_workloads_are_the_ones_its_text_describes():
+    """Notebook 16 and benchmarks/continuous_batching.py send these requests; the lesson quotes their sizes and the
+    fewest steps of section 2, so a changed draw would change its figures."""
+    jobs, arrivals = batching.arriving_requests()
+    lengths = [j.max_tokens for j in jobs]
+    assert len(jobs) == len(arrivals) == 16 and arrivals == sorted(arrivals) and 1 < arrivals[-1] < 2
+    assert all(16 <= m <= 192 for m in lengths) and sum(lengths) == 1_831
+    assert batching.arriving_requests() == (jobs, arrivals)  # the same requests every time
+    mixed = [j.max_tokens for j in batching.short_and_long_requests()]
+    assert sorted(mixed)[:18][-1] <= 32 and 160 <= sorted(mixed)[18] and max(mixed) <= 240 and len(mixed) == 24
+    assert batching.static_steps(mixed, 6) == 534 and batching.continuous_steps(mixed, 6) == 283
+    burst, long = batching.burst_requests(), batching.long_requests()
+    assert [(j.input_len, j.max_tokens) for j in burst] == [(64, 32)] * 24
+    assert [(j.input_len, j.max_tokens) for j in long] == [(60, 300)] * 6
+
+
 # --- the counters, from a recorded scrape -------------------------------------------------------------------------
 
 def test_the_counters_come_from_vllms_own_metric_names(monkeypatch):

@@ -32,6 +32,7 @@ from llmlab.check.kvcache import (  # noqa: F401
 )
 from llmlab.check.loadtest import goodput, job_queue, knee, resumed, tpot_by_hand  # noqa: F401
 from llmlab.check.logprobs import best_choice, prompt_rank  # noqa: F401
+from llmlab.check.lora import adapter_params_70b, adapter_steps, lora_slot_cost  # noqa: F401
 from llmlab.check.memory import (  # noqa: F401
     a100s_for_405b,
     embedded_kv_tokens,

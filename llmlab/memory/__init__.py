@@ -30,6 +30,7 @@ Units: bytes are exact integers; ``GB`` is 10**9 bytes (datasheets, published ta
 """
 
 # The parts (their reading order is the list above); every name stays reachable as llmlab.memory.<name>.
+from llmlab.memory import lora  # noqa: F401  (notebook 17: memory.lora.lora_params and its neighbours, a module)
 from llmlab.memory.fit import Fit, layout_fit  # noqa: F401
 from llmlab.memory.gpus import (  # noqa: F401
     _GPU_ALIASES,

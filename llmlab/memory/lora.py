@@ -19,15 +19,16 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = ATTENTION + MLP
 
 
-def adapted_matrices(model, targets=ALL_LINEAR) -> list[tuple[str, int, int]]:
-    """``(name, out, in)`` of every weight matrix an adapter of ``targets`` adapts: one per target per layer."""
+def adapted_matrices(model, targets=ALL_LINEAR) -> list[tuple[str, int, int, str]]:
+    """``(name, out, in, split)`` of every weight matrix an adapter of ``targets`` adapts: one per target per layer;
+    ``split`` is how tensor parallelism cuts it (``row`` for o_proj and down_proj, by output for the others)."""
     targets = tuple(targets)
     unknown = [t for t in targets if t not in ALL_LINEAR]
     if unknown or not targets:
         raise ConfigError(f"LoRA targets {unknown or '(none)'}: name some of {', '.join(ALL_LINEAR)} "
                           "(the linear layers of a Llama-family block).")
     spec = model_spec(model)
-    found = [(t.name, *t.shape) for t in tensors(spec)
+    found = [(t.name, *t.shape, t.split) for t in tensors(spec)
              if len(t.shape) == 2 and t.name.rsplit(".", 2)[-2] in targets and ".layers." in t.name]
     if not found:
         raise ConfigError(f"{spec.name} has no {', '.join(targets)} matrices llmlab knows (an MoE's experts or "
@@ -39,7 +40,7 @@ def lora_params(model, rank: int, targets=ALL_LINEAR) -> int:
     """Parameters of one adapter of ``rank``: ``rank x (in + out)`` for each adapted matrix."""
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank={rank!r}: a LoRA rank is a whole number of at least 1 (8 and 16 are common).")
-    return sum(rank * (n_in + n_out) for _, n_out, n_in in adapted_matrices(model, targets))
+    return sum(rank * (n_in + n_out) for _, n_out, n_in, _ in adapted_matrices(model, targets))
 
 
 def lora_bytes(model, rank: int, targets=ALL_LINEAR, dtype: str | None = None) -> int:
@@ -47,12 +48,24 @@ def lora_bytes(model, rank: int, targets=ALL_LINEAR, dtype: str | None = None) -
     return int(lora_params(model, rank, targets) * bytes_per_param(serve_dtype(model, dtype)))
 
 
-def lora_slots_bytes(model, max_loras: int, max_rank: int, targets=ALL_LINEAR, dtype: str | None = None) -> int:
-    """What the engine reserves for ``--max-loras`` adapters of up to ``--max-lora-rank``: a slot of the full
-    rank for every adapted matrix, ``max_loras`` times, whether or not an adapter fills it."""
+def lora_slots_bytes(model, max_loras: int, max_rank: int, targets=ALL_LINEAR, dtype: str | None = None,
+                     tp: int = 1) -> int:
+    """What the engine reserves on each GPU for ``--max-loras`` adapters of up to ``--max-lora-rank``: a slot of the
+    full rank for every adapted matrix, ``max_loras`` times, whether or not an adapter fills it.
+
+    With tensor parallelism ``tp``, vLLM cuts one matrix of each pair and keeps the other whole on every GPU
+    (``vllm/lora/layers/``): for a layer split by its output (q, k, v, gate, up) ``B`` is cut and ``A`` whole, for a
+    layer split by its input (o, down) ``A`` is cut and ``B`` whole (``--fully-sharded-loras`` cuts both).  So each
+    GPU holds more than ``1 / tp`` of the slots."""
     if not isinstance(max_loras, int) or max_loras < 1:
         raise ValueError(f"max_loras={max_loras!r}: the engine holds at least 1 adapter slot (--max-loras).")
-    return max_loras * lora_bytes(model, max_rank, targets, dtype)
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r}: tensor parallelism is a whole number of GPUs, at least 1.")
+    if tp == 1:
+        return max_loras * lora_bytes(model, max_rank, targets, dtype)
+    per_gpu = sum(max_rank * (-(-n_in // tp) + n_out) if split == "row" else max_rank * (n_in + -(-n_out // tp))
+                  for _, n_out, n_in, split in adapted_matrices(model, targets))
+    return int(max_loras * per_gpu * bytes_per_param(serve_dtype(model, dtype)))
 
 
 def lora_share(model, rank: int, targets=ALL_LINEAR) -> float:

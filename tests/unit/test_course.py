@@ -2,6 +2,7 @@
 by hand is found."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -84,10 +85,13 @@ def test_workshop_sections_are_read_as_numbers_and_the_room_set_is_the_lessons_t
     assert (first.lesson, first.section_numbers()) == ("01", [1, 2, 3, 4, 7])
     room = c.room_notebooks()
     assert course.HOME in room and "solutions/13_prefix_caching_at_scale.ipynb" in room
-    for ls in c.lessons:  # a lesson that never calls connect() gains nothing from the cluster's server; one that
-        calls = "llmlab.connect(" in (ROOT / ls.notebook).read_text()  # does, even to decide, must run there
+    finds = re.compile(r"llmlab\.connect\(\s*(\)|quiet=)")  # connect() with no URL: the server it finds
+    for ls in c.lessons:  # a lesson that never asks connect() to find a server gains nothing from the cluster's
+        # server (lesson 17 connects only to its own engine, by its URL); one that does, even to decide, must run there
+        cells = json.loads((ROOT / ls.notebook).read_text())["cells"]
+        calls = any(finds.search("".join(cell["source"])) for cell in cells if cell["cell_type"] == "code")
         does = "calls" if calls else "never calls"
-        assert ls.room == calls, f"lesson {ls.number}: room = {ls.room}, but it {does} connect()"
+        assert ls.room == calls, f"lesson {ls.number}: room = {ls.room}, but it {does} connect() without a URL"
 
 
 def test_a_path_that_skips_the_section_defining_a_name_is_a_nameerror_named_by_the_check(tmp_path, capsys):

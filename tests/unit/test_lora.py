@@ -137,3 +137,19 @@ def test_merge_refuses_an_adapter_of_another_model(tmp_path):
 
     with pytest.raises(lora.AdapterError, match="adapts model.layers.9.mlp.up_proj.*another base model"):
         lora.merge(Tiny(), adapter)
+
+
+def test_with_tensor_parallelism_each_gpu_holds_more_than_its_share_of_the_slots():
+    one = mlora.lora_slots_bytes("llama3.1-70b", 8, 16)
+    four = mlora.lora_slots_bytes("llama3.1-70b", 8, 16, tp=4)
+    # per layer, rank 16: q, k, v, gate, up keep A whole and cut B; o and down cut A and keep B whole
+    h, kv, inter = 8192, 1024, 28672
+    whole_a = h * 5                              # the in-width of q, k, v, gate, up
+    cut_b = (h + kv + kv + inter + inter) // 4
+    cut_a, whole_b = (h + inter) // 4, h * 2      # o: in h, out h; down: in 28,672, out h
+    assert four == 8 * 16 * 80 * (whole_a + cut_b + cut_a + whole_b) * 2
+    assert one / 4 < four < one
+    assert mlora.lora_slots_bytes("llama3.1-70b", 8, 16, tp=1) == one
+    with pytest.raises(ValueError, match="whole number of GPUs"):
+        mlora.lora_slots_bytes("llama3.1-70b", 8, 16, tp=0)
+    assert memory.lora is mlora  # reachable as llmlab.memory.lora after `from llmlab import memory`

@@ -30,7 +30,6 @@ import heapq
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pandas as pd
@@ -165,13 +164,7 @@ class Sampler:
 # 3. Sending: over time, static batches, continuous
 # --------------------------------------------------------------------------------------------------
 
-def _in_a_loop(coroutine):
-    """Run ``coroutine`` on a fresh event loop in a worker thread: in a script and in a notebook cell alike."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()
-
-
-def _one_session(records, concurrency: int | None, session: str) -> loadtest.LoadResult:
+def one_session(records, concurrency: int | None, session: str) -> loadtest.LoadResult:
     """Records of several sends as one run: their wall time is the run's, not the sum of theirs."""
     records = list(records)
     for r in records:
@@ -195,8 +188,8 @@ def send_over_time(client, model: str, jobs: list, arrivals: list[float], **samp
         start = time.monotonic()
         return await asyncio.gather(*(arrive(j, a, start) for j, a in zip(jobs, arrivals, strict=True)))
 
-    runs = _in_a_loop(everyone())
-    return _one_session([r for run in runs for r in run.records], len(jobs), "over time").raise_on_failure()
+    runs = loadtest.in_a_loop(everyone())
+    return one_session([r for run in runs for r in run.records], len(jobs), "over time").raise_on_failure()
 
 
 def static(client, model: str, jobs: list, n: int, **sampling) -> loadtest.LoadResult:
@@ -206,7 +199,7 @@ def static(client, model: str, jobs: list, n: int, **sampling) -> loadtest.LoadR
     records = []
     for i in range(0, len(jobs), n):
         records += loadtest.run(client, model, jobs[i:i + n], concurrency=n, **sampling).records
-    return _one_session(records, n, f"static {n}").raise_on_failure()
+    return one_session(records, n, f"static {n}").raise_on_failure()
 
 
 def continuous(client, model: str, jobs: list, n: int, **sampling) -> loadtest.LoadResult:

@@ -189,11 +189,11 @@ def send_mixed(client, counts: dict[str, int], max_tokens: int = 64, prompt: str
         return await asyncio.gather(*(loadtest.run_async(client, model, [prompt] * n, concurrency=n, **sampling)
                                       for model, n in counts.items()))
 
-    runs = batching._in_a_loop(everyone())
+    runs = loadtest.in_a_loop(everyone())
     records = []
     for model, run in zip(counts, runs, strict=True):
         for r in run.records:
             r.id = f"{model}:{r.id}"
         records += run.records
-    return batching._one_session(records, sum(counts.values()), " + ".join(f"{n} {m}" for m, n in counts.items())) \
+    return batching.one_session(records, sum(counts.values()), " + ".join(f"{n} {m}" for m, n in counts.items())) \
         .raise_on_failure()

@@ -23,7 +23,6 @@ import os
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pandas as pd
 
@@ -159,13 +158,6 @@ class _Watch:
         self.thread.join()
 
 
-def _in_a_loop(coroutine):
-    """Run ``coroutine`` to its end on a fresh event loop in a worker thread: this works in a script and in a
-    notebook cell alike (a notebook's kernel already runs a loop of its own in the main thread)."""
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()
-
-
 async def _send_room(client, model, prompts, salts, max_tokens, progress, sampling):
     """One :func:`llmlab.loadtest.run_async` per salt, all at once: a salt travels in the request body, and one
     run sends one body for all its prompts."""
@@ -208,7 +200,7 @@ def run_room(client, model: str, prompts: list[str], salts: list[str], max_token
     sampling = {"temperature": 0, "ignore_eos": True, **sampling}
     before = _scrape(client)
     with _Watch(client) as watch:
-        result = _in_a_loop(_send_room(client, model, prompts, salts, max_tokens, progress, sampling))
+        result = loadtest.in_a_loop(_send_room(client, model, prompts, salts, max_tokens, progress, sampling))
     result.raise_on_failure()
     after = wait_for_request(str(client.base_url), client.api_key, before, len(prompts), timeout=30)
     delta = {k: after[k] - before[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens",
@@ -314,7 +306,7 @@ def itl_while_prompts_arrive(client, model: str, long_prompts: list, decoders: i
     _count(decode_tokens, "decode_tokens", least=2)
     if not long_prompts:
         raise ValueError("give at least one long prompt to arrive while the others decode.")
-    running, arrivals = _in_a_loop(_decode_and_arrive(client, model, decoders, decode_tokens, long_prompts,
+    running, arrivals = loadtest.in_a_loop(_decode_and_arrive(client, model, decoders, decode_tokens, long_prompts,
                                                       secrets.token_urlsafe(32)))
     running.raise_on_failure()
     arrivals.raise_on_failure()

@@ -36,6 +36,7 @@ from llmlab.loadtest.driver import (  # noqa: F401
     _finish,
     _prepare,
     _start_threads,
+    in_a_loop,
     plot_sweep,
     random_prompt,
     repeat,

@@ -124,6 +124,13 @@ def _endpoint(client, sampling: dict) -> tuple[str, dict, dict]:
     return str(client.base_url).rstrip("/"), {"Authorization": f"Bearer {client.api_key}"}, params
 
 
+def in_a_loop(coroutine):
+    """Run ``coroutine`` to its end on a fresh event loop in a worker thread and return its result: this works in a
+    script and in a notebook cell alike (a notebook's kernel already runs a loop of its own in the main thread)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def run(client, model: str, prompts: Iterable, *, concurrency: int = 8, max_tokens: int = 64,
         timeout: float = 60.0, progress: bool = True, save: str | Path | None = None, resume: bool = False,
         on_record: Callable[[Record], None] | None = None, **sampling) -> LoadResult:

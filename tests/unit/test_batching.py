@@ -8,30 +8,17 @@ real engine (the running batch against ``--max-num-seqs``, preemptions on a tiny
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from check_helpers import not_yet, right
 
 from llmlab import batching, check
 from llmlab.loadtest import LoadResult, Record
 from llmlab.serve.metrics import parse_prometheus
 
 RECORDED = (Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "0.32.0" / "metrics.txt").read_text()
-
-
-def not_yet(fn, *args, hint: str) -> None:
-    with pytest.raises(check.NotYet, match=re.escape(hint)) as e:
-        fn(*args)
-    assert str(e.value).startswith("Not yet: ")
-
-
-def right(capsys, fn, *args) -> str:
-    fn(*args)
-    out = capsys.readouterr().out
-    assert out.startswith("Right: ") and out.count("\n") == 1, out
-    return out
 
 
 # --- the arithmetic -----------------------------------------------------------------------------------------------

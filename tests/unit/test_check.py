@@ -10,34 +10,18 @@ expected answer and are exercised by the solutions' nbval run.
 from __future__ import annotations
 
 import math
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+from check_helpers import not_yet, right
 
 from llmlab import check, cluster, memory, offline, quantization, rehearse
 
 SPEC_405B = memory.model_spec("llama3.1-405b")
 MESSAGE_405B = SPEC_405B.hidden_size * 2  # one token's hidden state in bf16
-
-
-def not_yet(fn, *args, hint: str, **kwargs) -> None:
-    """``fn(*args)`` raises NotYet, whose message starts with "Not yet:" and contains ``hint``."""
-    with pytest.raises(check.NotYet, match=re.escape(hint)) as e:
-        fn(*args, **kwargs)
-    assert str(e.value).startswith("Not yet: ")
-    assert isinstance(e.value, AssertionError)  # an unsolved exercise fails nbval loudly
-
-
-def right(capsys, fn, *args, **kwargs) -> str:
-    """``fn(*args)`` passes and prints one line starting with "Right:"; returns it."""
-    fn(*args, **kwargs)
-    out = capsys.readouterr().out
-    assert out.startswith("Right: ") and out.count("\n") == 1, out
-    return out
 
 
 # --- notebook 01: memory arithmetic ------------------------------------------------------------------------------

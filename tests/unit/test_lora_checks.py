@@ -7,25 +7,10 @@ Pure (no engine); tests/unit/test_lora.py tests the library itself and tests/eng
 
 from __future__ import annotations
 
-import re
-
-import pytest
+from check_helpers import not_yet, right
 
 from llmlab import batching, check, memory
 from llmlab.memory import lora as mlora
-
-
-def not_yet(fn, *args, hint: str) -> None:
-    with pytest.raises(check.NotYet, match=re.escape(hint)) as e:
-        fn(*args)
-    assert str(e.value).startswith("Not yet: ")
-
-
-def right(capsys, fn, *args) -> str:
-    fn(*args)
-    out = capsys.readouterr().out
-    assert out.startswith("Right: ") and out.count("\n") == 1, out
-    return out
 
 
 def test_adapter_params_70b(capsys):

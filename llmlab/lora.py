@@ -89,8 +89,12 @@ def read(path, name: str | None = None) -> Adapter:
         raise AdapterError(f"{config_file}: r={rank!r} and lora_alpha={alpha!r} must be positive numbers "
                            "(r a whole one).")
     targets = config.get("target_modules") or []
-    with safe_open(weights, "pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
+    try:
+        with safe_open(weights, "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (no iter)
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) for a file it cannot read
+        raise AdapterError(f"{weights} is not a readable safetensors file ({e}): copy or save the adapter "
+                           "again.") from None
     bad = [k for k, s in shapes.items() if ("lora_A" in k and s[0] != rank) or ("lora_B" in k and s[1] != rank)]
     if bad:
         raise AdapterError(f"{weights}: {len(bad)} matrices are not of rank r={rank} (e.g. {bad[0]} "
@@ -107,6 +111,9 @@ def serve_args(adapters: dict | None = None, max_loras: int = 2, max_rank: int |
     """The ``vllm serve`` flags that serve ``adapters`` (``{name: folder}``; default: the shipped ones) beside the
     base model: one ``--lora-modules`` per adapter, ``--max-loras`` slots of ``--max-lora-rank`` (default: the
     largest rank among them; vLLM's own default, 16, would reserve twice the memory of rank-8 adapters)."""
+    if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
+        raise AdapterError(f"max_loras={max_loras!r}: the engine needs at least 1 adapter slot (--max-loras), "
+                           "a whole number.")
     adapters = shipped() if adapters is None else adapters
     if not adapters:
         raise AdapterError("No adapter to serve: pass {name: folder}, or reinstall llmlab for the shipped ones.")

@@ -75,6 +75,10 @@ def test_folders_vllm_would_refuse_are_said_before_an_engine_starts(tmp_path):
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "r": 16}))
     with pytest.raises(lora.AdapterError, match="not of rank r=16.*different adapters"):
         lora.read(adapter)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    (adapter / "adapter_model.safetensors").write_bytes(b"half a file")
+    with pytest.raises(lora.AdapterError, match="not a readable safetensors file.*save the adapter again"):
+        lora.read(adapter)
 
 
 def test_serve_args_name_each_adapter_and_the_largest_rank():
@@ -86,6 +90,8 @@ def test_serve_args_name_each_adapter_and_the_largest_rank():
         lora.serve_args(max_rank=4)
     with pytest.raises(lora.AdapterError, match="No adapter to serve"):
         lora.serve_args({})
+    with pytest.raises(lora.AdapterError, match="at least 1 adapter slot"):
+        lora.serve_args(max_loras=0)
 
 
 def test_voice_counts_the_marker_words_of_each_voice():

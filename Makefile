@@ -42,8 +42,9 @@ exercises: install
 # The three tiers (tests/unit, tests/engine, tests/cluster) + every notebook and solution under nbval, in two
 # pytest sessions at once, each with its own LLMLAB_HOME and embedded server: most of one session's time a core
 # waits (an engine's start imports vLLM on one core; a SLURM job sleeps in the test bed), so two lanes use the
-# machine's two (27.7 min in one session, 20.3 in two, on CI's kind of machine; 17.8 min on a clean clone of
-# 2026-11-27, lanes 17:40 and 16:34, once test_slurm's and test_share's own jobs were folded into others).  Each line
+# machine's two (27.7 min in one session, 20.3 in two, on CI's kind of machine; on clean clones of 2026-11-27,
+# lanes 17:40 and 16:34 once test_slurm's and test_share's own jobs were folded into others, then 17:25 and 16:56
+# with lesson 17 and its tests, 19.7 min with the install from pip's cache).  Each line
 # says its lane; each lane prints its own summary and durations.  The executed notebooks land in build/executed/
 # (make book reads them); then no lesson may print an exercise's answer: a number an answer cell of solutions/
 # printed, in its lesson's outputs.

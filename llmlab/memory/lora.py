@@ -36,36 +36,38 @@ def adapted_matrices(model, targets=ALL_LINEAR) -> list[tuple[str, int, int, str
     return found
 
 
-def lora_params(model, rank: int, targets=ALL_LINEAR) -> int:
-    """Parameters of one adapter of ``rank``: ``rank x (in + out)`` for each adapted matrix."""
+def lora_params(model, rank: int, targets=ALL_LINEAR, tp: int = 1) -> int:
+    """Parameters of one adapter of ``rank``: ``rank x (in + out)`` for each adapted matrix.
+
+    With tensor parallelism ``tp``, what each GPU holds: vLLM cuts one matrix of each pair and keeps the other whole
+    on every GPU (``vllm/lora/layers/``): for a layer split by its output (q, k, v, gate, up) ``B`` is cut and ``A``
+    whole, for a layer split by its input (o, down) ``A`` is cut and ``B`` whole (``--fully-sharded-loras`` cuts
+    both).  So each GPU holds more than ``1 / tp`` of an adapter."""
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank={rank!r}: a LoRA rank is a whole number of at least 1 (8 and 16 are common).")
-    return sum(rank * (n_in + n_out) for _, n_out, n_in, _ in adapted_matrices(model, targets))
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r}: tensor parallelism is a whole number of GPUs, at least 1.")
+
+    def cut(n: int) -> int:
+        return -(-n // tp)
+
+    return sum(rank * (cut(n_in) + n_out if split == "row" else n_in + cut(n_out))
+               for _, n_out, n_in, split in adapted_matrices(model, targets))
 
 
-def lora_bytes(model, rank: int, targets=ALL_LINEAR, dtype: str | None = None) -> int:
-    """Bytes of one adapter's weights in ``dtype`` (default: the model's serving dtype)."""
-    return int(lora_params(model, rank, targets) * bytes_per_param(serve_dtype(model, dtype)))
+def lora_bytes(model, rank: int, targets=ALL_LINEAR, dtype: str | None = None, tp: int = 1) -> int:
+    """Bytes of one adapter's weights in ``dtype`` (default: the model's serving dtype), on each of ``tp`` GPUs."""
+    return int(lora_params(model, rank, targets, tp) * bytes_per_param(serve_dtype(model, dtype)))
 
 
 def lora_slots_bytes(model, max_loras: int, max_rank: int, targets=ALL_LINEAR, dtype: str | None = None,
                      tp: int = 1) -> int:
     """What the engine reserves on each GPU for ``--max-loras`` adapters of up to ``--max-lora-rank``: a slot of the
-    full rank for every adapted matrix, ``max_loras`` times, whether or not an adapter fills it.
-
-    With tensor parallelism ``tp``, vLLM cuts one matrix of each pair and keeps the other whole on every GPU
-    (``vllm/lora/layers/``): for a layer split by its output (q, k, v, gate, up) ``B`` is cut and ``A`` whole, for a
-    layer split by its input (o, down) ``A`` is cut and ``B`` whole (``--fully-sharded-loras`` cuts both).  So each
-    GPU holds more than ``1 / tp`` of the slots."""
+    full rank for every adapted matrix, ``max_loras`` times, whether or not an adapter fills it (with ``tp``, each
+    GPU's share of a slot is :func:`lora_params`'s)."""
     if not isinstance(max_loras, int) or max_loras < 1:
         raise ValueError(f"max_loras={max_loras!r}: the engine holds at least 1 adapter slot (--max-loras).")
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp={tp!r}: tensor parallelism is a whole number of GPUs, at least 1.")
-    if tp == 1:
-        return max_loras * lora_bytes(model, max_rank, targets, dtype)
-    per_gpu = sum(max_rank * (-(-n_in // tp) + n_out) if split == "row" else max_rank * (n_in + -(-n_out // tp))
-                  for _, n_out, n_in, split in adapted_matrices(model, targets))
-    return int(max_loras * per_gpu * bytes_per_param(serve_dtype(model, dtype)))
+    return max_loras * lora_bytes(model, max_rank, targets, dtype, tp)
 
 
 def lora_share(model, rank: int, targets=ALL_LINEAR) -> float:

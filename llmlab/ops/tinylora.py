@@ -58,25 +58,23 @@ def load_corpus(name: str, sword_dir: Path | None = None) -> list[str]:
     return [p.lstrip("¶ ").strip() for p in paras]
 
 
-class LoRALinear:
-    """Factory of the adapted layer, kept in a function so that torch is imported only when training."""
+def adapted(linear, rank: int, alpha: int, gen):
+    """``linear`` with an adapter beside it: ``W x + (alpha / rank) B A x``, with ``A`` small and random and ``B``
+    zeros, so that training starts from the base model exactly."""
+    import torch
 
-    @staticmethod
-    def wrap(linear, rank: int, alpha: int, gen):
-        import torch
+    class Adapted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base, self.scale = linear, alpha / rank
+            self.lora_A = torch.nn.Parameter(torch.randn(rank, linear.in_features, generator=gen)
+                                             / math.sqrt(linear.in_features))
+            self.lora_B = torch.nn.Parameter(torch.zeros(linear.out_features, rank))
 
-        class Adapted(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.base, self.scale = linear, alpha / rank
-                self.lora_A = torch.nn.Parameter(torch.randn(rank, linear.in_features, generator=gen)
-                                                 / math.sqrt(linear.in_features))
-                self.lora_B = torch.nn.Parameter(torch.zeros(linear.out_features, rank))
+        def forward(self, x):
+            return self.base(x) + (x @ self.lora_A.T @ self.lora_B.T) * self.scale
 
-            def forward(self, x):
-                return self.base(x) + (x @ self.lora_A.T @ self.lora_B.T) * self.scale
-
-        return Adapted()
+    return Adapted()
 
 
 def add_adapters(model, gen) -> dict:
@@ -88,7 +86,7 @@ def add_adapters(model, gen) -> dict:
         for part in (block.self_attn, block.mlp):
             for name in LORA["targets"]:
                 if hasattr(part, name):
-                    layer = LoRALinear.wrap(getattr(part, name), LORA["rank"], LORA["alpha"], gen)
+                    layer = adapted(getattr(part, name), LORA["rank"], LORA["alpha"], gen)
                     setattr(part, name, layer)
                     kind = "self_attn" if part is block.self_attn else "mlp"
                     layers[f"base_model.model.model.layers.{i}.{kind}.{name}"] = layer
@@ -110,13 +108,6 @@ def save_adapter(layers: dict, out_dir: Path) -> None:
               "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
               "use_rslora": False, "use_dora": False}
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def lr_at(step: int) -> float:
-    if step < TRAIN["warmup"]:
-        return TRAIN["lr"] * (step + 1) / TRAIN["warmup"]
-    progress = (step - TRAIN["warmup"]) / max(1, TRAIN["steps"] - TRAIN["warmup"])
-    return TRAIN["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def train(name: str, out_dir: Path, sword_dir: Path | None = None, steps: int | None = None) -> dict:
@@ -144,7 +135,7 @@ def train(name: str, out_dir: Path, sword_dir: Path | None = None, steps: int | 
     t0 = time.time()
     for step in range(recipe["steps"]):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = tm.lr_at(step, recipe)
         loss = tm.lm_loss(model, *tm.batches(train_data, gen))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -171,10 +162,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.names:
         if name not in CORPORA:
             parser.error(f"no adapter {name!r}: choose from {', '.join(CORPORA)}")
-        tmp = Path(tempfile.mkdtemp(prefix=f"llmlab-lora-{name}-"))
-        train(name, tmp, steps=args.steps)
-        shutil.rmtree(args.out / name, ignore_errors=True)
-        shutil.copytree(tmp, args.out / name)
+        with tempfile.TemporaryDirectory(prefix=f"llmlab-lora-{name}-") as tmp:
+            train(name, Path(tmp), steps=args.steps)
+            shutil.rmtree(args.out / name, ignore_errors=True)
+            shutil.copytree(tmp, args.out / name)
         (args.out / name).chmod(0o755)  # mkdtemp's 0700 and 0600 would follow the files into the package
         for f in (args.out / name).iterdir():
             f.chmod(0o644)

@@ -142,12 +142,14 @@ def encode(fast, paras: list[str]):
     return torch.tensor(ids, dtype=torch.long)
 
 
-def lr_at(step: int) -> float:
-    """Linear warm-up, then cosine decay to 10 % of the peak."""
-    if step < TRAIN["warmup"]:
-        return TRAIN["lr"] * (step + 1) / TRAIN["warmup"]
-    progress = (step - TRAIN["warmup"]) / max(1, TRAIN["steps"] - TRAIN["warmup"])
-    return TRAIN["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+def lr_at(step: int, recipe: dict | None = None) -> float:
+    """Linear warm-up, then cosine decay to 10 % of the peak (``recipe``'s ``lr``, ``warmup`` and ``steps``; default
+    the tiny model's :data:`TRAIN`)."""
+    r = recipe or TRAIN
+    if step < r["warmup"]:
+        return r["lr"] * (step + 1) / r["warmup"]
+    progress = (step - r["warmup"]) / max(1, r["steps"] - r["warmup"])
+    return r["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def batches(data, gen):

@@ -24,6 +24,21 @@ the per-repeat ratios), TTFT p99 within 25 %: the median of the per-repeat ratio
 the repeats, and the p99 of all repeats' requests pooled, each tool's with ``loadtest.bootstrap_interval`` and
 the ratio's interval from resampling both.  Each level is written to ``--out`` as soon as it is measured.
 
+The server's view (issue 39: llmlab's TTFT p50 at 8 and 64 in flight was 11-17 % below vLLM's tool's, unexplained):
+``/metrics`` is scraped just before and just after each tool's run, so the difference of the two
+``vllm:time_to_first_token_seconds`` histograms is the server's TTFT of that run's requests alone -- from the moment
+vLLM's front end took the request in (0.26: ``arrival_time`` in its renderer's ``render_cmpl_async``, after the
+HTTP request was read and parsed, before the prompt is tokenized) to the one its output loop handled the first token
+(``IterationStats.update_from_output``: before that token was detokenized, streamed and read).  The clients' clocks
+(``vllm bench serve``'s and llmlab's ``_Timer``) start before ``session.post`` and stop when the first event with
+``choices`` has been read and parsed, so a client's TTFT minus the server's is what the client and HTTP add.
+Its mean (the difference of ``_sum`` over that of ``_count``) is exact; its p50 is interpolated inside a bucket (vLLM
+0.26's edges are 20, 40, 60, 80, 100 and 250 ms around these figures), so it is as coarse as that bucket, which is said
+beside it; the shares of requests at or below each edge compare client and server without interpolating.
+Each run's requests seen by the server are counted beside those sent (``vllm bench serve`` 0.26 sends no ready-check
+request: ``--ready-check-timeout-sec`` is 0 by default).
+``parity-server-ttft.json`` and ``.txt`` hold each tool's TTFT beside the server's, level by level.
+
     python benchmarks/loadtest_parity_on_gpu.py --base-url http://127.0.0.1:8000/v1 --model llama3.1-8b \\
         --tokenizer MODEL_DIR --repeats 8 --out DIR
     # on the lent machines: benchmarks/kv_held_out_on_gpu.py ... --parity "..." starts the server first
@@ -48,12 +63,13 @@ from pathlib import Path
 from loadtest_vs_vllm_bench import guidellm_run, llmlab_figures, vllm_bench, vllm_bench_args, vllm_figures
 
 import llmlab
-from llmlab import loadtest
+from llmlab import kvcache, loadtest
+from llmlab.serve.metrics import Histogram, histogram
 
 VLLM = "vllm bench serve"
 GOALS = {"output_tokens_per_s": 0.05, "tpot_p50": 0.05, "ttft_p50": 0.10, "ttft_p99": 0.25}
 KEEP = ("requests_per_s", "output_tokens_per_s", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "itl_p50",
-        "latency_p50", "errors", "client_cpu_s", "max_concurrency_seen")
+        "latency_p50", "errors", "client_cpu_s", "max_concurrency_seen", "ttft_mean")
 DRAWS = 2000
 
 
@@ -122,6 +138,82 @@ def pooled_ratio(ours: list[float], theirs: list[float], seed: int = 1) -> tuple
             float(np.percentile(ratios, 97.5)))
 
 
+def server_ttft(base_url: str, api_key: str) -> Histogram:
+    """The server's TTFT histogram now (all engines); scrapes before and after a run give its requests'."""
+    return histogram(kvcache.fetch_metrics(base_url, api_key, timeout=30.0), kvcache.TTFT)
+
+
+def server_view(seen: Histogram) -> dict:
+    """One run's requests as the server timed them (``seen``: after - before), in ms: the exact mean, the p50
+    interpolated inside its bucket (whose edges go along), and the cumulative count at each finite edge."""
+    p50, bucket = seen.quantile(0.5), seen.bucket_of(0.5)
+    return {"requests": round(seen.count), "mean": 1000 * seen.mean if seen.count else None,
+            "p50": None if p50 is None else 1000 * p50,
+            "p50_bucket": None if bucket is None else [round(1000 * bucket[0], 3), round(1000 * bucket[1], 3)],
+            "at_or_below": {f"{1000 * le:g}": round(n) for le, n in sorted(seen.buckets.items()) if le != float("inf")}}
+
+
+def server_summary(runs: dict[str, list[dict]]) -> dict:
+    """Each tool's TTFT beside the server's for the same requests, medians over the repeats (ms): p50s (the
+    server's interpolated, with the buckets it fell in), means (the server's exact), the per-repeat difference of
+    the means (what the client adds to each request on average: set-up, HTTP, tokenizing, streaming, reading),
+    the share of requests at or below each bucket edge (pooled; the client's from its own TTFTs, so comparable
+    edge by edge without interpolation), and the server's mean against its mean for vllm bench serve's runs
+    (paired): whether the server itself saw different TTFTs."""
+    out = {}
+    for name, rs in runs.items():
+        rs = [r for r in rs if r.get("server_ttft", {}).get("requests")]
+        if not rs:
+            continue
+        med = statistics.median
+        counts = {}
+        for r in rs:
+            for edge, n in r["server_ttft"]["at_or_below"].items():
+                counts[edge] = counts.get(edge, 0) + n
+        served = sum(r["server_ttft"]["requests"] for r in rs)
+        mine = [t for r in rs for t in r["ttfts"]]
+        shares = {edge: {"server": n / served, "client": sum(t <= float(edge) for t in mine) / len(mine)}
+                  for edge, n in counts.items() if 0 < n < served}
+        out[name] = {
+            "repeats": len(rs), "requests_sent": [len(r["ttfts"]) for r in rs],
+            "requests_seen_by_server": [r["server_ttft"]["requests"] for r in rs],
+            "client_p50": med(r["ttft_p50"] for r in rs), "server_p50": med(r["server_ttft"]["p50"] for r in rs),
+            "server_p50_buckets": sorted({tuple(r["server_ttft"]["p50_bucket"]) for r in rs}),
+            "client_mean": med(r["ttft_mean"] for r in rs), "server_mean": med(r["server_ttft"]["mean"] for r in rs),
+            "client_minus_server_mean": med(r["ttft_mean"] - r["server_ttft"]["mean"] for r in rs),
+            "client_minus_server_mean_runs": [round(r["ttft_mean"] - r["server_ttft"]["mean"], 2) for r in rs],
+            "share_at_or_below_ms": shares}
+    for name, row in out.items():
+        if name != VLLM:  # repeat i with vLLM's repeat i, as compare() pairs them (a failed GuideLLM run ends its list)
+            pairs = [(a["server_ttft"]["mean"], b["server_ttft"]["mean"])
+                     for a, b in zip(runs[name], runs.get(VLLM, []), strict=False)
+                     if a.get("server_ttft", {}).get("requests") and b.get("server_ttft", {}).get("requests")]
+            if pairs:
+                row["server_mean_vs_vllm_runs"] = statistics.median(a / b for a, b in pairs)
+    return out
+
+
+def describe_server(label: str, summary: dict) -> list[str]:
+    lines = [f"--- {label}: TTFT (ms), each tool's against the server's for its own requests (/metrics "
+             "before and after each run; server p50 interpolated inside its bucket, server mean exact)",
+             f"{'':24}{'client p50':>11}{'server p50':>11}{'  (bucket)':14}{'client mean':>12}{'server mean':>12}"
+             f"{'client-server':>14}{'srv mean/vllm':>14}  requests seen/sent"]
+    for name, s in summary.items():
+        buckets = "(" + ",".join(f"{lo:g}-{hi:g}" for lo, hi in s["server_p50_buckets"]) + ")"
+        ratio = s.get("server_mean_vs_vllm_runs")
+        lines.append(f"{name:24}{s['client_p50']:11.2f}{s['server_p50']:11.2f}  {buckets:12}{s['client_mean']:12.2f}"
+                     f"{s['server_mean']:12.2f}{s['client_minus_server_mean']:14.2f}"
+                     f"{'' if ratio is None else f'{ratio:.3f}':>14}  {sum(s['requests_seen_by_server'])}/"
+                     f"{sum(s['requests_sent'])}")
+    edges = sorted({e for s in summary.values() for e in s["share_at_or_below_ms"]}, key=float)
+    if edges:
+        lines.append("share of requests at or below each edge, server / client: " + "; ".join(
+            f"{e} ms: " + ", ".join(f"{n} {s['share_at_or_below_ms'][e]['server']:.2f}/"
+                                    f"{s['share_at_or_below_ms'][e]['client']:.2f}"
+                                    for n, s in summary.items() if e in s["share_at_or_below_ms"]) for e in edges))
+    return lines
+
+
 def compare(runs: dict[str, list[dict]]) -> dict:
     """Each tool against vllm bench serve: paired ratios (median, interval over repeats) and the pooled TTFT p99."""
     out = {}
@@ -180,10 +272,14 @@ def describe(label: str, level: dict) -> list[str]:
 def summarize_level(level: dict, runs: dict[str, list[dict]]) -> dict:
     """A level's medians, pooled TTFT p99s and comparison with vllm bench serve, from its tools' runs."""
     runs = {k: v for k, v in runs.items() if v}
-    return {**level, "median": {name: {k: statistics.median(r[k] for r in rs) for k in KEEP if k in rs[0]}
-                                for name, rs in runs.items()},
-            "pooled_ttft_p99": {name: pooled_p99([t for r in rs for t in r["ttfts"]]) for name, rs in runs.items()},
-            "vs_vllm": compare(runs), "runs": runs}
+    out = {**level, "median": {name: {k: statistics.median(r[k] for r in rs) for k in KEEP if k in rs[0]}
+                               for name, rs in runs.items()},
+           "pooled_ttft_p99": {name: pooled_p99([t for r in rs for t in r["ttfts"]]) for name, rs in runs.items()},
+           "vs_vllm": compare(runs), "runs": runs}
+    server = server_summary(runs)
+    if server:
+        out["server_ttft"] = server
+    return out
 
 
 def reanalyse(path: Path, drop_first: int) -> list[str]:
@@ -197,6 +293,8 @@ def reanalyse(path: Path, drop_first: int) -> list[str]:
         runs = {name: rs[drop_first:] for name, rs in level["runs"].items()}
         again = summarize_level({**level, "repeats": level["repeats"] - drop_first}, runs)
         lines += describe(label, again)
+        if "server_ttft" in again:
+            lines += describe_server(label, again["server_ttft"])
     return lines
 
 
@@ -227,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--guidellm-timeout", type=int, default=150, help="seconds one GuideLLM run may take")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no level after this many seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-server-ttft", action="store_true",
+                    help="do not scrape /metrics around each run (the server's TTFT histogram)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -247,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     text: list[str] = []
+    server_text: list[str] = []
+    server_doc = {k: doc[k] for k in ("server", "gpu", "cpus", "date")} | {
+        "about": "each tool's TTFT (ms) beside the server's vllm:time_to_first_token_seconds for the same requests: "
+                 "the difference of /metrics scrapes just before and after each run; the server's p50 is "
+                 "interpolated inside its bucket, its mean (sum / count) is exact", "levels": {}}
     work = Path(tempfile.mkdtemp(prefix="llmlab-parity-"))
     guide_levels = {int(c) for c in a.guidellm_levels.split(",") if c} if a.guidellm else set()
     if a.guidellm:  # its run under `timeout`: a GuideLLM that hangs must not spend the machine's time
@@ -305,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in order if i % 2 == 0 else order[::-1]:
                 if name == "guidellm" and guide_error:
                     continue
+                before = None if a.no_server_ttft else server_ttft(a.base_url, a.api_key)
                 t0, cpu0 = time.perf_counter(), cpu_time()
                 try:
                     figures = tools[name](i)
@@ -315,11 +421,18 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"guidellm failed, left out from here on: {guide_error}", flush=True)
                     continue
                 figures["client_cpu_s"] = cpu_time() - cpu0
+                if before is not None:  # every first token of the run was counted long before its last token
+                    figures["server_ttft"] = server_view(server_ttft(a.base_url, a.api_key) - before)
+                figures["ttft_mean"] = statistics.fmean(figures["ttfts"]) if figures["ttfts"] else float("nan")
                 figures["ttfts"] = [round(t, 2) for t in figures["ttfts"]]
-                runs[name].append({k: figures[k] for k in (*KEEP, "ttfts") if k in figures})
+                runs[name].append({k: figures[k] for k in (*KEEP, "ttfts", "server_ttft") if k in figures})
+                seen = figures.get("server_ttft")
                 print(f"  {label} repeat {i + 1}/{a.repeats}: {name:24} {figures['output_tokens_per_s']:8.0f} tok/s "
                       f"TTFT p50 {figures['ttft_p50']:7.1f} p99 {figures['ttft_p99']:7.1f} ms, TPOT p50 "
-                      f"{figures['tpot_p50']:6.2f} ms ({time.perf_counter() - t0:.1f} s)", flush=True)
+                      f"{figures['tpot_p50']:6.2f} ms ({time.perf_counter() - t0:.1f} s)"
+                      + (f"; server: TTFT mean {seen['mean']:.1f} (client {figures['ttft_mean']:.1f}), p50 "
+                         f"{seen['p50']:.1f} ms in {seen['p50_bucket']}, {seen['requests']} requests"
+                         if seen and seen["requests"] else ""), flush=True)
         level = summarize_level({"kind": kind, "value": value, "requests": n, "repeats": a.repeats,
                                  "input_len": a.input_len, "output_len": a.output_len,
                                  "seconds": round(time.monotonic() - t_level, 1)}, runs)
@@ -330,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(describe(label, level)), flush=True)
         (a.out / "parity.json").write_text(json.dumps(doc, indent=1) + "\n")
         (a.out / "parity.txt").write_text("\n".join(text) + "\n")
+        if "server_ttft" in level:
+            server_doc["levels"][label] = level["server_ttft"]
+            server_text += describe_server(label, level["server_ttft"])
+            print("\n".join(describe_server(label, level["server_ttft"])), flush=True)
+            (a.out / "parity-server-ttft.json").write_text(json.dumps(server_doc, indent=1) + "\n")
+            (a.out / "parity-server-ttft.txt").write_text("\n".join(server_text) + "\n")
     if guide_error:
         doc["guidellm_error"] = guide_error
     (a.out / "parity.json").write_text(json.dumps(doc, indent=1) + "\n")

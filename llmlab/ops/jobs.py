@@ -471,21 +471,12 @@ def server_info(job_id: str) -> ServerInfo:
 def histogram_quantile(metrics, name: str, q: float) -> float | None:
     """The ``q`` quantile of a Prometheus histogram (buckets summed over engines), interpolated inside the
     bucket as Prometheus' ``histogram_quantile`` does; None without observations."""
-    buckets: dict[float, float] = {}
-    for s in metrics[name + "_bucket"]:
-        le = float(s.labels["le"])
-        buckets[le] = buckets.get(le, 0.0) + s.value
-    edges = sorted(buckets)
-    if not edges or buckets[edges[-1]] == 0:
+    from llmlab.serve.metrics import histogram
+
+    try:
+        return histogram(metrics, name).quantile(q)
+    except KeyError:
         return None
-    rank, lower, below = q * buckets[edges[-1]], 0.0, 0.0
-    for le in edges:
-        if buckets[le] >= rank:
-            if le == float("inf"):
-                return lower
-            return lower + (le - lower) * (rank - below) / max(buckets[le] - below, 1e-12)
-        lower, below = le, buckets[le]
-    return lower
 
 
 def metrics(job_id: str, interval: float = 2.0) -> dict:

@@ -3,11 +3,13 @@
 Why here: notebook 02 reads the KV-cache counters, ``llmlab metrics`` a job's figures, the version tests every
 release's metric names -- all from one scrape.  The parser is our own (about 30 lines, no dependency) and
 strict: a malformed line raises ``ValueError`` naming it rather than being skipped.  ``llmlab.kvcache``
-re-exports these names for the lesson.
+re-exports these names for the lesson.  ``histogram`` reads one histogram of a scrape; two scrapes' difference is
+what the server observed between them (``llmlab metrics``' quantiles, the GPU parity benchmark's server-side TTFT).
 """
 
 from __future__ import annotations
 
+import math
 import re
 import urllib.error
 import urllib.request
@@ -111,6 +113,71 @@ class Metrics:
             raise KeyError(f"expected one sample of {name!r}, found {len(found)}")
         return dict(found[0].labels)
 
+
+@dataclass(frozen=True)
+class Histogram:
+    """One Prometheus histogram of a scrape, its series summed (e.g. over engines): ``buckets`` maps each upper
+    edge (``le``, ``math.inf`` for ``+Inf``) to the cumulative count of observations at or below it.
+
+    Why a type: a histogram's counters only grow, so what happened between two scrapes is ``after - before``
+    (the same edges, every count and the sum subtracted) -- e.g. the server's TTFT of one client's run.  Its mean
+    (``sum / count``) is exact; a quantile is interpolated inside its bucket, so it is only as fine as the bucket
+    it falls in (``bucket_of`` says which)."""
+
+    buckets: dict[float, float]
+    sum: float = 0.0
+    count: float = 0.0
+
+    def __sub__(self, before: Histogram) -> Histogram:
+        if set(before.buckets) != set(self.buckets):
+            raise ValueError("the two histograms have different bucket edges: they are not two scrapes of one "
+                             "metric of one server")
+        return Histogram({le: n - before.buckets[le] for le, n in self.buckets.items()}, self.sum - before.sum,
+                         self.count - before.count)
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count else None
+
+    def bucket_of(self, q: float) -> tuple[float, float] | None:
+        """(lower, upper) edge of the bucket holding the ``q`` quantile; None without observations."""
+        edges = sorted(self.buckets)
+        if not edges or self.buckets[edges[-1]] <= 0:
+            return None
+        rank, lower = q * self.buckets[edges[-1]], 0.0
+        for le in edges:
+            if self.buckets[le] >= rank:
+                return lower, le
+            lower = le
+        return lower, edges[-1]
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile, interpolated linearly inside its bucket as Prometheus' ``histogram_quantile``
+        does (the lower edge if it falls in ``+Inf``'s); None without observations."""
+        bucket = self.bucket_of(q)
+        if bucket is None:
+            return None
+        lower, upper = bucket
+        if upper == math.inf:
+            return lower
+        total = self.buckets[max(self.buckets)]
+        below = self.buckets.get(lower, 0.0)
+        return lower + (upper - lower) * (q * total - below) / max(self.buckets[upper] - below, 1e-12)
+
+
+def histogram(metrics: Metrics, name: str, **labels) -> Histogram:
+    """The histogram ``name`` (without ``_bucket``) of a scrape, its series whose labels include ``labels`` summed;
+    a scrape without it is an error that names the histograms it has."""
+    buckets: dict[float, float] = {}
+    for s in metrics[name + "_bucket"]:
+        if all(s.labels.get(k) == str(v) for k, v in labels.items()):
+            le = float(s.labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + s.value
+    if not buckets:
+        have = sorted(n.removesuffix("_bucket") for n in metrics.names if n.endswith("_bucket"))
+        raise KeyError(f"no histogram {name!r} in this scrape (it has {', '.join(have) or 'none'})")
+    return Histogram(buckets, metrics.value(name + "_sum", default=0.0, **labels),
+                     metrics.value(name + "_count", default=0.0, **labels))
 
 
 def metrics_url(base_url: str) -> str:

@@ -9,6 +9,7 @@ tests/engine/test_kvcache.py (the tests that start the real engine).
 """
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from llmlab import kvcache as kc
 from llmlab import memory
 
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 TINY_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=640, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                   tie_word_embeddings=True, rms_norm_eps=1e-5)
@@ -184,6 +186,49 @@ def test_kv_snapshot_and_delta():
     assert d["prefix_cache_queries"] == 400.0 and d["prefix_cache_hits"] == 384.0
     assert d["ttft_sum"] == pytest.approx(0.05) and d["kv_cache_usage"] == 0.0
 
+
+
+def test_a_histogram_between_two_scrapes_is_their_difference_with_an_exact_mean_and_a_bucketed_p50():
+    """vLLM 0.26's real TTFT histogram (the committed fixture), then 40 more requests, 10 at or below 20 ms and 30 in
+    (20, 40] ms, taking 1 s in all: what a benchmark reads for its own run (benchmarks/loadtest_parity_on_gpu.py)."""
+    from llmlab.serve.metrics import histogram
+
+    first = kc.parse_prometheus((FIXTURES / "vllm" / "0.26.0" / "metrics.txt").read_text())
+    before = histogram(first, kc.TTFT)
+    assert (before.count, before.buckets[0.02], before.buckets[0.04], before.buckets[math.inf]) == (160, 12, 51, 160)
+
+    def grown(s: kc.Sample) -> kc.Sample:
+        if s.name == kc.TTFT + "_bucket":
+            le = float(s.labels["le"])
+            return kc.Sample(s.name, s.labels, s.value + (0 if le < 0.02 else 10 if le < 0.04 else 40))
+        add = {kc.TTFT + "_count": 40, kc.TTFT + "_sum": 1.0}.get(s.name, 0)
+        return kc.Sample(s.name, s.labels, s.value + add)
+
+    run = histogram(kc.Metrics([grown(s) for s in first.samples], first.types), kc.TTFT) - before
+    assert run.count == 40 and run.mean == pytest.approx(0.025)          # 1 s / 40: exact
+    assert run.buckets[0.01] == 0 and run.buckets[0.02] == 10 and run.buckets[0.04] == 40 == run.buckets[math.inf]
+    assert run.bucket_of(0.5) == (0.02, 0.04)                           # the 20th of 40 is in (20, 40] ms
+    assert run.quantile(0.5) == pytest.approx(0.02 + 0.02 * (20 - 10) / 30)  # interpolated, as Prometheus does
+    assert run.quantile(0.25) == pytest.approx(0.02)
+
+
+def test_a_histogram_sums_its_engines_and_says_what_it_lacks():
+    from llmlab.serve.metrics import Histogram, histogram
+
+    m = kc.parse_prometheus('h_bucket{engine="0",le="0.1"} 1\nh_bucket{engine="0",le="+Inf"} 2\n'
+                            'h_bucket{engine="1",le="0.1"} 3\nh_bucket{engine="1",le="+Inf"} 3\n'
+                            'h_sum{engine="0"} 0.5\nh_sum{engine="1"} 0.1\n'
+                            'h_count{engine="0"} 2\nh_count{engine="1"} 3\n')
+    h = histogram(m, "h")
+    assert h == Histogram({0.1: 4.0, math.inf: 5.0}, pytest.approx(0.6), 5.0)
+    assert histogram(m, "h", engine=1).buckets == {0.1: 3.0, math.inf: 3.0}
+    assert h.quantile(0.9) == 0.1 and h.bucket_of(0.9) == (0.1, math.inf)  # beyond the last finite edge: that edge
+    empty = h - h
+    assert empty.mean is None and empty.quantile(0.5) is None and empty.bucket_of(0.5) is None
+    with pytest.raises(KeyError, match="no histogram 'x'.*it has h"):
+        histogram(m, "x")
+    with pytest.raises(ValueError, match="different bucket edges"):
+        h - Histogram({0.2: 1.0, math.inf: 1.0})
 
 def test_blocks_in_use_inverts_vllms_usage_gauge():
     # vLLM: usage = 1 - free / (num_gpu_blocks - 1); 4 blocks held of 4,096 (one is the null block)

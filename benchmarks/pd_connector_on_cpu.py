@@ -14,20 +14,15 @@ cached (loaded, not computed), and whether its greedy answer equals the producer
 """
 
 import argparse
-import json
+import shutil
 import tempfile
 from pathlib import Path
 
 import llmlab
-from llmlab import engines, memory
+from llmlab import disagg, engines, memory
 
 PROMPTS = ["In the beginning God created the heavens and the earth. " * 12,
            "And the king said to his servants, go and bring me the scroll that is in the house. " * 9]
-
-
-def connector(role: str, folder: Path) -> list[str]:
-    return ["--kv-transfer-config", json.dumps({"kv_connector": "ExampleConnector", "kv_role": role,
-                                                "kv_connector_extra_config": {"shared_storage_path": str(folder)}})]
 
 
 def ask(srv, max_tokens: int) -> list:
@@ -40,10 +35,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     args = ap.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="llmlab-kv-"))
-    with engines.start(connector("kv_producer", folder), progress=False) as producer:
+    with engines.start(disagg.connector_args("kv_producer", folder), progress=False) as producer:
         ask(producer, 1)                       # the prefill: the KV cache is written to the folder
         reference = ask(producer, args.max_tokens)  # the producer's own greedy answers, to compare with
-    with engines.start(connector("kv_consumer", folder), progress=False) as consumer:
+    with engines.start(disagg.connector_args("kv_consumer", folder), progress=False) as consumer:
         decoded = ask(consumer, args.max_tokens)
     per_token, block = memory.kv_bytes_per_token("llmlab-tiny", dtype="float32"), memory.CPU_BLOCK_SIZE
     for ref, got in zip(reference, decoded, strict=True):
@@ -57,6 +52,7 @@ def main() -> None:
         files = sorted(d.iterdir())
         print(f"{d.name}: {len(files)} files (a layer each), {sum(f.stat().st_size for f in files):,} bytes with "
               f"their safetensors headers; {files[0].name}: {files[0].stat().st_size:,}")
+    shutil.rmtree(folder)
 
 
 if __name__ == "__main__":

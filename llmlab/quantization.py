@@ -26,6 +26,7 @@ from llmlab import memory
 from llmlab.logprobs import prompt_table, token_records
 from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.paths import RESULTS_DIR
+from llmlab.serve.vllm import COLOUR
 
 FP8_KV = ("--kv-cache-dtype", "fp8")
 # A device-to-device copy on the course's H100 (80GB HBM3), read + write: the bandwidth a decode step can use,
@@ -189,7 +190,6 @@ def logged_kv_tokens(log_path: Path | str) -> int:
     return memory.parse_kv_log(Path(log_path).read_text(errors="replace"))["tokens"]
 
 
-_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # vLLM colours its log when it thinks it writes to a terminal
 _PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(ERROR \S+ \S+ \[[^\]]+\] )?")
 _ERROR = re.compile(r"^([\w.]*(Error|Exception): |Value error, )")
 
@@ -199,7 +199,7 @@ def error_lines(log_text: str) -> list[str]:
     the first is usually the root cause, the later ones the processes that gave up because of it."""
     out: list[str] = []
     for line in log_text.splitlines():
-        text = _PREFIX.sub("", _COLOUR.sub("", line)).strip()
+        text = _PREFIX.sub("", COLOUR.sub("", line)).strip()
         if _ERROR.match(text) and text not in out:
             out.append(text)
     return out

@@ -217,6 +217,21 @@ PHASES = [
 WEIGHTS_LOADED = PHASES[2][0]
 
 
+COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # vLLM colours its log when it thinks it writes to a terminal
+_LINE = re.compile(r"^(?:\((?P<process>\w+) pid=\d+\) )?(?:[A-Z]+ \S+ \S+ \[(?P<source>[^\]:]+)[^\]]*\] )?")
+
+
+def log_messages(text: str, source: str = "") -> list[tuple[str, str]]:
+    """A vLLM log's lines as ``(process, message)``, without colour or the process, level and time prefix; with
+    ``source``, only those logged from that file of vLLM's (``"example_connector.py"``)."""
+    out = []
+    for line in COLOUR.sub("", text).splitlines():
+        m = _LINE.match(line)
+        if not source or m["source"] == source:
+            out.append((m["process"] or "", line[m.end():]))
+    return out
+
+
 def phases_seen(text: str, phases: list = PHASES) -> list[str]:
     """The start-up phases (of the table ``phases``) a vLLM log has reached, in order."""
     return [label for marker, label in phases if marker.search(text)]

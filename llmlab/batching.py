@@ -128,9 +128,13 @@ def difference(before: dict, after: dict) -> dict:
 
 class Sampler:
     """Scrape a server's ``/metrics`` every ``every`` seconds in a thread, keeping :mod:`llmlab.top`'s points
-    (running and waiting requests, KV-cache use, the counters) until the ``with`` block ends."""
+    (running and waiting requests, KV-cache use, the counters) until the ``with`` block ends.
 
-    def __init__(self, client, every: float = 0.1):
+    ``every=None``: a scrape at the start and one at the end only.  On two cores the scrapes compete with the client
+    and the engine's front end: lesson 16's continuous run scraped every 0.1 s took 530 steps, unwatched 324 (medians
+    of 3 rounds, ``benchmarks/results/cpu-continuous-batching/``), so a run whose point is its steps goes unwatched."""
+
+    def __init__(self, client, every: float | None = 0.1):
         self.top = top.Top(top.target(client), size=100_000)
         self.every = every
         self._stop = threading.Event()
@@ -143,12 +147,14 @@ class Sampler:
 
     def __enter__(self) -> Sampler:
         self.top.sample()
-        self._thread.start()
+        if self.every is not None:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         self.top.sample()
 
     @property
@@ -209,7 +215,7 @@ def continuous(client, model: str, jobs: list, n: int, **sampling) -> loadtest.L
     return loadtest.run(client, model, jobs, concurrency=n, **sampling).raise_on_failure()
 
 
-def measure(client, send, *args, every: float = 0.1, **kwargs) -> dict:
+def measure(client, send, *args, every: float | None = 0.1, **kwargs) -> dict:
     """``send(*args, **kwargs)`` (one of the senders above) while a :class:`Sampler` watches the server, and its
     counters around it.  Returns ``{"result", "summary", "delta" (the counters' differences), "sampler",
     "alone"}``; ``alone``: the server generated exactly this run's tokens meanwhile, so its counters are this
@@ -251,7 +257,8 @@ def in_flight(result: loadtest.LoadResult) -> float:
 
 def compare_table(runs: dict[str, dict]) -> pd.DataFrame:
     """One row per :func:`measure` result: wall time, output tokens/s, TTFT, TPOT and latency (p50), the engine's
-    steps and tokens per step, the most requests running and waiting at one scrape, and preemptions."""
+    steps and tokens per step, the most requests running and waiting at one scrape (none for a run measured with
+    ``every=None``), and preemptions."""
     def scaled(value, factor=1.0):  # a percentile of no sample (e.g. TPOT of one-token answers) is None
         return math.nan if value is None else value * factor
 
@@ -262,7 +269,8 @@ def compare_table(runs: dict[str, dict]) -> pd.DataFrame:
                       "TTFT p50 (ms)": scaled(s["ttft_p50"], 1e3), "TPOT p50 (ms)": scaled(s["tpot_p50"], 1e3),
                       "latency p50 (s)": scaled(s["latency_p50"]),
                       "engine steps": d["steps"], "tokens/step": d["step_tokens"] / d["steps"] if d["steps"] else 0,
-                      "peak running": run["sampler"].peak("running"), "peak waiting": run["sampler"].peak("waiting"),
+                      **{f"peak {g}": math.nan if run["sampler"].every is None else run["sampler"].peak(g)
+                         for g in ("running", "waiting")},
                       "preemptions": d["preemptions"]}
     return pd.DataFrame(rows).T.round({"wall (s)": 2, "output tok/s": 0, "TTFT p50 (ms)": 0, "TPOT p50 (ms)": 1,
                                        "latency p50 (s)": 2, "tokens/step": 1})
@@ -333,6 +341,10 @@ def short_and_long_requests(seed: int = SEED) -> list[loadtest.Job]:
     *_, lengths = _drawn(seed)
     return [loadtest.Job(id=i, prompt=f"Request {i + 1}: tell me a story about the number {i + 1}.", max_tokens=m)
             for i, m in enumerate(lengths)]
+
+
+# Sections 3 and 4's second engine: at most 8 running, 256 tokens a step, a KV pool of 12 blocks of 128 tokens.
+SMALL_ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--num-gpu-blocks-override", "12"]
 
 
 def burst_requests() -> list[loadtest.Job]:

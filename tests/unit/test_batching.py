@@ -162,12 +162,12 @@ def test_recomputed_tokens(capsys):
 
 # --- reading a run: the table and the picture, from made-up records and scrapes ----------------------------------
 
-def made_up_run(preemptions: int = 0) -> dict:
+def made_up_run(preemptions: int = 0, every: float | None = 0.1) -> dict:
     from llmlab import top
 
     result = records((10.0, 11.0), (10.2, 12.0), (10.4, 11.5))
     sampler = SimpleNamespace(points=[top.Point(t=10.0 + i / 10, running=min(i, 3), waiting=max(0, 2 - i))
-                                      for i in range(20)])
+                                      for i in range(20)], every=every)
     sampler.peak = lambda name: int(max(getattr(p, name) for p in sampler.points))
     delta = {"steps": 40, "step_tokens": 100, "preemptions": preemptions, "generated": 12, "finished": 3}
     return {"result": result, "summary": result.summary(), "delta": delta, "sampler": sampler, "alone": True}
@@ -180,6 +180,12 @@ def test_the_table_has_one_row_per_run_with_the_engines_steps_and_the_peaks():
     assert table.loc["a", "peak running"] == 3 and table.loc["a", "peak waiting"] == 2
     assert table.loc["b", "preemptions"] == 2 and table.loc["a", "wall (s)"] == 2.0
     assert table["TPOT p50 (ms)"].isna().all()  # answers of one timed token each: no TPOT, a gap not a crash
+
+
+def test_a_run_measured_unwatched_has_no_peaks_rather_than_the_two_edge_scrapes():
+    table = batching.compare_table({"unwatched": made_up_run(every=None)})
+    assert table[["peak running", "peak waiting"]].isna().all(axis=None)
+    assert table.loc["unwatched", "engine steps"] == 40  # the counters, read before and after, are all there
 
 
 def test_the_timeline_draws_a_bar_pair_per_request_and_the_two_gauges():

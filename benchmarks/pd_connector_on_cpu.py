@@ -40,6 +40,8 @@ def main() -> None:
         reference = ask(producer, args.max_tokens)  # the producer's own greedy answers, to compare with
     with engines.start(disagg.connector_args("kv_consumer", folder), progress=False) as consumer:
         decoded = ask(consumer, args.max_tokens)
+        client, _ = llmlab.connect(consumer.base_url, consumer.api_key, quiet=True)
+        sources = disagg.by_source(client)  # vllm:prompt_tokens_by_source, the consumer's own count
     per_token, block = memory.kv_bytes_per_token("llmlab-tiny", dtype="float32"), memory.CPU_BLOCK_SIZE
     for ref, got in zip(reference, decoded, strict=True):
         n = got.usage.prompt_tokens
@@ -48,6 +50,7 @@ def main() -> None:
               f"({per_token:,} per token); the consumer loaded {got.usage.prompt_tokens_details.cached_tokens} "
               f"and computed {n - got.usage.prompt_tokens_details.cached_tokens}; same greedy answer as the "
               f"producer: {got.choices[0].text == ref.choices[0].text}")
+    print(f"the consumer's prompt tokens by source (vllm:prompt_tokens_by_source): {sources}")
     for d in sorted(folder.iterdir()):
         files = sorted(d.iterdir())
         print(f"{d.name}: {len(files)} files (a layer each), {sum(f.stat().st_size for f in files):,} bytes with "

@@ -208,11 +208,36 @@ def error_lines(log_text: str) -> list[str]:
 def startup_errors(extra_args, log_path: Path | str | None = None, **kwargs) -> list[str]:
     """Start an embedded server with ``extra_args``; if it fails, return the :func:`error_lines` of its log, and
     if it starts, stop it and return [] (it supports what was asked)."""
+    return _first_errors({"": EmbeddedServer(extra_args=list(extra_args), log_path=log_path, **kwargs)})[""]
+
+
+def startup_errors_each(arg_lists, **kwargs) -> dict[str, list[str]]:
+    """:func:`startup_errors` of several flag lists, started side by side (each start spends most of its time
+    importing vLLM on one core, so two take little longer than one): ``{"the flags": error lines}``."""
+    return _first_errors({" ".join(a): EmbeddedServer(extra_args=list(a), **kwargs) for a in arg_lists})
+
+
+def _first_errors(servers: dict[str, EmbeddedServer]) -> dict[str, list[str]]:
     from llmlab.serve.info import ServerError
 
-    srv = EmbeddedServer(extra_args=list(extra_args), log_path=log_path, **kwargs)
-    try:
-        with srv:
-            return []
-    except ServerError:
+    def errors(srv) -> list[str]:
         return error_lines(srv.log_path.read_text(errors="replace"))
+
+    found = {}
+    try:
+        for name, srv in servers.items():  # every start first: they import vLLM side by side
+            try:
+                srv.start()
+            except ServerError:
+                found[name] = errors(srv)
+        for name, srv in servers.items():
+            if name not in found:
+                try:
+                    srv.wait_ready()
+                    found[name] = []
+                except ServerError:
+                    found[name] = errors(srv)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    return found

@@ -131,9 +131,10 @@ def cpu_flags(max_model_len: int | None = None) -> list[str]:
 def engine_command(model: Path, name: str, uds: Path, max_model_len: int | None,
                    extra_args: list[str]) -> list[str]:
     """The embedded server's ``vllm serve`` line, listening on the Unix socket ``uds``: :func:`cpu_flags`, and
-    the engine's one worker inside its engine process (``uni``): on one machine with one worker, vLLM's default
-    (``mp``) spawns one more process that imports vLLM again, 9 s of every start, and pins the worker to one core
-    of two.  ``extra_args`` come last, so a flag there wins."""
+    the engine's one worker asked for inside its engine process (``uni``), which spares a process that imports vLLM
+    again.  vLLM 0.32's CPU platform overrides it (``vllm/platforms/cpu.py``: its OpenMP set-up needs the ``mp``
+    worker, spawned), so there every start runs three processes that import vLLM: the API server, the engine core
+    and its worker, most of a start's 30 s on two cores.  ``extra_args`` come last, so a flag there wins."""
     flags = ["--served-model-name", name, "--uds", str(uds), *cpu_flags(max_model_len),
              "--distributed-executor-backend", "uni", *extra_args]
     return vllm_serve(sys.executable, model, flags)

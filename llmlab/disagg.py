@@ -35,15 +35,17 @@ from pathlib import Path
 import pandas as pd
 
 from llmlab import loadtest, memory
+from llmlab.batching import STEPS
 from llmlab.cluster.layouts import IB_GBPS, NVLINK_GBPS
 from llmlab.connection import connect
+from llmlab.kvcache import GENERATED, RUNNING
 from llmlab.replicas import BIND, split_cores
 from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.metrics import fetch_metrics, histogram
 from llmlab.serve.vllm import log_messages
 
 __all__ = ["LINKS", "MATMUL_FLOPS", "ROLES", "connector_args", "Pair", "kept_tokens", "stored", "by_source",
-           "mixed_steps", "gap_counts", "decode_beside_prefills", "beside_table", "kv_bytes", "prefill_flops",
+           "decoder_counts", "decode_beside_prefills", "beside_table", "kv_bytes", "prefill_flops",
            "transfer_table", "break_even_bytes_per_s"]
 
 # Per direction, nominal (bytes/s).  NVLink and one InfiniBand NDR port as lesson 08 counts them
@@ -55,8 +57,6 @@ LINKS = {"NVLink 4 (inside a node)": NVLINK_GBPS * 1e9, "InfiniBand NDR (one por
 MATMUL_FLOPS = 798e12
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vllm:prompt_tokens_by_source
 ROLES = ("kv_producer", "kv_consumer")  # the prefill engine, the decode engine
-STEPS = "vllm:iteration_tokens_total"  # one observation per engine step: the tokens it computed
-RUNNING = "vllm:num_requests_running"  # gauge: requests in the running batch now
 ITL = "vllm:inter_token_latency_seconds"  # one observation per gap between two tokens of a request
 
 
@@ -160,22 +160,23 @@ def stored(folder: Path | str) -> pd.DataFrame:
 def by_source(client) -> dict[str, int]:
     """The engine's prompt tokens so far by where their KV came from (``vllm:prompt_tokens_by_source``): computed
     here, found in its own prefix cache, or loaded through the KV connector."""
-    m = fetch_metrics(str(client.base_url), client.api_key)
+    return _by_source(fetch_metrics(str(client.base_url), client.api_key))
+
+
+def _by_source(m) -> dict[str, int]:
     return {s: int(m.value("vllm:prompt_tokens_by_source_total", default=0.0, source=s)) for s in SOURCES}
 
 
-def mixed_steps(client) -> tuple[int, int]:
-    """``(steps, steps that computed more than one token)`` so far: a decode step of one running answer computes 1
-    token, so a step above 1 on an engine that runs one answer carried prompt tokens beside it."""
+def decoder_counts(client) -> dict:
+    """One scrape of the counters :func:`decode_beside_prefills` compares: engine ``steps`` so far, ``mixed_steps``
+    (those that computed more than one token: a decode step of one running answer computes 1, so a step above 1 on
+    an engine that runs one answer carried prompt tokens beside it), the prompt tokens it ``computed``, and ``gaps``,
+    its histogram of the gaps between a request's tokens (``vllm:inter_token_latency_seconds``, timed inside the
+    engine core, so a slow client cannot blur it: how many fell at or under each bound, in seconds)."""
     m = fetch_metrics(str(client.base_url), client.api_key)
-    steps = m.value(STEPS + "_count", default=0.0)
-    return int(steps), int(steps - m.value(STEPS + "_bucket", default=0.0, le="1.0"))
-
-
-def gap_counts(client) -> pd.Series:
-    """The engine's own histogram of the gaps between a request's tokens so far (``vllm:inter_token_latency_seconds``,
-    timed inside the engine core, so a slow client cannot blur it): how many gaps fell at or under each bound (s)."""
-    return pd.Series(histogram(fetch_metrics(str(client.base_url), client.api_key), ITL).buckets).sort_index()
+    steps = int(m.value(STEPS + "_count", default=0.0))
+    return {"steps": steps, "mixed_steps": steps - int(m.value(STEPS + "_bucket", default=0.0, le="1.0")),
+            "computed": _by_source(m)["local_compute"], "gaps": pd.Series(histogram(m, ITL).buckets).sort_index()}
 
 
 def decode_beside_prefills(decoder, prefiller, *, answer_tokens: int = 300, prompts: int = 4,
@@ -186,22 +187,26 @@ def decode_beside_prefills(decoder, prefiller, *, answer_tokens: int = 300, prom
     another (disaggregated).  The prompts fit one step together (4 x 481 tokens under
     the CPU build's 2,048-token budget): the ExampleConnector cannot store a prompt split over steps.
 
-    Returns the decoder's own counts (``steps``; ``mixed_steps``, those that computed more than one token;
-    ``computed``, the prompt tokens it computed; ``gaps``, how many of the answer's gaps between tokens fell in each
-    range, from :func:`gap_counts`), the answer's client record and each prompt's seconds to its one token."""
+    Returns what the decoder's :func:`decoder_counts` grew by meanwhile (``gaps``: the answer's gaps per range), the
+    answer's client record and each prompt's seconds to its one token."""
     (dec, model), (pre, _) = decoder, prefiller
     answer = loadtest.synthetic_workload(1, input_len=16, output_len=answer_tokens, seed=seed)
     long = loadtest.synthetic_workload(prompts, input_len=prompt_tokens, output_len=1, seed=seed + 1)
-    steps, gaps, computed = mixed_steps(dec), gap_counts(dec), by_source(dec)["local_compute"]
+    before = decoder_counts(dec)
+    generated = fetch_metrics(str(dec.base_url), dec.api_key).value(GENERATED, default=0.0)
 
     def prefill(job):
         t = time.perf_counter()
         pre.completions.create(model=model, prompt=job.prompt, max_tokens=1, temperature=0)
         return time.perf_counter() - t
 
+    def started() -> bool:  # running now, or already past its first tokens (a slow scrape can miss it running)
+        m = fetch_metrics(str(dec.base_url), dec.api_key)
+        return m.value(RUNNING, default=0.0) >= 1 or m.value(GENERATED, default=0.0) > generated
+
     def send_prompts():  # once the answer runs (so its own prompt's step is behind it), plus ``delay``
         deadline = time.monotonic() + 30
-        while fetch_metrics(str(dec.base_url), dec.api_key).value(RUNNING, default=0.0) < 1:
+        while not started():
             if time.monotonic() > deadline:
                 raise TimeoutError("the answer never showed as running on the decode engine in 30 s: is it alive?")
             time.sleep(0.02)
@@ -217,10 +222,9 @@ def decode_beside_prefills(decoder, prefiller, *, answer_tokens: int = 300, prom
     thread.join()
     if out.get("error"):
         raise out["error"]
-    after = mixed_steps(dec)
-    return {"steps": after[0] - steps[0], "mixed_steps": after[1] - steps[1],
-            "computed": by_source(dec)["local_compute"] - computed, "gaps": _ranges(gap_counts(dec) - gaps),
-            "answer": record, "prefill_s": out["prefill_s"]}
+    after = decoder_counts(dec)
+    return {**{k: after[k] - before[k] for k in ("steps", "mixed_steps", "computed")},
+            "gaps": _ranges(after["gaps"] - before["gaps"]), "answer": record, "prefill_s": out["prefill_s"]}
 
 
 def beside_table(runs: dict[str, dict]) -> pd.DataFrame:

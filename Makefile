@@ -57,12 +57,13 @@ test: install lint
 	$(BIN)/llmlab exercises --leaks $(EXECUTED)
 
 PYTEST_ALL = --nbval-lax --nbval-current-env -m "not versions and not cluster" --durations=25
-# The lanes, balanced by their measured durations: browser and rehearsal tests ride with the notebooks, and the
-# launcher's unit tests (tests/unit/test_jobs.py, about 25 s) with the servers (lanes of 19:21 and 19:53 on a clean
-# clone of 2026-11-27 with lesson 18, before it moved).
+# The lanes, balanced by their measured durations: the browser tests ride with the notebooks, and the launcher's
+# unit tests (tests/unit/test_jobs.py, about 25 s) and the CPU rehearsal (tests/engine/test_rehearse.py, about 65 s)
+# with the servers (lanes of 19:52 and 20:01 on a clean clone of 2026-11-27, before the rehearsal moved and
+# tests/engine/test_batching.py stopped starting an engine of its own, about 95 s).
 UNIT_ON_SERVERS := tests/unit/test_jobs.py
 LANE_NOTEBOOKS := $(filter-out $(UNIT_ON_SERVERS),$(wildcard tests/unit/test_*.py)) tests/engine/test_browser.py \
-  tests/engine/test_rehearse.py $(NOTEBOOKS)
+  $(NOTEBOOKS)
 LANE_SERVERS := tests/cluster $(UNIT_ON_SERVERS) $(filter-out $(LANE_NOTEBOOKS),$(wildcard tests/engine/test_*.py))
 test-servers: install
 	set -o pipefail; $(BIN)/pytest $(LANE_SERVERS) $(PYTEST_ALL) 2>&1 | sed -u 's/^/[servers] /'

@@ -74,33 +74,42 @@ def test_live_kv_usage_counts_the_blocks_of_the_running_request(live):
 
 @pytest.mark.server
 def test_live_kv_usage_is_not_called_alone_while_another_request_runs(live):
-    """A shared server: another client keeps requests running meanwhile, so the gauge is not this request's.  The
-    reading starts only once the other client streams (CI once read before it was scheduled), and that client sends
-    request after request on two threads until the reading is done (on CI one 8 x 450-token request once ended
-    before it)."""
+    """A shared server: another client keeps requests running meanwhile, so the gauge is not this request's.  That
+    client sends request after request (8 x 450 tokens) on two threads, the second starting once the first is about
+    halfway, so that one is always mid-answer: on CI one request once ended before the reading, and two threads that
+    started together once ended together, the reading falling into their common gap.  The reading starts once both
+    stream."""
     import threading
 
     client, model, _, _ = live
-    streaming, done = threading.Event(), threading.Event()
+    done = threading.Event()
+    streaming = [threading.Event(), threading.Event()]
+    halfway = threading.Event()
 
-    def other():
+    def other(i):
+        if i == 1:
+            while not halfway.wait(0.1):
+                if done.is_set():
+                    return
         while not done.is_set():
             stream = client.completions.create(model=model, prompt="In the beginning", max_tokens=450, n=8,
                                                temperature=1.0, stream=True, extra_body={"ignore_eos": True})
-            for _ in stream:
-                streaming.set()
+            for chunks, _ in enumerate(stream, 1):
+                streaming[i].set()
+                if chunks >= 8 * 225:  # about 225 tokens of each of the 8 answers
+                    halfway.set()
                 if done.is_set():
                     break
             stream.close()
 
-    workers = [threading.Thread(target=other) for _ in range(2)]  # two, so that one always runs between requests
+    workers = [threading.Thread(target=other, args=(i,)) for i in range(2)]
     for worker in workers:
         worker.start()
     try:
-        assert streaming.wait(60), "the other request sent no token"
+        assert all(event.wait(120) for event in streaming), "the other client's requests sent no token"
         reading = kc.usage_while_running(client, model, "And the king said", max_tokens=20, attempts=2)
     finally:
         done.set()
         for worker in workers:
             worker.join()
-    assert not reading["alone"]
+    assert not reading["alone"], reading["tries"]

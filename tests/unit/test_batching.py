@@ -2,8 +2,9 @@
 batching and of a KV pool's fit, the counters read from a recorded ``/metrics`` text, a run's mean batch (Little's
 law), and the exercise checks, each with the right answer and the wrong ones they name.
 
-This file holds the pure tests (no engine, no SLURM, no root, no browser); tests/engine/test_batching.py starts the
-real engine (the running batch against ``--max-num-seqs``, preemptions on a tiny KV pool).
+This file holds the pure tests (no engine, no SLURM, no root, no browser); tests/engine/test_batching.py sends
+the two ways of batching to the real engine, and lesson 16's cells assert its small engine (the running batch against
+``--max-num-seqs``, preemptions on a tiny KV pool).
 """
 
 from __future__ import annotations

@@ -58,9 +58,9 @@ test: install lint
 
 PYTEST_ALL = --nbval-lax --nbval-current-env -m "not versions and not cluster" --durations=25
 # The lanes, balanced by their measured durations: the browser tests ride with the notebooks, and the launcher's
-# unit tests (tests/unit/test_jobs.py, about 25 s) and the CPU rehearsal (tests/engine/test_rehearse.py, about 65 s)
-# with the servers (lanes of 19:52 and 20:01 on a clean clone of 2026-11-27, before the rehearsal moved and
-# tests/engine/test_batching.py stopped starting an engine of its own, about 95 s).
+# unit tests (tests/unit/test_jobs.py, about 25 s) and tests/engine/test_rehearse.py with the servers (lanes of
+# 21:11 and 20:01 on a clean clone of 2026-11-27, before the CPU rehearsal that file ran beside the SLURM one,
+# about 50 s, was folded into tests/cluster/test_jobs.py).
 UNIT_ON_SERVERS := tests/unit/test_jobs.py
 LANE_NOTEBOOKS := $(filter-out $(UNIT_ON_SERVERS),$(wildcard tests/unit/test_*.py)) tests/engine/test_browser.py \
   $(NOTEBOOKS)

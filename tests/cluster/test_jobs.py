@@ -45,7 +45,7 @@ from slurm_helpers import (
 )
 
 import llmlab
-from llmlab import cluster, memory
+from llmlab import cluster, memory, rehearse
 from llmlab.ops import jobs, weights
 from llmlab.serve.info import read_key, servers_dir
 
@@ -382,8 +382,21 @@ def test_launch_rehearse_runs_llmlab_rehearse_in_the_allocation(slurm_env, monke
     record = jobs.launch(jobs.prepare(CPU_JOB, nodes=1, rehearse=True))
     done = jobs.wait(record.job_id, timeout=900, poll=2)
     assert done.state == "STOPPED" and done.detail.startswith("rehearsal done"), str(done)
-    result = json.loads((cluster.job_log_dir(record.job_id) / "rehearsal" / "rehearsal.json").read_text())
-    assert result["model"] == "llmlab-tiny" and result["kv_tokens_predicted"] == result["kv_tokens_logged"]
-    assert "rehearsing llmlab-tiny" in Path(record.output).read_text()
+    folder = cluster.job_log_dir(record.job_id) / "rehearsal"
+    r = json.loads((folder / "rehearsal.json").read_text())
+    assert r["model"] == "llmlab-tiny" and "rehearsing llmlab-tiny" in Path(record.output).read_text()
+    # the rehearsal's own checks (tests/engine/test_rehearse.py ran a second one outside SLURM until 2026-11-27)
+    assert r["kv_tokens_logged"] == r["kv_tokens_predicted"] == r["kv_tokens_predicted_before_start"] == 524_288
+    assert f"CPU KV cache size: {r['kv_tokens_logged']:,} tokens" in (folder / rehearse.LOG_EXCERPT).read_text()
+    issue_keys = ("gpu", "gpu_count", "model", "tp", "pp", "vllm_version", "startup_s", "weights_gib",
+                  "activation_peak_gib", "kv_tokens_logged", "kv_tokens_predicted", "kv_tokens_predicted_before_start",
+                  "bandwidth_tb_s", "roofline_tok_s", "decode_tok_s_batch1", "sweep")
+    assert all(k in r for k in issue_keys), [k for k in issue_keys if k not in r]
+    assert [s["concurrency"] for s in r["sweep"]] == [1, 8, 64]  # llmlab rehearse's default levels
+    assert all(s["ok"] == s["requests"] and s["output_tokens_per_s"] > 0 for s in r["sweep"])
+    assert r["decode_tok_s_batch1"] > 0 and r["bandwidth_tb_s"] > 0 and rehearse.check_math(r) == []
+    assert r["vllm_version"] and r["serve_line"].endswith("--load-format dummy") and r["server_stopped"]
+    assert (folder / "rehearsal.png").stat().st_size > 10_000
+    wait_for(lambda: not job_processes(record.job_id), 60, f"job {record.job_id}'s processes to end")
     with pytest.raises(jobs.JobError, match="A rehearsal runs on one node"):
         jobs.prepare(CPU_JOB, rehearse=True)  # two nodes

@@ -1,5 +1,5 @@
 """llmlab rehearse: the log parser on lines quoted from real GPU runs, the KV and roofline arithmetic, the
-dummy model directory, the serve line, and one real rehearsal end to end on vLLM's CPU engine.
+dummy model directory, the serve line (a whole rehearsal on the CPU engine runs in tests/cluster/test_jobs.py).
 
 This file holds the pure tests (no engine, no SLURM, no root, no browser); the rest are in
 tests/engine/test_rehearse.py (the tests that start the real engine).

@@ -244,6 +244,10 @@ def _generated(client) -> float:
     return fetch_metrics(str(client.base_url), client.api_key).value(GENERATED, default=0.0)
 
 
+class DecodersEnded(RuntimeError):
+    """The decoding requests ended before the long prompts were sent: the round measured nothing."""
+
+
 async def _wait_decoding(client, before: float, tokens: float, running: asyncio.Future, timeout: float = 60.0):
     """Wait until the server has generated ``tokens`` more output tokens than ``before``: the decoders are under
     way.  A counter, not the running-requests gauge: a counter cannot be missed between two scrapes."""
@@ -251,8 +255,8 @@ async def _wait_decoding(client, before: float, tokens: float, running: asyncio.
     deadline = loop.time() + timeout
     while await asyncio.to_thread(_generated, client) - before < tokens:
         if running.done():
-            raise RuntimeError("the decoding requests ended before the long prompts were sent: "
-                               f"{running.result().summary()['errors']} of them failed; ask for more decode_tokens.")
+            raise DecodersEnded("the decoding requests ended before the long prompts were sent: "
+                                f"{running.result().summary()['errors']} of them failed; ask for more decode_tokens.")
         if loop.time() > deadline:
             raise TimeoutError(f"the server did not generate {tokens:.0f} tokens within {timeout:.0f} s: is it "
                                "busy with another client's requests?")
@@ -295,19 +299,30 @@ def gaps_during(decoders, arrivals) -> tuple[list[float], list[float]]:
 
 
 def itl_while_prompts_arrive(client, model: str, long_prompts: list, decoders: int = 8,
-                             decode_tokens: int = 384) -> dict:
+                             decode_tokens: int = 384, tries: int = 3) -> dict:
     """``decoders`` requests decode ``decode_tokens`` tokens each; once they are under way (the server has
     generated 4 tokens per decoder), the ``long_prompts`` arrive one after another (each asking for one token,
     under a fresh salt: no cache hits).
 
     Returns ``{"decoders": LoadResult, "arrivals": LoadResult, "during": gaps overlapping a prefill,
-    "other": the other gaps, "overlapped": arrivals whose prefill fell inside the decoding}``."""
+    "other": the other gaps, "overlapped": arrivals whose prefill fell inside the decoding}``.
+
+    On a loaded machine a busy server may answer one ``/metrics`` scrape only after the decoders have finished (a
+    clean clone's run saw it once, on two cores with another engine starting): such a round measured nothing and
+    is run again, up to ``tries`` times in all, before its sentence is raised."""
     _count(decoders, "decoders")
     _count(decode_tokens, "decode_tokens", least=2)
+    _count(tries, "tries")
     if not long_prompts:
         raise ValueError("give at least one long prompt to arrive while the others decode.")
-    running, arrivals = loadtest.in_a_loop(_decode_and_arrive(client, model, decoders, decode_tokens, long_prompts,
-                                                      secrets.token_urlsafe(32)))
+    for attempt in range(1, tries + 1):
+        try:
+            running, arrivals = loadtest.in_a_loop(_decode_and_arrive(client, model, decoders, decode_tokens,
+                                                                      long_prompts, secrets.token_urlsafe(32)))
+            break
+        except DecodersEnded:
+            if attempt == tries:
+                raise
     running.raise_on_failure()
     arrivals.raise_on_failure()
     last_token = min(token_times(r)[-1] for r in running.ok)

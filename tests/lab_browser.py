@@ -152,7 +152,12 @@ def link(page, text: str, within: str = ""):
 
 
 def _kernel_idle(lab: Lab, name: str) -> bool:
-    sessions = [s for s in lab.api("sessions") if s.get("path", "").endswith(name)]
+    """Whether the kernel of ``name`` is idle; not yet, while JupyterLab's server is too busy to say within its 5 s
+    (a clean clone's run once saw /api/sessions time out while the kernel started): the caller's deadline decides."""
+    try:
+        sessions = [s for s in lab.api("sessions") if s.get("path", "").endswith(name)]
+    except (TimeoutError, urllib.error.URLError):  # a timed-out read, or a timed-out connect
+        return False
     return bool(sessions) and sessions[0]["kernel"]["execution_state"] == "idle"
 
 

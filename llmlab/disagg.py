@@ -170,13 +170,15 @@ def _by_source(m) -> dict[str, int]:
 def decoder_counts(client) -> dict:
     """One scrape of the counters :func:`decode_beside_prefills` compares: engine ``steps`` so far, ``mixed_steps``
     (those that computed more than one token: a decode step of one running answer computes 1, so a step above 1 on
-    an engine that runs one answer carried prompt tokens beside it), the prompt tokens it ``computed``, and ``gaps``,
-    its histogram of the gaps between a request's tokens (``vllm:inter_token_latency_seconds``, timed inside the
-    engine core, so a slow client cannot blur it: how many fell at or under each bound, in seconds)."""
+    an engine that runs one answer carried prompt tokens beside it), the prompt tokens it ``computed``, the answer
+    tokens it ``generated``, and ``gaps``, its histogram of the gaps between a request's tokens
+    (``vllm:inter_token_latency_seconds``, timed inside the engine core, so a slow client cannot blur it: how many
+    fell at or under each bound, in seconds)."""
     m = fetch_metrics(str(client.base_url), client.api_key)
     steps = int(m.value(STEPS + "_count", default=0.0))
     return {"steps": steps, "mixed_steps": steps - int(m.value(STEPS + "_bucket", default=0.0, le="1.0")),
-            "computed": _by_source(m)["local_compute"], "gaps": pd.Series(histogram(m, ITL).buckets).sort_index()}
+            "computed": _by_source(m)["local_compute"], "generated": m.value(GENERATED, default=0.0),
+            "gaps": pd.Series(histogram(m, ITL).buckets).sort_index()}
 
 
 def decode_beside_prefills(decoder, prefiller, *, answer_tokens: int = 300, prompts: int = 4,
@@ -193,7 +195,6 @@ def decode_beside_prefills(decoder, prefiller, *, answer_tokens: int = 300, prom
     answer = loadtest.synthetic_workload(1, input_len=16, output_len=answer_tokens, seed=seed)
     long = loadtest.synthetic_workload(prompts, input_len=prompt_tokens, output_len=1, seed=seed + 1)
     before = decoder_counts(dec)
-    generated = fetch_metrics(str(dec.base_url), dec.api_key).value(GENERATED, default=0.0)
 
     def prefill(job):
         t = time.perf_counter()
@@ -202,7 +203,7 @@ def decode_beside_prefills(decoder, prefiller, *, answer_tokens: int = 300, prom
 
     def started() -> bool:  # running now, or already past its first tokens (a slow scrape can miss it running)
         m = fetch_metrics(str(dec.base_url), dec.api_key)
-        return m.value(RUNNING, default=0.0) >= 1 or m.value(GENERATED, default=0.0) > generated
+        return m.value(RUNNING, default=0.0) >= 1 or m.value(GENERATED, default=0.0) > before["generated"]
 
     def send_prompts():  # once the answer runs (so its own prompt's step is behind it), plus ``delay``
         deadline = time.monotonic() + 30

@@ -126,9 +126,12 @@ def jupyterlab(notebooks: list[str] = (), timeout: float = 60, course: bool = Fa
 
 @contextlib.contextmanager
 def browser_page(width: int = 1400, height: int = 1000):
-    """A Playwright page in the system's headless chromium (--no-sandbox: CI runs as root)."""
-    from playwright.sync_api import sync_playwright
+    """A Playwright page in the system's headless chromium (--no-sandbox: CI runs as root).  Its actions wait up to
+    60 s and ``expect`` up to 30 s (Playwright's 5 s default: a clean clone's run once saw the explorer's kernel
+    redraw only 2 of 5 slider steps in 5 s while the other lane started an engine)."""
+    from playwright.sync_api import expect, sync_playwright
 
+    expect.set_options(timeout=30_000)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
                                     args=["--no-sandbox", "--disable-dev-shm-usage"])

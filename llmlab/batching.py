@@ -229,7 +229,7 @@ def measure(client, send, *args, every: float | None = 0.1, **kwargs) -> dict:
             "alone": delta["generated"] == sum(r.output_tokens for r in result.records)}
 
 
-def _settled(client, before: dict, requests: int, timeout: float = 10.0) -> dict:
+def _settled(client, before: dict, requests: int, timeout: float = 30.0) -> dict:
     """:func:`counters` once the server has counted ``requests`` more finished requests
     (:func:`llmlab.kvcache.wait_for_request`: vLLM records a request just after its answer may have reached the
     client); after ``timeout`` seconds, the counters as they are."""

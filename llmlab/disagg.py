@@ -206,10 +206,10 @@ def decode_beside_prefills(decoder, prefiller, *, answer_tokens: int = 300, prom
         return m.value(RUNNING, default=0.0) >= 1 or m.value(GENERATED, default=0.0) > before["generated"]
 
     def send_prompts():  # once the answer runs (so its own prompt's step is behind it), plus ``delay``
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while not started():
             if time.monotonic() > deadline:
-                raise TimeoutError("the answer never showed as running on the decode engine in 30 s: is it alive?")
+                raise TimeoutError("the answer never showed as running on the decode engine in 120 s: is it alive?")
             time.sleep(0.02)
         time.sleep(delay)
         with ThreadPoolExecutor(prompts) as pool:

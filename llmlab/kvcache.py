@@ -282,7 +282,7 @@ def snapshot_delta(before: dict, after: dict) -> dict:
 
 
 def wait_for_request(base_url: str, api_key: str | None, before: dict, requests: int = 1,
-                     timeout: float = 10.0) -> dict:
+                     timeout: float = 30.0) -> dict:
     """Scrape until ``requests`` more requests have finished than in ``before``; return that snapshot.
 
     Why: vLLM records a request's statistics in its output loop, just after the response may already have

@@ -186,7 +186,7 @@ def metrics_url(base_url: str) -> str:
     return url.removesuffix("/v1") + "/metrics"
 
 
-def fetch_metrics(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> Metrics:
+def fetch_metrics(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> Metrics:
     """Scrape a vLLM server's ``/metrics`` and parse it.  The key goes along as a Bearer token: vLLM
     itself guards only ``/v1``, but a proxy in front of a shared server may guard every route."""
     url = metrics_url(str(base_url))

@@ -77,8 +77,9 @@ def test_keyring_owner_registered_and_revoked(tmp_path):
 def test_keyring_reads_the_keys_folder_off_the_event_loop(tmp_path, monkeypatch):
     """security-review-2, finding 3: a re-read of keys/ that takes a second (10,000 junk names, a slow user
     database) held the proxy's event loop for as long, each time the folder changed.  Under a running loop the
-    key ring reads in a worker thread: the loop is never held (the bound leaves room for a loaded 2-core
-    machine's scheduling), and the new key still counts once read."""
+    key ring reads in a worker thread: the loop is never held, and the new key still counts once read.  The
+    stand-in read takes 3 s, so a loop held by it stands 3 s and the bound (1.5 s) leaves room for a loaded 2-core
+    machine's scheduling."""
     from llmlab.serve import keyring
 
     owner = write_private(tmp_path / "owner.key", "owner-key-0123456789abcdef\n")
@@ -86,12 +87,12 @@ def test_keyring_reads_the_keys_folder_off_the_event_loop(tmp_path, monkeypatch)
     keys.mkdir()
     ring = proxy.KeyRing(owner, keys, recheck=0.1)
     load = keyring.load
-    monkeypatch.setattr(keyring, "load", lambda *a, **k: time.sleep(1.0) or load(*a, **k))
+    monkeypatch.setattr(keyring, "load", lambda *a, **k: time.sleep(3.0) or load(*a, **k))
     learner = "learner-1-key-xyz-0123456789"
     (keys / "instructor").write_text(proxy.key_digest_line(learner) + "\n")
 
     async def probe() -> tuple[float, bool]:
-        held, accepted, end = 0.0, False, time.monotonic() + 3.5
+        held, accepted, end = 0.0, False, time.monotonic() + 7.0
         while time.monotonic() < end:
             t = time.monotonic()
             accepted = ring.accepts(f"Bearer {learner}") or accepted
@@ -100,7 +101,7 @@ def test_keyring_reads_the_keys_folder_off_the_event_loop(tmp_path, monkeypatch)
         return held, accepted
 
     held, accepted = asyncio.run(probe())
-    assert held < 0.5 and accepted, f"the loop was held {held:.3f} s; the key counted: {accepted}"
+    assert held < 1.5 and accepted, f"the loop was held {held:.3f} s; the key counted: {accepted}"
 
 
 def test_keyring_refuses_an_unreadable_or_short_key(tmp_path):
@@ -115,6 +116,16 @@ def test_bad_listen_address_is_one_sentence(tmp_path):
     out = subprocess.run([sys.executable, "-m", "llmlab.serve.proxy", "--listen", "nohostport", "--upstream",
                           f"unix:{tmp_path}/s", "--key-file", str(key)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "give HOST:PORT" in out.stderr and "Traceback" not in out.stderr
+
+
+def _answer_within(url: str, key: str, status: int, seconds: float = 30) -> tuple[int, bytes]:
+    """GET ``url`` until it answers ``status`` or ``seconds`` pass; the last answer.  The key ring re-reads its
+    folder in the background about once a second, later on a starved machine: a test waits for the change, it does
+    not sleep a fixed time and hope."""
+    deadline = time.monotonic() + seconds
+    while (answer := _get(url, key))[0] != status and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return answer
 
 
 def metric(port: int, key: str, name: str, label: str = "") -> float:
@@ -179,11 +190,9 @@ def test_registered_key_works_and_revocation_needs_no_restart(embedded, tmp_path
             time.sleep(0.3)
         assert _get(url, learner)[0] == 401
         write_private(keys / "learner", proxy.key_digest_line(learner, "learner") + "\n")
-        time.sleep(1.2)  # the key ring re-reads its files at most once a second
-        assert _get(url, learner)[0] == 200
+        assert _answer_within(url, learner, 200)[0] == 200  # the key ring re-reads its files about once a second
         (keys / "learner").unlink()
-        time.sleep(1.2)
-        assert _get(url, learner)[0] == 401 and _get(url, owner.read_text())[0] == 200
+        assert _answer_within(url, learner, 401)[0] == 401 and _get(url, owner.read_text())[0] == 200
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -436,9 +445,7 @@ def test_a_learner_revoked_mid_notebook_is_told_so_by_the_proxy(tmp_path):
         assert _get(url, learner)[0] == 200
         (keys / "alice").write_text("# revoked by the instructor\nrevoked " +
                                     proxy.key_digest_line(learner, "alice").split()[0] + "\n")
-        deadline = time.monotonic() + 10
-        while (answer := _get(url, learner))[0] == 200 and time.monotonic() < deadline:
-            time.sleep(0.2)  # the key ring notices within about a second
+        answer = _answer_within(url, learner, 401)  # the key ring notices within about a second
         assert answer[0] == 401 and b"revoked by its owner" in answer[1] and b"ask your instructor" in answer[1]
         wrong = _get(url, "never-registered-0123456789")
         assert wrong[0] == 401 and b"missing or wrong API key" in wrong[1]

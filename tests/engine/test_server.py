@@ -119,7 +119,7 @@ def _fake(tmp_path, delay: float, outcome: str = "serve"):
 def test_vllm_process_waits_for_health_and_stops_its_whole_group(tmp_path):
     from llmlab.serve.proc import group_alive, pid_alive
 
-    engine = _fake(tmp_path, 1.0).start()
+    engine = _fake(tmp_path, 3.0).start()  # 3 s before its next phase: a loaded machine may take 1 s to look
     try:
         assert engine.alive and engine.phase() in ("importing vLLM", "reading the model config")
         engine.wait_ready(timeout=60, progress=False)

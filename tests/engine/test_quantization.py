@@ -1,6 +1,7 @@
 """Quantization (notebook 11, ``llmlab.quantization``): the arithmetic of fp8 weights and an fp8 KV cache, the checks'
 hints, and the real CPU engine with an fp8 KV cache -- its logged KV tokens and its logprobs.  The CPU build's refusal
-of fp8 weights (and the dtypes its error names) is asserted where it is shown, in notebook 11's section 4.
+of fp8 weights is asked live by ``make test-versions`` (tests/engine/test_vllm_versions.py), against the record that
+notebook 11's section 4 prints.
 
 This file holds the tests that start the real engine (or need root); the rest are in tests/unit/test_quantization.py
 (the pure tests).

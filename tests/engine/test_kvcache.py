@@ -9,6 +9,7 @@ pure tests).
 """
 
 import secrets
+import time
 
 import pytest
 
@@ -75,38 +76,36 @@ def test_live_kv_usage_counts_the_blocks_of_the_running_request(live):
 @pytest.mark.server
 def test_live_kv_usage_is_not_called_alone_while_another_request_runs(live):
     """A shared server: another client keeps requests running meanwhile, so the gauge is not this request's.  That
-    client sends request after request (8 x 450 tokens) on two threads, the second starting once the first is about
-    halfway, so that one is always mid-answer: on CI one request once ended before the reading, and two threads that
-    started together once ended together, the reading falling into their common gap.  The reading starts once both
-    stream."""
+    client sends request after request (8 x 450 tokens) on two threads, the second starting half a request after
+    the first, so that one is always mid-answer: on CI one request once ended before the reading, and two threads
+    that started together once ended together, the reading falling into their common gap.  Its requests are not
+    streamed: a streaming client on a starved machine can still be reading answers that have ended in vLLM (a clean
+    clone read "alone" once more with streaming), while a whole answer reaches the client as vLLM ends it.  The
+    reading starts once both threads have sent."""
     import threading
 
     client, model, _, _ = live
-    done = threading.Event()
-    streaming = [threading.Event(), threading.Event()]
-    halfway = threading.Event()
+    done, first, sent = threading.Event(), [], [threading.Event(), threading.Event()]
 
     def other(i):
         if i == 1:
-            while not halfway.wait(0.1):
-                if done.is_set():
+            while not first:  # half of the first request's time after thread 0 sent its second
+                if done.wait(0.1):
                     return
+            time.sleep(first[0] / 2)
         while not done.is_set():
-            stream = client.completions.create(model=model, prompt="In the beginning", max_tokens=450, n=8,
-                                               temperature=1.0, stream=True, extra_body={"ignore_eos": True})
-            for chunks, _ in enumerate(stream, 1):
-                streaming[i].set()
-                if chunks >= 8 * 225:  # about 225 tokens of each of the 8 answers
-                    halfway.set()
-                if done.is_set():
-                    break
-            stream.close()
+            sent[i].set()
+            t = time.monotonic()
+            client.completions.create(model=model, prompt="In the beginning", max_tokens=450, n=8,
+                                      temperature=1.0, extra_body={"ignore_eos": True})
+            if not first:
+                first.append(time.monotonic() - t)
 
     workers = [threading.Thread(target=other, args=(i,)) for i in range(2)]
     for worker in workers:
         worker.start()
     try:
-        assert all(event.wait(120) for event in streaming), "the other client's requests sent no token"
+        assert all(event.wait(240) for event in sent), "the other client's threads did not both send"
         reading = kc.usage_while_running(client, model, "And the king said", max_tokens=20, attempts=2)
     finally:
         done.set()

@@ -261,6 +261,7 @@ MAX_PIPELINE = 16  # requests waiting on one connection before the proxy stops r
 # burst (30 learners x a threaded cell of 8-32 requests): the rest see SYN retries, a second or more each.
 BACKLOG = 2048  # uvicorn's (vLLM's) default
 IDLE_TIMEOUT = 30.0  # seconds a connection may sit without a request (uvicorn's keep-alive is 5 s, nginx's 75 s)
+LINGER = 2.0  # seconds a client refused part way may go on sending, read and dropped (nginx's lingering_close)
 REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
            413: "Content Too Large", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
            503: "Service Unavailable"}
@@ -416,7 +417,7 @@ class Client(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.current = Request()
         self.in_head, self.head_size = True, 0  # bytes of the current request's head so far (MAX_HEAD)
-        self.broken = False  # answer what is queued, then close; nothing more is read or parsed
+        self.broken = False  # answer what is queued, then close; nothing more is parsed
         self.keyed = False  # a request on this connection carried an accepted key (Proxy.admit sheds others first)
         self.write_paused = False  # the client does not read its answers as fast as they come
         self.queue: collections.deque[Request] = collections.deque()
@@ -425,6 +426,7 @@ class Client(asyncio.Protocol):
         self.worker: asyncio.Task | None = None
         self.idle: asyncio.TimerHandle | None = None
         self.closed = False
+        self.lingering = False  # closed, but still reading what the client sends, to drop it (close)
 
     # -- the client's side of the connection
     def connection_made(self, transport) -> None:
@@ -464,11 +466,27 @@ class Client(asyncio.Protocol):
         if not self.closed:
             self.transport.write(data)
 
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.proxy.clients.pop(self, None)
-            self.transport.close()
+    def close(self, linger: bool = False) -> None:
+        """Close the connection.  ``linger``: the client may still be sending (its request was refused part way).
+
+        Why: a socket closed with unread bytes is reset by the kernel, and the client, whose next send then
+        breaks, may never read the answer that says why (CI's stop 48: a head too large came in pieces).  So the
+        writing side is shut after the answer and what still comes is read and dropped, never parsed, for at most
+        LINGER seconds.  The connection stays counted toward the file descriptors (Proxy.admit closes it first)."""
+        if self.closed:
+            return
+        self.closed = True
+        if linger and self.transport.can_write_eof():
+            self.lingering = True
+            self.transport.write_eof()
+            self.transport.resume_reading()
+            self.idle = asyncio.get_running_loop().call_later(LINGER, self.hang_up)
+        else:
+            self.hang_up()
+
+    def hang_up(self) -> None:
+        self.proxy.clients.pop(self, None)
+        self.transport.close()
 
     @property
     def between_requests(self) -> bool:
@@ -520,7 +538,7 @@ class Client(asyncio.Protocol):
         """Feed the parser.  Only bytes of a head count toward MAX_HEAD: while a head is incomplete, at most the
         room left is fed at once, so body bytes that arrive in the same read (a long prompt sent in one write)
         are never taken for head, and a head that outgrows the limit is refused however its bytes are split."""
-        while data and not self.broken:
+        while data and not (self.broken or self.closed):  # a lingering connection's bytes are dropped
             if self.in_head:
                 room = MAX_HEAD - self.head_size
                 if room <= 0:
@@ -542,7 +560,7 @@ class Client(asyncio.Protocol):
 
     def _refuse_now(self, answer: bytes) -> None:
         """``answer`` (it says ``connection: close``) after the requests before it, then close: what cannot be
-        answered in turn (bytes that are not HTTP, a head too large); nothing more is read from the connection."""
+        answered in turn (bytes that are not HTTP, a head too large); nothing more is parsed (close lingers)."""
         self.broken = True
         self.transport.pause_reading()
         self.release(self.current)  # a body cut short is not kept
@@ -623,7 +641,7 @@ class Client(asyncio.Protocol):
                 finally:
                     self.release(request)
                 if not request.keep_alive:
-                    self.close()
+                    self.close(linger=request.refusal is not None)
                 else:
                     self._reading()
         finally:
@@ -897,18 +915,23 @@ class Proxy:
         self.clients[new] = None
         if self.fd_budget is None or len(self.clients) + self.upstreams <= self.fd_budget:
             return True
-        target, shed = self.fd_budget - max(1, self.fd_budget // 8), [0, 0]
-        for keyed in (False, True):
+        target, shed = self.fd_budget - max(1, self.fd_budget // 8), [0, 0, 0]
+        for kind in ("lingering", False, True):
             for client in list(self.clients):  # oldest first
                 if len(self.clients) + self.upstreams <= target:
                     break
-                if client is not new and client.keyed == keyed and client.between_requests:
+                if client is new:
+                    continue
+                if kind == "lingering" and client.lingering:
+                    client.hang_up()
+                    shed[0] += 1
+                elif kind != "lingering" and client.keyed == kind and client.between_requests:
                     client.close()
-                    shed[keyed] += 1
+                    shed[1 + kind] += 1
         admitted = len(self.clients) + self.upstreams <= self.fd_budget
-        log.warning("near the open-file limit: closed %d idle connection(s) that showed no key and %d that showed a "
-                    "key%s", *shed, "" if admitted else "; a new connection is turned away (all others have a request "
-                    "in progress)")
+        log.warning("near the open-file limit: closed %d refused connection(s) still sending, %d idle one(s) that "
+                    "showed no key and %d that showed a key%s", *shed, "" if admitted else "; a new connection is "
+                    "turned away (all others have a request in progress)")
         return admitted
 
     def make_room(self) -> None:

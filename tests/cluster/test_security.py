@@ -631,6 +631,41 @@ def test_proxy_idle_keyless_connections_do_not_lock_the_owner_out(attacker, tmp_
             flood.wait()
 
 
+REFUSED_STILL_SENDING = """
+import socket, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+held, start = [], time.monotonic()
+for i in range(n):  # a whole request without a key (a 401 that closes), and the connection kept open
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"GET /v1/models HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+        held.append(s)
+    except OSError:
+        pass
+print(len(held), "open in %.2f s" % (time.monotonic() - start), flush=True)
+time.sleep(60)
+"""
+
+
+def test_proxy_refused_connections_it_lingers_on_still_count_toward_its_files(attacker, tmp_path):
+    """A refused connection stays open up to LINGER seconds after its answer, reading and dropping what its client
+    still sends: 80 of them at once, with a soft limit of 64 files, must not lock the owner out.  They count toward
+    the budget and are the first closed."""
+    from proxy_helpers import proxy_process, stand_in_vllm
+
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, ulimit="-n 64") as (_, port, key):
+        flood = attacker_popen(attacker, attacker_python(), "-c", REFUSED_STILL_SENDING, str(port), "80")
+        try:
+            opened = flood.stdout.readline()
+            assert opened.startswith("80 open"), opened
+            assert [owner_status(port, key) for _ in range(3)] == [200, 200, 200]
+        finally:
+            flood.kill()
+            flood.wait()
+    log = (tmp_path / "proxy.log").read_text()
+    assert re.search(r"closed [1-9]\d* refused connection", log), f"{opened}{log[-600:]}"
+
+
 PIPELINE_NEVER_READ = """
 import socket, sys, time
 port, seconds, key = int(sys.argv[1]), float(sys.argv[2]), sys.stdin.readline().strip()

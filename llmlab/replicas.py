@@ -33,11 +33,10 @@ from llmlab.serve.info import ServerError, llmlab_home, new_key_file, read_key
 from llmlab.serve.metrics import fetch_metrics
 from llmlab.serve.paths import RESULTS_DIR
 from llmlab.serve.proxy import BALANCE, PREFIX_CHARS, ROUTES, home_replica, prefix_key, proxy_command, wait_bound
-from llmlab.serve.vllm import VLLMProcess
+from llmlab.serve.vllm import BIND, VLLMProcess
 
 # benchmarks/lessons_on_gpu.py replicas, twice, on one host with 2 x H200 (2026-11-26): run1.json, run2.json.
 GPU_RESULTS = RESULTS_DIR / "h200x2-llama3.1-8b-replicas-vs-tp2"
-BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM-CPU: the cores of each rank, "0-3|4-7" for two ranks
 __all__ = ["BIND", "ROUTES", "Router", "Replicas", "split_cores", "tp_engine", "measure", "layout_table", "homes",
            "counted", "course_prompts", "run_room", "room_table", "gpu_runs", "gpu_table", "gpu_memory"]
 
@@ -57,7 +56,8 @@ def split_cores(parts: int, cores: list[int] | None = None) -> list[str]:
 def tp_engine(tp: int = 2, extra_args: list[str] = ()) -> EmbeddedServer:
     """An embedded engine of the tiny model with ``--tensor-parallel-size tp``, each rank bound to its own share
     of the cores (not started: use it as a context manager, or ``.start().wait_ready()``)."""
-    # mp: a worker process per rank (the embedded server's own "uni" keeps its one worker in the engine process)
+    # mp: a worker process per rank, each pinned to its cores (the embedded server's own "uni" keeps its one
+    # worker in the engine process, unpinned: serve.vllm.engine_env)
     return EmbeddedServer(extra_args=["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp",
                                       *extra_args],
                           env={BIND: "|".join(split_cores(tp))})

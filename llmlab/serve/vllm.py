@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from llmlab.serve.info import Address, ServerError, ServerUnavailable
@@ -132,9 +133,8 @@ def engine_command(model: Path, name: str, uds: Path, max_model_len: int | None,
                    extra_args: list[str]) -> list[str]:
     """The embedded server's ``vllm serve`` line, listening on the Unix socket ``uds``: :func:`cpu_flags`, and
     the engine's one worker asked for inside its engine process (``uni``), which spares a process that imports vLLM
-    again.  vLLM 0.32's CPU platform overrides it (``vllm/platforms/cpu.py``: its OpenMP set-up needs the ``mp``
-    worker, spawned), so there every start runs three processes that import vLLM: the API server, the engine core
-    and its worker, most of a start's 30 s on two cores.  ``extra_args`` come last, so a flag there wins."""
+    again (vLLM's CPU build keeps it only with :func:`engine_env`'s settings).  ``extra_args`` come last, so a flag
+    there wins."""
     flags = ["--served-model-name", name, "--uds", str(uds), *cpu_flags(max_model_len),
              "--distributed-executor-backend", "uni", *extra_args]
     return vllm_serve(sys.executable, model, flags)
@@ -194,10 +194,34 @@ def local_env(recipe: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def engine_env(run_dir: Path, kv_cache_gib: float) -> dict[str, str]:
+BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM-CPU: the cores of each rank, "0-3|4-7" for two ranks
+
+
+def unbound_cpu_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a one-rank vLLM on the CPU build gets when nobody pins its cores (no :data:`BIND` in ``environ``):
+    its one worker inside the engine core, and one OpenMP thread.
+
+    Why: vLLM 0.32's CPU platform moves a ``uni`` worker to a process of its own (``mp``) unless
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: a third process that imports vLLM, 8-10 s of each start on two cores
+    (ready in 24.5-26.1 s instead of 33.8-35.2 s, quiet or beside a busy core).  The API server still runs the
+    engine core apart (AsyncLLM always does).  The threads then are ours to set: unpinned, torch takes one per
+    core and they spin against anything else running (200 greedy tokens took 36 s beside one busy core instead
+    of 0.8 s), so ``OMP_NUM_THREADS=1`` unless set: the one core vLLM's own binding gives its worker on two
+    cores, and enough for the tiny model.  Pinned ranks (replicas, TP, lessons 15 and 18) keep vLLM's ``mp``
+    worker, which binds its threads to the cores :data:`BIND` names."""
+    if BIND in environ:
+        return {}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": environ.get("OMP_NUM_THREADS", "1")}
+
+
+def engine_env(run_dir: Path, kv_cache_gib: float, bind: str | None = None) -> dict[str, str]:
     """The embedded server's environment: :func:`vllm_env` for the CPU build, offline, its engine's sockets in
-    ``run_dir`` (:func:`local_env`: nobody but this user reaches its socket, so no key)."""
-    return local_env(vllm_env("cpu", kv_cache_gib=kv_cache_gib, run_dir=run_dir))
+    ``run_dir`` (:func:`local_env`: nobody but this user reaches its socket, so no key); ``bind``: the cores of
+    its ranks (:data:`BIND`), else :func:`unbound_cpu_env`."""
+    env = local_env(vllm_env("cpu", kv_cache_gib=kv_cache_gib, run_dir=run_dir))
+    if bind:
+        env[BIND] = bind
+    return {**env, **unbound_cpu_env(env)}
 
 
 # Log lines that mark the engine's start-up phases, in order, and what a learner should read for each.  Some

@@ -49,6 +49,22 @@ def test_the_launcher_and_the_embedded_server_give_vllm_the_same_recipe():
     assert "VLLM_API_KEY" not in rendered.env
 
 
+def test_an_unpinned_one_rank_cpu_engine_keeps_its_worker_in_the_engine_core(monkeypatch):
+    """unbound_cpu_env: the embedded server and a one-rank CPU job start one process less (the worker inside the
+    engine core) on one OpenMP thread; cores pinned by VLLM_CPU_OMP_THREADS_BIND keep vLLM's own mp worker."""
+    monkeypatch.delenv(vllm.BIND, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    one = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+    assert {k: vllm.engine_env(Path("/run"), 1).get(k) for k in one} == one
+    assert {k: render(CPU_JOB).env.get(k) for k in one} == one
+    pinned = vllm.engine_env(Path("/run"), 1, bind="0|1")
+    assert pinned[vllm.BIND] == "0|1" and not set(one) & set(pinned)
+    assert not set(one) & set(render(CPU_JOB, VLLM_CPU_OMP_THREADS_BIND="0").env)
+    assert not set(one) & set(render("llama3.1-8b").env)  # GPUs: vLLM's defaults
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's own choice stands
+    assert vllm.engine_env(Path("/run"), 1)["OMP_NUM_THREADS"] == "4"
+
+
 def test_a_gpu_job_gets_the_recipe_without_the_cpu_space_or_offline_hub():
     env = render("llama3.1-8b").env
     assert list(env)[:3] == RECIPE[:3] and env["VLLM_RPC_BASE_PATH"] == "/t/llmlab-run-7"

@@ -44,7 +44,8 @@ exercises: install
 # waits (an engine's start imports vLLM on one core; a SLURM job sleeps in the test bed), so two lanes use the
 # machine's two (27.7 min in one session, 20.3 in two, on CI's kind of machine; on clean clones of 2026-11-27,
 # lanes 17:40 and 16:34 once test_slurm's and test_share's own jobs were folded into others, then 17:25 and 16:56
-# with lesson 17 and its tests, 19.7 min with the install from pip's cache).  Each line
+# with lesson 17 and its tests; 14m11s on 2026-11-28, lanes 13:52 and 14:02, once the CPU engine kept its worker
+# in the engine core: serve.vllm.unbound_cpu_env).  Each line
 # says its lane; each lane prints its own summary and durations.  The executed notebooks land in build/executed/
 # (make book reads them); then no lesson may print an exercise's answer: a number an answer cell of solutions/
 # printed, in its lesson's outputs.
@@ -59,8 +60,8 @@ test: install lint
 PYTEST_ALL = --nbval-lax --nbval-current-env -m "not versions and not cluster" --durations=25
 # The lanes, balanced by their measured durations: the browser tests and tests/engine/test_lora.py (an engine of
 # its own, about 60 s) ride with the notebooks, and the launcher's unit tests (tests/unit/test_jobs.py, about 25 s)
-# and tests/engine/test_rehearse.py with the servers (servers 20:21, notebooks 20:04 on a clean clone of
-# 2026-11-27, before notebook 11 stopped starting two failing engines, about 100 s of its lane).
+# and tests/engine/test_rehearse.py with the servers (servers 13:52, notebooks 14:02 on clean clone cc35 of
+# 2026-11-28).
 UNIT_ON_SERVERS := tests/unit/test_jobs.py
 LANE_NOTEBOOKS := $(filter-out $(UNIT_ON_SERVERS),$(wildcard tests/unit/test_*.py)) tests/engine/test_browser.py \
   tests/engine/test_lora.py $(NOTEBOOKS)

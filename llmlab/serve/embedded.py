@@ -93,8 +93,8 @@ class EmbeddedServer:
         ready = self.run_dir / "proxy.ready"  # in the 0700 folder: only we can write it
         proxy = proxy_command(f"{self.host}:{self.port}", self.uds, self.key_file, cpus=proxy_cpus(), ready_file=ready)
         # vLLM and its proxy as one process group; vLLM starts only once the proxy listens (proxy.PAIR)
-        self.engine = VLLMProcess(pair_command(proxy, cmd, self.proxy_log, ready),
-                                  {**engine_env(self.run_dir, self.kv_cache_gib, self.env.get(BIND)), **self.env},
+        env = engine_env(self.run_dir, self.kv_cache_gib, self.env.get(BIND), self.extra_args)
+        self.engine = VLLMProcess(pair_command(proxy, cmd, self.proxy_log, ready), {**env, **self.env},
                                   self.log_path, host=self.host, port=self.port, api_key=self.api_key,
                                   header=f"$ {' '.join(cmd)}\n$ {' '.join(proxy)}  (log: {self.proxy_log})").start()
         self._wait_bound(ready)

@@ -214,14 +214,24 @@ def unbound_cpu_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": environ.get("OMP_NUM_THREADS", "1")}
 
 
-def engine_env(run_dir: Path, kv_cache_gib: float, bind: str | None = None) -> dict[str, str]:
+RANK_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
+
+
+def asks_for_ranks(argv: list[str]) -> bool:
+    """``argv`` sets a parallel size (:data:`RANK_FLAGS`): vLLM may start several ranks, each a worker process."""
+    return any(_flag_at(list(argv), flag) is not None for flag in RANK_FLAGS)
+
+
+def engine_env(run_dir: Path, kv_cache_gib: float, bind: str | None = None,
+               extra_args: list[str] = ()) -> dict[str, str]:
     """The embedded server's environment: :func:`vllm_env` for the CPU build, offline, its engine's sockets in
     ``run_dir`` (:func:`local_env`: nobody but this user reaches its socket, so no key); ``bind``: the cores of
-    its ranks (:data:`BIND`), else :func:`unbound_cpu_env`."""
+    its ranks (:data:`BIND`), else :func:`unbound_cpu_env` -- unless ``extra_args`` ask for several ranks, which
+    need vLLM's ``mp`` workers."""
     env = local_env(vllm_env("cpu", kv_cache_gib=kv_cache_gib, run_dir=run_dir))
     if bind:
         env[BIND] = bind
-    return {**env, **unbound_cpu_env(env)}
+    return env if asks_for_ranks(extra_args) else {**env, **unbound_cpu_env(env)}
 
 
 # Log lines that mark the engine's start-up phases, in order, and what a learner should read for each.  Some

@@ -60,6 +60,9 @@ def test_an_unpinned_one_rank_cpu_engine_keeps_its_worker_in_the_engine_core(mon
     pinned = vllm.engine_env(Path("/run"), 1, bind="0|1")
     assert pinned[vllm.BIND] == "0|1" and not set(one) & set(pinned)
     assert not set(one) & set(render(CPU_JOB, VLLM_CPU_OMP_THREADS_BIND="0").env)
+    for ranks in (["--tensor-parallel-size", "2"], ["-pp=2"]):  # several ranks: vLLM's mp workers
+        assert not set(one) & set(vllm.engine_env(Path("/run"), 1, extra_args=ranks))
+    assert not set(one) & set(render(CPU_JOB, LLMLAB_EXTRA_VLLM_ARGS="-tp 2").env)
     assert not set(one) & set(render("llama3.1-8b").env)  # GPUs: vLLM's defaults
     monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's own choice stands
     assert vllm.engine_env(Path("/run"), 1)["OMP_NUM_THREADS"] == "4"

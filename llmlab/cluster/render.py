@@ -23,7 +23,6 @@ from llmlab import memory
 from llmlab.cluster.layouts import JobSettings, SettingsError, job_settings, vllm_flags
 from llmlab.serve.info import Address
 from llmlab.serve.vllm import (
-    asks_for_ranks,
     drop_flag,
     serve_line,
     set_flag,
@@ -420,8 +419,8 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
         raise SettingsError(f"LLMLAB_EXTRA_VLLM_ARGS: {e}") from None
     # The CPU test job serves a model on disk; a GPU job may load from (or download into) $HF_HOME.
     run_env = vllm_env(job.engine, kv_cache_gib=job.kv_cache_gib, run_dir=run_dir, offline=job.engine == "cpu")
-    if job.engine == "cpu" and job.tp * job.pp == 1 and not asks_for_ranks(flags):
-        run_env.update(unbound_cpu_env(env))  # one process less to start: the worker in the engine core
+    if job.engine == "cpu" and job.tp * job.pp == 1:
+        run_env.update(unbound_cpu_env(env, flags))  # one process less to start: the worker in the engine core
     if env.get("LLMLAB_CACHE_DIR"):
         cache = Path(env["LLMLAB_CACHE_DIR"])
         run_env.update(HF_HOME=str(cache / "huggingface"), VLLM_CACHE_ROOT=str(cache / "vllm"))

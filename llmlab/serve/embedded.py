@@ -25,7 +25,7 @@ from llmlab.serve.info import ServerError, ServerInfo, llmlab_home, new_key_file
 from llmlab.serve.paths import TINY_MODEL, TINY_NAME
 from llmlab.serve.proc import free_port, health, pid_alive
 from llmlab.serve.proxy import pair_command, proxy_command, proxy_cpus, wait_bound
-from llmlab.serve.vllm import BIND, VLLMProcess, cpu_kv_space, engine_command, engine_env
+from llmlab.serve.vllm import VLLMProcess, cpu_kv_space, engine_command, engine_env
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -93,8 +93,8 @@ class EmbeddedServer:
         ready = self.run_dir / "proxy.ready"  # in the 0700 folder: only we can write it
         proxy = proxy_command(f"{self.host}:{self.port}", self.uds, self.key_file, cpus=proxy_cpus(), ready_file=ready)
         # vLLM and its proxy as one process group; vLLM starts only once the proxy listens (proxy.PAIR)
-        env = engine_env(self.run_dir, self.kv_cache_gib, self.env.get(BIND), self.extra_args)
-        self.engine = VLLMProcess(pair_command(proxy, cmd, self.proxy_log, ready), {**env, **self.env},
+        self.engine = VLLMProcess(pair_command(proxy, cmd, self.proxy_log, ready),
+                                  engine_env(self.run_dir, self.kv_cache_gib, self.extra_args, self.env),
                                   self.log_path, host=self.host, port=self.port, api_key=self.api_key,
                                   header=f"$ {' '.join(cmd)}\n$ {' '.join(proxy)}  (log: {self.proxy_log})").start()
         self._wait_bound(ready)

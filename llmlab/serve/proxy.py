@@ -916,18 +916,16 @@ class Proxy:
         if self.fd_budget is None or len(self.clients) + self.upstreams <= self.fd_budget:
             return True
         target, shed = self.fd_budget - max(1, self.fd_budget // 8), [0, 0, 0]
-        for kind in ("lingering", False, True):
+        for client in [c for c in self.clients if c.lingering][:len(self.clients) + self.upstreams - target]:
+            client.hang_up()  # refused already, only draining what their clients still send (Client.close)
+            shed[0] += 1
+        for keyed in (False, True):
             for client in list(self.clients):  # oldest first
                 if len(self.clients) + self.upstreams <= target:
                     break
-                if client is new:
-                    continue
-                if kind == "lingering" and client.lingering:
-                    client.hang_up()
-                    shed[0] += 1
-                elif kind != "lingering" and client.keyed == kind and client.between_requests:
+                if client is not new and client.keyed == keyed and client.between_requests:
                     client.close()
-                    shed[1 + kind] += 1
+                    shed[1 + keyed] += 1
         admitted = len(self.clients) + self.upstreams <= self.fd_budget
         log.warning("near the open-file limit: closed %d refused connection(s) still sending, %d idle one(s) that "
                     "showed no key and %d that showed a key%s", *shed, "" if admitted else "; a new connection is "

@@ -197,23 +197,6 @@ def local_env(recipe: dict[str, str]) -> dict[str, str]:
 BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM-CPU: the cores of each rank, "0-3|4-7" for two ranks
 
 
-def unbound_cpu_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """What a one-rank vLLM on the CPU build gets when nobody pins its cores (no :data:`BIND` in ``environ``):
-    its one worker inside the engine core, and one OpenMP thread.
-
-    Why: vLLM 0.32's CPU platform moves a ``uni`` worker to a process of its own (``mp``) unless
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: a third process that imports vLLM, 8-10 s of each start on two cores
-    (ready in 24.5-26.1 s instead of 33.8-35.2 s, quiet or beside a busy core).  The API server still runs the
-    engine core apart (AsyncLLM always does).  The threads then are ours to set: unpinned, torch takes one per
-    core and they spin against anything else running (200 greedy tokens took 36 s beside one busy core instead
-    of 0.8 s), so ``OMP_NUM_THREADS=1`` unless set: the one core vLLM's own binding gives its worker on two
-    cores, and enough for the tiny model.  Pinned ranks (replicas, TP, lessons 15 and 18) keep vLLM's ``mp``
-    worker, which binds its threads to the cores :data:`BIND` names."""
-    if BIND in environ:
-        return {}
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": environ.get("OMP_NUM_THREADS", "1")}
-
-
 RANK_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp")
 
 
@@ -222,16 +205,32 @@ def asks_for_ranks(argv: list[str]) -> bool:
     return any(_flag_at(list(argv), flag) is not None for flag in RANK_FLAGS)
 
 
-def engine_env(run_dir: Path, kv_cache_gib: float, bind: str | None = None,
-               extra_args: list[str] = ()) -> dict[str, str]:
+def unbound_cpu_env(environ: Mapping[str, str], argv: list[str] = ()) -> dict[str, str]:
+    """What a one-rank vLLM on the CPU build gets when nobody pins its cores (no :data:`BIND` in ``environ``, no
+    parallel size in its ``argv``: :func:`asks_for_ranks`): its one worker inside the engine core, and one OpenMP
+    thread.
+
+    Why: vLLM 0.32's CPU platform moves a ``uni`` worker to a process of its own (``mp``) unless
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: a third process that imports vLLM, 8-10 s of each start on two cores
+    (ready in 24.5-26.1 s instead of 33.8-35.2 s, quiet or beside a busy core).  The API server still runs the
+    engine core apart (AsyncLLM always does).  The threads then are ours to set: unpinned, torch takes one per
+    core and they spin against anything else running (200 greedy tokens took 36 s beside one busy core instead
+    of 0.8 s), so ``OMP_NUM_THREADS=1`` unless set: the one core vLLM's own binding gives its worker on two
+    cores, and enough for the tiny model.  Pinned ranks (replicas, TP, lessons 15 and 18) keep vLLM's ``mp``
+    worker, which binds its threads to the cores :data:`BIND` names; so do several ranks (``uni`` holds one)."""
+    if BIND in environ or asks_for_ranks(argv):
+        return {}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": environ.get("OMP_NUM_THREADS", "1")}
+
+
+def engine_env(run_dir: Path, kv_cache_gib: float, extra_args: list[str] = (),
+               overrides: Mapping[str, str] | None = None) -> dict[str, str]:
     """The embedded server's environment: :func:`vllm_env` for the CPU build, offline, its engine's sockets in
-    ``run_dir`` (:func:`local_env`: nobody but this user reaches its socket, so no key); ``bind``: the cores of
-    its ranks (:data:`BIND`), else :func:`unbound_cpu_env` -- unless ``extra_args`` ask for several ranks, which
-    need vLLM's ``mp`` workers."""
-    env = local_env(vllm_env("cpu", kv_cache_gib=kv_cache_gib, run_dir=run_dir))
-    if bind:
-        env[BIND] = bind
-    return env if asks_for_ranks(extra_args) else {**env, **unbound_cpu_env(env)}
+    ``run_dir`` (:func:`local_env`: nobody but this user reaches its socket, so no key), the caller's
+    ``overrides`` (e.g. :data:`BIND`), and :func:`unbound_cpu_env` for those and its ``extra_args``."""
+    overrides = dict(overrides or {})
+    env = {**local_env(vllm_env("cpu", kv_cache_gib=kv_cache_gib, run_dir=run_dir)), **overrides}
+    return {**env, **unbound_cpu_env(env, extra_args), **overrides}
 
 
 # Log lines that mark the engine's start-up phases, in order, and what a learner should read for each.  Some

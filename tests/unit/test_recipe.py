@@ -57,7 +57,7 @@ def test_an_unpinned_one_rank_cpu_engine_keeps_its_worker_in_the_engine_core(mon
     one = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
     assert {k: vllm.engine_env(Path("/run"), 1).get(k) for k in one} == one
     assert {k: render(CPU_JOB).env.get(k) for k in one} == one
-    pinned = vllm.engine_env(Path("/run"), 1, bind="0|1")
+    pinned = vllm.engine_env(Path("/run"), 1, overrides={vllm.BIND: "0|1"})
     assert pinned[vllm.BIND] == "0|1" and not set(one) & set(pinned)
     assert not set(one) & set(render(CPU_JOB, VLLM_CPU_OMP_THREADS_BIND="0").env)
     for ranks in (["--tensor-parallel-size", "2"], ["-pp=2"]):  # several ranks: vLLM's mp workers

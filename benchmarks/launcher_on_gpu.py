@@ -94,6 +94,19 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("nodes", "gpus-per-node", "tp", "pp"):
         ap.add_argument(f"--{name}", type=int, help="override the job's layout (as llmlab launch does)")
     ap.add_argument("--backend", choices=("ray", "mp"), help="across nodes: Ray's executor or vLLM's own (--nnodes)")
+    ap.add_argument("--gpu-type", help="the GPU the plan is checked against (as llmlab launch --gpu-type), e.g. "
+                    "H200-141")
+    ap.add_argument("--max-model-len", type=int, help="the context served (as llmlab launch --max-model-len)")
+    ap.add_argument("--repeats", type=int, default=1, help="run the batch-1 run and the sweep this many times")
+    ap.add_argument("--proxy-paired", type=int, nargs="*", default=[], metavar="C",
+                    help="the proxy's cost at these concurrencies: paired runs through the proxy and on vLLM's socket "
+                    "(benchmarks/proxy_overhead.py's run), --repeats times")
+    ap.add_argument("--greedy", action="store_true", help="record a greedy completion of a fixed prompt (token ids): "
+                    "layouts of the same seeded dummy weights must agree")
+    ap.add_argument("--room", type=Path, metavar="TRACES", help="replay a room's traces against the READY job "
+                    "(benchmarks/room_on_gpu.py's replay_one), once per --learners count")
+    ap.add_argument("--learners", type=int, nargs="*", default=[30], help="learner counts for --room, in order")
+    ap.add_argument("--room-ttft-p99-s", type=float, default=2.0, help="stop the replays once TTFT p99 passes this")
     ap.add_argument("--notebooks", nargs="*", default=[], help="lessons to run against the READY server "
                     "(benchmarks/notebooks_on_server.py), e.g. notebooks/03_online_inference.ipynb")
     ap.add_argument("--notebook-timeout", type=float, default=360.0,
@@ -105,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.job:
         ap.error("name a job of slurm/models.toml (or --regenerate DIR)")
 
-    job = jobs.settings(a.job, nodes=a.nodes, gpus_per_node=a.gpus_per_node, tp=a.tp, pp=a.pp, backend=a.backend)
+    job = jobs.settings(a.job, nodes=a.nodes, gpus_per_node=a.gpus_per_node, tp=a.tp, pp=a.pp, backend=a.backend,
+                        gpu=a.gpu_type, max_model_len=a.max_model_len)
+    plan = cluster.check_layout(job)  # what llmlab launch checks before it submits: refused here as there
     out = a.out
     (out / "states").mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="llmlab-home-"))
@@ -144,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs.scontrol_job = scontrol
     seen, last = [], None
     result: dict = {"job": a.job, "job_id": a.job_id, "nodes": nodes, "states": seen,
-                    "layout": {"nodes": job.nodes, "gpus_per_node": job.gpus_per_node, "tp": job.tp, "pp": job.pp}}
+                    "layout": {"nodes": job.nodes, "gpus_per_node": job.gpus_per_node, "tp": job.tp, "pp": job.pp,
+                               "gpu": job.gpu, "max_model_len": job.max_model_len, "backend": job.backend},
+                    "plan": plan}
     while True:
         st = jobs.status(a.job_id)
         line = f"{st.state}: {st.detail}"
@@ -225,8 +242,20 @@ def exercise(a, job, tok: dict, result: dict) -> bool:
     info = json.loads(cluster.connection_file_of(a.job_id).read_text())
     srv = SimpleNamespace(base_url=f"http://{info['host']}:{info['port']}/v1",
                           api_key=Path(info["api_key_file"]).read_text().strip())
-    result["benchmark"] = rehearsal.benchmark(srv, job.name, tok["prompt_ids"], concurrency=tuple(a.concurrency),
-                                             progress=False)
+    if a.greedy:
+        result["greedy"] = greedy(client, model)
+    result["benchmark_repeats"] = []
+    for rep in range(a.repeats):  # batch 1 and the sweep, again: the spread between repeats is the interval
+        print(f"sweep, repeat {rep + 1} of {a.repeats}", flush=True)
+        result["benchmark_repeats"].append(rehearsal.benchmark(
+            srv, job.name, tok["prompt_ids"], concurrency=tuple(a.concurrency), progress=False))
+        save_result(a, result)
+    result["benchmark"] = result["benchmark_repeats"][0]
+    if a.proxy_paired:
+        result["proxy_paired"] = proxy_paired(a, srv, job, tok)
+        save_result(a, result)
+    if a.room:
+        result["room"] = room(a, srv, job)
     req = urllib.request.Request(srv.base_url.removesuffix("/v1") + "/metrics",
                                  headers={"Authorization": f"Bearer {srv.api_key}"})
     with urllib.request.urlopen(req, timeout=10) as r:  # the raw scrape: a fixture for the metric-name tests
@@ -238,6 +267,56 @@ def exercise(a, job, tok: dict, result: dict) -> bool:
     kv = result["kv_tokens"]
     print(f"KV tokens: logged {kv['logged']:,}, predicted {kv['predicted']:,} ({kv['basis']})", flush=True)
     return result["wrong_key"] == "401" and result["completion"]["completion_tokens"] > 0 and streamed > 0
+
+
+def save_result(a, result: dict) -> None:
+    """launch.json as far as it has got: a run cut short (the device's lease) keeps what it measured."""
+    (a.out / "launch.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def greedy(client, model: str) -> dict:
+    """A fixed prompt's greedy completion, token ids and text: two layouts of the same seeded dummy weights should
+    agree (TP and PP change the order of sums, so the first tokens are the fair comparison)."""
+    comp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=32, temperature=0,
+                                     logprobs=1, extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    return {"prompt": "The capital of France is", "text": comp.choices[0].text, "tokens": lp.tokens,
+            "token_logprobs": lp.token_logprobs}
+
+
+def proxy_paired(a, srv, job, tok) -> dict:
+    """benchmarks/proxy_overhead.py's paired runs on this job: the launcher's proxy (found by its command line,
+    which names vLLM's socket) against the same requests sent to that socket directly."""
+    import proxy_overhead
+
+    line = next(p for p in processes("llmlab.serve.proxy") if "--upstream" in p)
+    pid, argv = int(line.split()[0]), line.split()
+    uds = argv[argv.index("--upstream") + 1].removeprefix("unix:")
+    target = SimpleNamespace(base_url=srv.base_url, api_key=srv.api_key, uds=uds, name=job.name, group=None,
+                             proxy=pid, workload=lambda n, seed: rehearsal.workload(n, tok["prompt_ids"], 64, 128,
+                                                                                    seed=seed))
+    args = SimpleNamespace(concurrency=a.proxy_paired, repeats=max(a.repeats, 3), requests_per_slot=2,
+                           input_len=64, output_len=128)
+    return proxy_overhead.run(args, target)
+
+
+def room(a, srv, job) -> list[dict]:
+    """``llmlab room --replay`` against this job for each --learners count, until TTFT p99 passes the bound or a
+    request fails (room_on_gpu.replay_one: each replay's folder keeps its per-request records)."""
+    import room_on_gpu
+
+    engine = SimpleNamespace(dir=a.out / "room", srv=srv, name=job.name, line="(the launcher's, rendered.sh)",
+                             gpus=list(range(job.gpus_per_node)))
+    engine.dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for k in a.learners:
+        row = room_on_gpu.replay_one(engine, a.room, k, 1.0)
+        rows.append(row)
+        p99 = (row.get("ttft_ms") or {}).get("p99")
+        print(f"room of {k}: TTFT p99 {p99} ms, failures {row.get('failures')}", flush=True)
+        if p99 is None or p99 > a.room_ttft_p99_s * 1000 or row.get("failures"):
+            break
+    return rows
 
 
 if __name__ == "__main__":

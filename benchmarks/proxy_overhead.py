@@ -145,10 +145,12 @@ def gpu_server(args, folder: Path):
         print(f"proxy log (last lines):\n{last_lines(folder / 'proxy.log')}")
 
 
-def run(args, srv) -> None:
+def run(args, srv) -> dict:
+    """The paired repeats; returns every repeat's row per concurrency.  ``srv.proxy``: the proxy's pid where the
+    caller knows it (a SLURM job's proxy is not in the engine's process group)."""
     key, model = srv.api_key, srv.name
     rows = {c: [] for c in args.concurrency}
-    proxy = proxy_pid(srv.group)
+    proxy = getattr(srv, "proxy", None) or proxy_pid(srv.group)
     warm = srv.workload(8, 99)
     measure(proxy_client(srv.base_url, key, 8), model, warm, 8, args.output_len)  # warm-up, not counted
     for rep in range(args.repeats):
@@ -186,6 +188,7 @@ def run(args, srv) -> None:
               f"proxy CPU {spread([x['cpu_us_per_token'] for x in r], '{:.0f}')} us per output token "
               f"(direct: {statistics.median(x['direct_tput'] for x in r):.0f} tok/s, "
               f"TTFT p50 {statistics.median(x['direct_ttft_ms'] for x in r):.1f} ms)")
+    return rows
 
 
 if __name__ == "__main__":

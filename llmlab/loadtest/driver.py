@@ -91,11 +91,11 @@ class _Streams:
     once for all the streams that have data; a worker thread wakes once per request, when its record is done.
     """
 
-    def __init__(self, limit: int, timeout: float):
+    def __init__(self, limit: int, timeout: float, uds: str | None = None):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="llmlab-load-io", daemon=True)
         self.thread.start()
-        self.session = self.call(_open_session(limit, timeout))
+        self.session = self.call(_open_session(limit, timeout, uds))
 
     def call(self, coroutine):
         """Run ``coroutine`` on the loop; wait for its result in the calling thread."""
@@ -108,11 +108,13 @@ class _Streams:
         self.loop.close()
 
 
-async def _open_session(limit: int, timeout: float):
-    """An aiohttp session of ``limit`` connections; ``timeout`` bounds connecting and each silence."""
+async def _open_session(limit: int, timeout: float, uds: str | None = None):
+    """An aiohttp session of ``limit`` connections; ``timeout`` bounds connecting and each silence.  ``uds``: every
+    connection goes to this Unix socket instead (a server's owner reaching vLLM behind the proxy)."""
     import aiohttp
 
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit),
+    connector = aiohttp.UnixConnector(path=uds, limit=limit) if uds else aiohttp.TCPConnector(limit=limit)
+    return aiohttp.ClientSession(connector=connector,
                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout))
 
 
@@ -122,6 +124,13 @@ def _endpoint(client, sampling: dict) -> tuple[str, dict, dict]:
     params = dict(sampling)
     params.update(params.pop("extra_body", None) or {})
     return str(client.base_url).rstrip("/"), {"Authorization": f"Bearer {client.api_key}"}, params
+
+
+def unix_socket(client) -> str | None:
+    """The Unix socket an openai client's httpx transport was made for (``httpx.HTTPTransport(uds=...)``), else None:
+    the streams then go there too, as the client's own requests would (benchmarks/proxy_overhead.py's direct way)."""
+    transport = getattr(getattr(client, "_client", None), "_transport", None)
+    return getattr(getattr(transport, "_pool", None), "_uds", None)
 
 
 def in_a_loop(coroutine):
@@ -162,7 +171,7 @@ def run(client, model: str, prompts: Iterable, *, concurrency: int = 8, max_toke
 
     bar = tqdm(total=len(jobs), initial=len(previous), desc=f"{concurrency} in flight", disable=not progress,
                unit="req", leave=False)
-    streams = _Streams(min(concurrency, connection_limit(client) or concurrency), timeout)
+    streams = _Streams(min(concurrency, connection_limit(client) or concurrency), timeout, unix_socket(client))
 
     def send(job: Job) -> Record:
         return streams.call(_send_async(streams.session, f"{base_url}/completions", headers, job, cfg))

@@ -174,3 +174,30 @@ def test_repeat_refuses_a_bad_count_and_save_before_any_request():
         lt.repeat(nowhere, "m", ["a"], repeats=0)
     with pytest.raises(ValueError, match="save="):
         lt.repeat(nowhere, "m", ["a"], repeats=2, save="x.jsonl")
+
+
+def test_a_client_made_for_a_unix_socket_has_its_streams_sent_there(tmp_path):
+    """benchmarks/proxy_overhead.py's direct way: an openai client over vLLM's Unix socket.  The streams are read by
+    aiohttp, not by the client's httpx, so the socket must be carried over, else every request went to the URL's
+    host name (``http://vllm``) and failed."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    from llmlab.loadtest import driver
+
+    sock = str(tmp_path / "vllm.sock")
+    direct = openai.OpenAI(base_url="http://vllm/v1", api_key="unused",
+                           http_client=httpx.Client(transport=httpx.HTTPTransport(uds=sock)))
+    assert driver.unix_socket(direct) == sock
+    assert driver.unix_socket(openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="k")) is None
+
+    async def connector_path():
+        session = await driver._open_session(4, 5.0, sock)
+        try:
+            return session.connector.path
+        finally:
+            await session.close()
+
+    assert asyncio.run(connector_path()) == sock

@@ -155,13 +155,17 @@ def run(args, srv) -> dict:
     measure(proxy_client(srv.base_url, key, 8), model, warm, 8, args.output_len)  # warm-up, not counted
     for rep in range(args.repeats):
         for c in args.concurrency:
-            jobs = srv.workload(max(16, args.requests_per_slot * c), rep)
+            # each way its own prompts (same lengths): the same prompts sent twice let the second way hit vLLM's
+            # prefix cache -- on the 70B at 256 in flight the second of a pair was 8-15 % faster, whichever went
+            # second (benchmarks/results/h200x4-llama3.1-70b-tp4, 2026-11-28)
+            n = max(16, args.requests_per_slot * c)
+            jobs = {"proxy": srv.workload(n, 2 * rep), "direct": srv.workload(n, 2 * rep + 1)}
             clients = {"proxy": proxy_client(srv.base_url, key, c), "direct": direct_client(str(srv.uds), c)}
             order = ["proxy", "direct"] if rep % 2 == 0 else ["direct", "proxy"]
             got, cpu = {}, 0.0
             for way in order:
                 before = cpu_seconds(proxy)
-                got[way] = measure(clients[way], model, jobs, c, args.output_len, way)
+                got[way] = measure(clients[way], model, jobs[way], c, args.output_len, way)
                 cpu = cpu_seconds(proxy) - before if way == "proxy" else cpu
             pr, di = got["proxy"], got["direct"]
             row = {"tput_ratio": pr["output_tokens_per_s"] / di["output_tokens_per_s"],

@@ -1,5 +1,9 @@
 #!/bin/bash
 # Llama 3.1 405B in FP8 on one node of 8 GPUs (TP=8).
+# What ran: this job's settings at half the width, TP=4 on 4 x H200 with --max-model-len 32768 (the full 131,072
+# does not fit four H200s; llmlab launch says so and names the context that does), through the launcher with dummy
+# weights and vLLM 0.26: READY in 309 s, 90,160 KV tokens, 27.9 tokens/s for one request
+# (benchmarks/results/h200x4-llama3.1-405b-fp8-tp4/).  TP=8 on 8 GPUs has not run: no such machine was lent.
 # Only the allocation is here (sbatch reads #SBATCH lines literally); everything else is the
 # ["llama3.1-405b-fp8"] table of models.toml.  Account, partition and a different time: sbatch flags or SBATCH_*.
 #   sbatch --account=ACCOUNT --partition=PARTITION slurm/llama3.1-405b-fp8.sh

@@ -63,7 +63,7 @@ def test_the_committed_table_is_what_todays_model_predicts_and_every_run_is_with
     assert committed["rows"] == rows
     assert {r["run"] for r in rows} >= {f"{run}/server-log-excerpt.txt" for run, *_ in PROBED}
     assert len(rows) >= 20 and all(r["vllm_version"] == "0.26.0" for r in rows)
-    assert {(r["tp"], r["pp"]) for r in rows} == {(1, 1), (2, 1), (1, 2)}
+    assert {(r["tp"], r["pp"]) for r in rows} == {(1, 1), (2, 1), (1, 2), (4, 1), (2, 2)}
     assert {"fp8"} == {r["flags"].get("quantization") for r in rows} - {None}
     misses = [r["run"] for r in rows if abs(r["error"]) >= 0.01]
     assert misses == committed["misses"] == TABLE_MISSES, [r for r in rows if abs(r["error"]) >= 0.01]

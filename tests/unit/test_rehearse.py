@@ -207,8 +207,14 @@ def test_every_committed_launch_result_holds_the_kv_figures_its_logs_give_today(
                                                            path.with_name(f"vllm-worker-{tag}.log")) if p.is_file())
     job = cluster.job_settings(result["job"])
     tp, pp = (result.get("layout", {}).get(k, getattr(job, k)) for k in ("tp", "pp"))  # older files: the job's own
-    layout = rehearse.Layout(job.model, tp, pp, job.context,
+    context = result.get("layout", {}).get("max_model_len") or job.context
+    layout = rehearse.Layout(job.model, tp, pp, context,
                              job.gpu_memory_utilization, job.dtype, job.kv_dtype, job.engine, job.kv_cache_gib)
     memory_log, kv_tokens = rehearse.kv_record(text, layout)
     assert (result["memory_log"], result["kv_tokens"]) == (memory_log, kv_tokens)
-    assert kv_tokens["predicted"] == kv_tokens["logged"]
+    if "cut_short" not in result:
+        assert kv_tokens["predicted"] == kv_tokens["logged"]
+    else:  # a run the lease cut short kept only the head's log: the other stage's probe bytes are missing, and
+        # the prediction from the log's rounded GiB figures is all there is (405B TP=2 x PP=2: 82,960 vs 83,040)
+        assert kv_tokens["basis"] == "rounded log figures"
+        assert abs(kv_tokens["predicted"] - kv_tokens["logged"]) < 0.002 * kv_tokens["logged"]

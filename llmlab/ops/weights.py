@@ -10,14 +10,16 @@ read, a large job reading a network file system for its first minutes.  Each is 
 - :func:`verify`: every shard the index names is there, of the size its safetensors header says, its tensors'
   names and shapes those of the config (the parameter count equals ``llmlab.memory.param_count``), in the config's
   dtype, readable by the group -- one sentence per problem, naming the file and the fix;
-- :func:`stage`: a copy to node-local disk, timed, atomic (a temporary name, then one rename), skipped when the
-  copy there already verifies.
+- :func:`stage`: a copy to node-local disk, timed, atomic (a temporary name, then one rename), into a folder only
+  the caller can write, skipped only when the copy there is the one a stage made (its private manifest matches).
 
 The arithmetic (parameters, bytes per dtype) is ``llmlab.memory``'s; this module only reads files and the hub.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import grp
 import json
 import math
@@ -27,6 +29,7 @@ import shutil
 import stat
 import struct
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -365,16 +368,23 @@ def make_group_readable(root, group: str | None = None) -> str:
                                "leave --group out to keep the folder's own.") from None
     dirs = files = 0
     for p in [root, *root.rglob("*")]:
-        if p.is_symlink():
-            continue
+        try:  # through an fd opened without following a link: a link swapped in after the walk is not followed
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                continue  # a symbolic link: not ours to change
+            raise WeightsError(f"cannot open {p} ({e.strerror}): you must own the tree.") from None
         try:
+            is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
             if gid != -1:
-                os.chown(p, -1, gid)
-            os.chmod(p, DIR_MODE if p.is_dir() else FILE_MODE)
+                os.fchown(fd, -1, gid)
+            os.fchmod(fd, DIR_MODE if is_dir else FILE_MODE)
         except PermissionError as e:
             raise WeightsError(f"cannot set the group or mode of {p} ({e.strerror}): you must own it and be in "
                                f"group {group or 'its group'} (`id -Gn`).") from None
-        dirs, files = (dirs + 1, files) if p.is_dir() else (dirs, files + 1)
+        finally:
+            os.close(fd)
+        dirs, files = (dirs + 1, files) if is_dir else (dirs, files + 1)
     name = grp.getgrgid(root.stat().st_gid).gr_name
     return (f"{dirs} folder(s) {DIR_MODE:o} and {files} file(s) {FILE_MODE:o}, group {name}"
             f"{'' if group else ' (the folder' + chr(39) + 's own; --group GROUP to change it)'}")
@@ -464,14 +474,117 @@ def same_files(a: Path, b: Path) -> bool:
 
 
 def _remove_stale(to: Path, name: str) -> None:
-    """Temporary copies of ``name`` left in ``to`` by a stage that was killed (its process is gone)."""
+    """Temporary copies of ``name`` left in ``to`` by a stage that was killed (its process is gone): their names
+    are ``.NAME.staging-PID.RANDOM`` (``tempfile.mkdtemp``) or ``.NAME.old-PID``."""
     for p in to.glob(f".{name}.*-*"):
         try:
-            os.kill(int(p.name.rsplit("-", 1)[1]), 0)
+            os.kill(int(p.name.rsplit("-", 1)[1].split(".")[0]), 0)
         except ProcessLookupError:
             shutil.rmtree(p, ignore_errors=True)
         except (ValueError, PermissionError):
             continue  # not a pid, or another user's live process
+
+
+# The stage folder and its copies: only the caller may change them.  Why: a node-local scratch disk is usually
+# world-writable (1777), and a name such as /local/scratch/$USER/weights is public; anyone who makes that folder
+# first, or plants a tree of the right names and sizes in it, would choose the weights and chat template the whole
+# room is served (security-review-3, F2).
+
+
+def private_stage_folder(to) -> Path:
+    """``to``, made if missing (0700), after checking that nobody but the caller (and root) can change it or any
+    folder above it: each existing folder is root's and not writable by others (or sticky, as /tmp is), or the
+    caller's and writable by nobody else; a symbolic link on the way must be root's or the caller's.  Returns the
+    real path.  Raises :class:`WeightsError` naming the folder and the fix."""
+    path = Path(os.path.abspath(Path(to).expanduser()))
+    for part in (path, *path.parents):
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(part)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+                raise WeightsError(_unsafe(path, f"{part} is a symbolic link made by {_owner(st.st_uid)}"))
+    real = Path(os.path.realpath(path))
+    for part in reversed((real, *real.parents)):
+        try:
+            st = os.stat(part)
+        except FileNotFoundError:
+            os.mkdir(part, 0o700)
+            st = os.stat(part)
+        _check_folder(path, part, st)
+    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):  # the folder itself: the caller's
+        raise WeightsError(_unsafe(path, f"{real} is not a folder of yours that only you can write"))
+    return real
+
+
+def _check_folder(asked: Path, part: Path, st: os.stat_result) -> None:
+    if not stat.S_ISDIR(st.st_mode):
+        raise WeightsError(_unsafe(asked, f"{part} is not a folder"))
+    others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if st.st_uid == 0:
+        if others_write and not st.st_mode & stat.S_ISVTX:
+            raise WeightsError(_unsafe(asked, f"{part} (root's) can be changed by others: mode "
+                                              f"{stat.S_IMODE(st.st_mode):o}, not sticky"))
+    elif st.st_uid != os.geteuid():
+        raise WeightsError(_unsafe(asked, f"{part} belongs to {_owner(st.st_uid)}"))
+    elif others_write:
+        raise WeightsError(_unsafe(asked, f"{part} can be written by its group or others (mode "
+                                          f"{stat.S_IMODE(st.st_mode):o}): chmod go-w it"))
+
+
+def _unsafe(asked: Path, why: str) -> str:
+    return (f"Cannot stage weights into {asked}: {why}, so someone else could choose the weights the room is "
+            "served. Stage into a folder only you can write, e.g. LLMLAB_STAGE_DIR=/local/scratch/$USER/weights "
+            "(llmlab makes the missing folders 0700).")
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _manifest_path(dest: Path) -> Path:
+    return dest.with_name(f".{dest.name}.manifest.json")
+
+
+def _listing(dest: Path) -> dict[str, list[int]]:
+    """Each file of the copy (links included, as links) with its owner, size, mtime in ns and inode: what a stage
+    records at the copy, and what the next stage compares before it trusts the copy."""
+    out = {}
+    for p in sorted(dest.rglob("*")):
+        st = os.lstat(p)
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "file" if stat.S_ISREG(st.st_mode) else "other"
+            out[str(p.relative_to(dest))] = [kind, st.st_uid, st.st_size, st.st_mtime_ns, st.st_ino]
+    return out
+
+
+def _write_manifest(dest: Path) -> None:
+    """The copy's listing in a 0600 file beside it (replaced whole: written to a new name, then renamed)."""
+    path = _manifest_path(dest)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.manifest-")
+    with os.fdopen(fd, "w") as f:  # mkstemp makes it 0600
+        json.dump(_listing(dest), f)
+    os.replace(tmp, path)
+
+
+def trusted_copy(src: Path, dest: Path) -> bool:
+    """Is ``dest`` the copy a stage made of ``src``, unchanged since?  The manifest is the caller's own 0600 file,
+    the tree the caller's and writable by nobody else, every file's owner, size, mtime and inode as recorded, the
+    names and sizes those of ``src``, and the copy verifies.  Names and sizes alone are public for a hub model."""
+    try:
+        st, mst = os.lstat(dest), os.lstat(_manifest_path(dest))
+        if not (stat.S_ISDIR(st.st_mode) and stat.S_ISREG(mst.st_mode)) or os.geteuid() not in (st.st_uid, mst.st_uid):
+            return False
+        if st.st_uid != mst.st_uid or stat.S_IMODE(mst.st_mode) != 0o600 or st.st_mode & 0o022:
+            return False
+        recorded = json.loads(_manifest_path(dest).read_text())
+    except (OSError, ValueError):
+        return False
+    return (recorded == _listing(dest) and all(v[0] == "file" and v[1] == os.geteuid() for v in recorded.values())
+            and same_files(src, dest) and verify(dest, group=False).ok)
 
 
 def stage(src, to, *, progress: bool = True, say=print) -> dict:
@@ -483,24 +596,24 @@ def stage(src, to, *, progress: bool = True, say=print) -> dict:
     """
     from tqdm.auto import tqdm
 
-    src, to = Path(src), Path(to)
+    src = Path(src)
+    to = private_stage_folder(to)
     dest = to / src.name
-    if dest.is_dir() and same_files(src, dest) and verify(dest, group=False).ok:
-        say(f"{dest} already holds a verified copy of {src}: not copied again")
+    if trusted_copy(src, dest):
+        say(f"{dest} already holds this stage's verified copy of {src} (its manifest matches): not copied again")
         return {"src": str(src), "dest": str(dest), "skipped": True, "bytes": 0, "seconds": 0.0, "mb_per_s": None}
     source = verify(src, group=False)
     if not source.ok:
         raise WeightsError(f"{src} does not verify, so it is not staged: " + " ".join(source.problems))
     files = _files(src)
     total = sum(p.stat().st_size for p in files)
-    to.mkdir(parents=True, exist_ok=True)
     where, free = _free_bytes(to)
     if free < total:
         raise WeightsError(f"{src} takes {total / 1e9:,.2f} GB and {where} has {free / 1e9:,.2f} GB free: stage to "
                            "another folder (LLMLAB_STAGE_DIR) or free space.")
     _remove_stale(to, src.name)
-    tmp = to / f".{src.name}.staging-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(dir=to, prefix=f".{src.name}.staging-{os.getpid()}."))
+    os.chmod(tmp, DIR_MODE)  # as the source tree: the group may read, nobody else may write
     started = time.monotonic()
     try:  # in a job's log (no terminal) the bar is a line every 30 s, not one every 0.1 s
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"staging {src.name}", disable=not progress,
@@ -516,6 +629,7 @@ def stage(src, to, *, progress: bool = True, say=print) -> dict:
         seconds = time.monotonic() - started
         if not _staged_by_another(src, dest, tmp):
             _put_in_place(src, tmp, dest)
+            _write_manifest(dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -545,7 +659,7 @@ def _put_in_place(src: Path, tmp: Path, dest: Path) -> None:
 def _staged_by_another(src: Path, dest: Path, tmp: Path) -> bool:
     """Did another job, or another node of this job where the stage folder is shared, put a verified copy at
     ``dest`` while this one copied?  Then it may be reading it: keep that one and drop this copy."""
-    if dest.exists() and same_files(src, dest) and verify(dest, group=False).ok:
+    if trusted_copy(src, dest):
         shutil.rmtree(tmp)
         return True
     return False

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import threading
 from pathlib import Path
 
@@ -33,6 +34,10 @@ def copy_tiny(dest: Path) -> Path:
     shutil.copytree(TINY, dest)
     weights.make_group_readable(dest)
     return dest
+
+
+# what a stage leaves in its folder: the copy and its private manifest
+STAGED = [".llmlab-tiny.manifest.json", "llmlab-tiny"]
 
 
 @pytest.fixture
@@ -246,15 +251,15 @@ def test_stage_copies_with_progress_and_time_then_skips_a_verified_copy(sharded,
     assert f"staged {sharded} -> {dest}: " in captured.out and " MB/s)" in captured.out
     assert "staging llmlab-tiny" in captured.err  # tqdm's bar
     assert weights.verify(dest).ok and weights.same_files(sharded, dest)
-    assert [p.name for p in local.iterdir()] == ["llmlab-tiny"]  # the temporary name is gone
+    assert sorted(p.name for p in local.iterdir()) == STAGED  # the temporary name is gone
 
     second = weights.stage(sharded, local)
-    assert second["skipped"] and "already holds a verified copy" in capsys.readouterr().out
+    assert second["skipped"] and "already holds this stage's verified copy" in capsys.readouterr().out
 
     os.truncate(shard(dest, 1), 100)  # a broken local copy is replaced, not trusted
     third = weights.stage(sharded, local)
     assert not third["skipped"] and weights.verify(dest).ok
-    assert [p.name for p in local.iterdir()] == ["llmlab-tiny"]
+    assert sorted(p.name for p in local.iterdir()) == STAGED
 
 
 def test_stage_refuses_a_source_that_does_not_verify(sharded, tmp_path):
@@ -275,14 +280,15 @@ def test_two_nodes_staging_into_one_shared_folder_keep_one_copy(sharded, tmp_pat
     def the_other_node_finishes_just_after_the_check(src, dest, tmp):
         calls.append(dest.exists())
         if len(calls) == 1:
-            shutil.copytree(sharded, dest)  # its copy lands now, after this node looked
+            shutil.copytree(sharded, dest)  # its copy lands now, after this node looked, with its manifest
+            weights._write_manifest(dest)
             return False
         return real(src, dest, tmp)
 
     monkeypatch.setattr(weights, "_staged_by_another", the_other_node_finishes_just_after_the_check)
     done = weights.stage(sharded, local, progress=False)
     assert calls == [False, True] and not done["skipped"]
-    assert [p.name for p in local.iterdir()] == ["llmlab-tiny"] and weights.verify(local / "llmlab-tiny").ok
+    assert sorted(p.name for p in local.iterdir()) == STAGED and weights.verify(local / "llmlab-tiny").ok
 
 
 def test_a_dummy_tree_is_real_safetensors_that_verifies(tmp_path):
@@ -308,7 +314,7 @@ def test_stage_removes_what_a_killed_stage_left_and_keeps_a_live_ones(sharded, t
         d.mkdir(parents=True)
         (d / "model-00001-of-00003.safetensors").write_bytes(b"half")
     weights.stage(sharded, local, progress=False)
-    assert sorted(p.name for p in local.iterdir()) == [live.name, "llmlab-tiny"]
+    assert sorted(p.name for p in local.iterdir()) == sorted([live.name, *STAGED])
 
 
 def test_a_job_with_a_stage_dir_loads_the_node_local_copy_after_staging_it():
@@ -337,3 +343,87 @@ def test_the_launchers_dry_run_shows_the_staging(tmp_path):
     assert f"weights: /models/Llama-3.1-8B-Instruct copied to {tmp_path}/Llama-3.1-8B-Instruct" in out.stdout
     serve = next(line for line in out.stdout.splitlines() if line.startswith("vLLM:"))
     assert f" {tmp_path}/Llama-3.1-8B-Instruct " in serve
+
+
+def _look_alike(src: Path, dest: Path) -> None:
+    """What security-review-3's F2 planted: the same names and sizes (public for a hub model), every weight zeroed
+    and another chat template of the same length; safetensors headers intact, so verify passes it."""
+    shutil.copytree(src, dest)
+    for f in dest.glob("*.safetensors"):
+        head = 8 + int.from_bytes(f.read_bytes()[:8], "little")
+        data = bytearray(f.read_bytes())
+        data[head:] = bytes(len(data) - head)
+        f.write_bytes(bytes(data))
+    template = dest / "tokenizer_config.json"
+    template.write_text("x" * len(template.read_text()))
+
+
+def test_a_look_alike_planted_where_the_copy_goes_is_copied_over_not_served(sharded, tmp_path, capsys):
+    """F2: a tree of the right names and sizes that no stage of the caller's wrote (no manifest) is not trusted:
+    the stage copies the real tree over it.  Before the fix it said "already holds a verified copy" and the room was
+    served zeroed weights."""
+    local = tmp_path / "local"
+    local.mkdir(mode=0o700)
+    _look_alike(sharded, local / "llmlab-tiny")
+    assert weights.same_files(sharded, local / "llmlab-tiny")  # what the old skip compared
+    done = weights.stage(sharded, local, progress=False)
+    assert not done["skipped"]
+    for f in weights._files(sharded):
+        assert (local / "llmlab-tiny" / f.relative_to(sharded)).read_bytes() == f.read_bytes(), f.name
+
+
+def test_a_staged_copy_changed_afterwards_is_staged_again(sharded, tmp_path):
+    """The manifest written at the copy (owner, size, mtime, inode of every file) must still match: a shard
+    rewritten in place with bytes of the same size is noticed, and replaced."""
+    local = tmp_path / "local"
+    weights.stage(sharded, local, progress=False)
+    target = shard(local / "llmlab-tiny", 2)
+    data = bytearray(target.read_bytes())
+    data[-64:] = bytes(64)
+    target.write_bytes(bytes(data))
+    assert weights.verify(local / "llmlab-tiny", group=False).ok  # headers and sizes cannot tell
+    assert not weights.stage(sharded, local, progress=False)["skipped"]
+    assert target.read_bytes() == shard(sharded, 2).read_bytes()
+
+
+@pytest.mark.parametrize("where", ["the stage folder", "a folder above it"])
+def test_a_stage_folder_others_can_write_is_refused_with_the_fix(sharded, tmp_path, where):
+    """F2: the folder the copy goes to, and every folder above it, must be the caller's and writable by nobody else
+    (or root's and not writable by others unless sticky, as /tmp): else someone could swap the copy after the
+    stage.  Before the fix the stage copied into any folder."""
+    parent = tmp_path / "scratch"
+    local = parent / "weights"
+    local.mkdir(parents=True)
+    (local if where == "the stage folder" else parent).chmod(0o777)
+    with pytest.raises(weights.WeightsError, match=r"can be (written by its group or others|changed by others).*only you can write"):
+        weights.stage(sharded, local, progress=False)
+    assert not (local / "llmlab-tiny").exists()
+    assert cli.main(["weights", "stage", str(sharded), "--to", str(local)]) == 2
+
+
+def test_missing_stage_folders_are_made_private(sharded, tmp_path):
+    local = tmp_path / "scratch" / "me" / "weights"
+    weights.stage(sharded, local, progress=False)
+    assert stat.S_IMODE(local.stat().st_mode) == 0o700 and stat.S_IMODE(local.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE((local / ".llmlab-tiny.manifest.json").stat().st_mode) == 0o600
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder or a link to another user needs root (CI runs as root)")
+@pytest.mark.parametrize("planted", ["a folder", "a symbolic link"])
+def test_a_stage_folder_planted_by_another_user_is_refused(sharded, tmp_path, planted):
+    """F2, variant B: another user made the stage folder first (a public name in a 1777 scratch disk), or a link by
+    that name to a folder of the instructor's.  The stage refuses, naming the owner."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir(mode=0o777)
+    scratch.chmod(0o1777)  # sticky, as /local/scratch and /tmp are
+    local = scratch / "weights"
+    if planted == "a folder":
+        local.mkdir()
+        os.chown(local, 65534, 65534)
+    else:
+        mine = tmp_path / "mine"
+        mine.mkdir(mode=0o700)
+        local.symlink_to(mine)
+        os.lchown(local, 65534, 65534)
+    with pytest.raises(weights.WeightsError, match=r"(belongs to|symbolic link made by) (user nobody|uid 65534)"):
+        weights.stage(sharded, local, progress=False)

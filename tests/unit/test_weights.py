@@ -395,7 +395,8 @@ def test_a_stage_folder_others_can_write_is_refused_with_the_fix(sharded, tmp_pa
     local = parent / "weights"
     local.mkdir(parents=True)
     (local if where == "the stage folder" else parent).chmod(0o777)
-    with pytest.raises(weights.WeightsError, match=r"can be (written by its group or others|changed by others).*only you can write"):
+    refused = r"can be (written by its group or others|changed by others).*only you can write"
+    with pytest.raises(weights.WeightsError, match=refused):
         weights.stage(sharded, local, progress=False)
     assert not (local / "llmlab-tiny").exists()
     assert cli.main(["weights", "stage", str(sharded), "--to", str(local)]) == 2

@@ -63,13 +63,15 @@ def stand_in_vllm(folder: Path):
 
 
 @contextlib.contextmanager
-def proxy_process(tmp_path: Path, upstream: Path, *args: str, ulimit: str = ""):
+def proxy_process(tmp_path: Path, upstream: Path | str, *args: str, ulimit: str = ""):
     """``python -m llmlab.serve.proxy`` of the test's own: yields (process, port, owner key) once it answers; its
-    output goes to ``tmp_path/proxy.log``.  ``ulimit``: options for bash's ulimit, e.g. ``-n 64``."""
+    output goes to ``tmp_path/proxy.log``.  ``upstream``: a socket path, or an ``--upstream`` value as it is
+    (``MODEL=http://...``).  ``ulimit``: options for bash's ulimit, e.g. ``-n 64``."""
     key = "owner-" + os.urandom(16).hex()
     port = free_port()
     cmd = [sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
-           f"unix:{upstream}", "--key-file", str(write_private(tmp_path / "owner.key", key + "\n")), *args]
+           f"unix:{upstream}" if isinstance(upstream, Path) else upstream,
+           "--key-file", str(write_private(tmp_path / "owner.key", key + "\n")), *args]
     if ulimit:
         cmd = ["bash", "-c", f'ulimit {ulimit} && exec "$@"', "bash", *cmd]
     with open(tmp_path / "proxy.log", "w") as log:

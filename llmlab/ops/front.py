@@ -143,6 +143,33 @@ def wait_for_members(job_ids: list[str], timeout: float = FRONT_TIMEOUT, poll: f
         time.sleep(poll)
 
 
+def ended_members(members: list[ServerInfo]) -> list[ServerInfo]:
+    """The models whose jobs have ended since the front routed to them: the launcher's ``ended`` marker is there,
+    or the job's connection file is gone."""
+    return [m for m in members
+            if ended_marker(m.job_id).exists() or not cluster.connection_file_of(m.job_id).exists()]
+
+
+def watch_members(front: Front, members: list[ServerInfo], publish, poll: float = WAIT_POLL) -> int:
+    """Serve until the router exits, looking at the models' jobs every ``poll`` seconds.  A model whose job ended is
+    said once, in the job's output and in the front's connection file (``ended``); the router answers its requests
+    503, since that job's port no longer proves it holds the job's key (``llmlab.serve.proxy``, security-review-3
+    F1).  Once every model's job has ended the front ends too: nothing is left to route to.  Returns the exit code."""
+    gone: list[str] = []
+    while (code := front.router.poll()) is None:
+        ended = [m.model for m in ended_members(members) if m.model not in gone]
+        if ended:
+            gone += ended
+            say(f"the job of {', '.join(ended)} ended: requests for it now get 503 with that sentence"
+                + ("" if len(gone) < len(members) else "; no model is left, so the front ends too"))
+            publish(list(gone))
+            if len(gone) == len(members):
+                front.router.terminate()
+                return 0
+        time.sleep(poll)
+    return code
+
+
 def router_upstreams(members: list[ServerInfo]) -> tuple[dict[str, list[str]], dict[str, Path]]:
     """``{model: [its job's proxy URL]}`` and ``{model: its job's key file}``: what the router fronts."""
     return ({m.model: [f"http://{m.host}:{m.port}"] for m in members},
@@ -228,12 +255,14 @@ def serve_front(job_ids: list[str], job_id: str, timeout: float = FRONT_TIMEOUT,
                 raise ServerError(f"the router did not answer /health for every model within 60 s; its log "
                                   f"{front.log_dir / 'router.log'} says why.")
             time.sleep(1)
-        info = front.publish("ready", port, models, members={m.model: m.job_id for m in members})
+        jobs_of = {m.model: m.job_id for m in members}
+        info = front.publish("ready", port, models, members=jobs_of)
         say(f"READY: {', '.join(models)} at {info.base_url} (job {job_id}, in front of jobs "
             f"{', '.join(m.job_id for m in members)})")
         print(f"  notebook:  client, model = llmlab.connect()    # then model=... one of {', '.join(models)}\n"
               f"  pinned:    LLMLAB_CONNECTION_FILE={front.conn_file}", flush=True)
-        return front.router.wait()
+        return watch_members(front, members, lambda gone: front.publish("ready", port, models, members=jobs_of,
+                                                                        ended=gone), poll)
     except ServerError as e:
         say(f"FAILED: {e}")
         return 1

@@ -64,6 +64,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import sys
 import time
@@ -90,6 +91,14 @@ PIPELINED_BODY = 2**20  # bytes of body read ahead on a connection while its pre
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
               b"transfer-encoding", b"upgrade", b"host", b"authorization"}
 DIGEST_LINE = re.compile(r"^(?:sha256:)?([0-9a-fA-F]{64})\b")
+# A router sends an upstream's key only to a proxy that proves, on the same connection, that it holds that key: it
+# asks IDENTITY_PATH with a fresh nonce, and the proxy answers HMAC(key, nonce), keyless (security-review-3, F1: a
+# model job's port, once its job ended, is anyone's to bind, and the router kept sending that job's key and the
+# learners' prompts there).  The proof is labelled (identity_proof), so it is no other use of the key.
+IDENTITY_PATH = "/llmlab/identity"
+NONCE_HEADER, PROOF_HEADER = b"x-llmlab-nonce", b"x-llmlab-proof"
+NONCE = re.compile(rb"^[0-9a-f]{64}$")
+IDENTITY_TIMEOUT = 10.0  # seconds an upstream may take to prove itself
 # Percent-encodings that change how a path splits or normalises: '.', '/', '\', '%' (double encoding), NUL.
 ENCODED_SEPARATOR = re.compile(r"%(2e|2f|5c|25|00)", re.IGNORECASE)
 
@@ -133,6 +142,7 @@ class KeyRing:
             raise ProxyError(f"The key in {owner_key_file} is shorter than 16 characters; write a random one, "
                              "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'.")
         self.owner = digest(owner)
+        self._owner_key = owner  # for identity proofs only (prove); never logged or sent
         self.registered_path = Path(registered) if registered else None
         self.recheck = recheck
         self._reader = keyring.Reader()  # remembers user names and unchanged files between reads
@@ -208,12 +218,57 @@ class KeyRing:
         return ok
 
 
+    def prove(self, nonce: bytes) -> bytes:
+        """This proxy's answer to a router's identity challenge: the owner key's :func:`identity_proof`."""
+        return identity_proof(self._owner_key, nonce)
+
     def revoked(self, authorization: str | None) -> bool:
         """True for ``Bearer <key>`` whose digest the owner revoked (``llmlab revoke``): the proxy then says so, so
         that a learner cut off mid-notebook is told why instead of "wrong key".  Only the key's holder can learn
         this, and they knew the key."""
         scheme, _, key = (authorization or "").partition(" ")
         return scheme.lower() == "bearer" and bool(key.strip()) and digest(key) in self._denied
+
+
+def identity_proof(key: str, nonce: bytes) -> bytes:
+    """HMAC-SHA256 of ``nonce`` under ``key``, hex, labelled: only a holder of the key can answer a fresh nonce."""
+    return hmac.new(key.encode(), b"llmlab-identity\0" + nonce, hashlib.sha256).hexdigest().encode()
+
+
+def identity_request(nonce: bytes) -> bytes:
+    return b"GET %b HTTP/1.1\r\nhost: vllm\r\n%b: %b\r\n\r\n" % (IDENTITY_PATH.encode(), NONCE_HEADER, nonce)
+
+
+class _Identity:
+    """An upstream's answer to :func:`identity_request`, parsed: its status and proof, ``done`` once complete."""
+
+    def __init__(self):
+        self.proof: bytes | None = None
+        self.complete = False
+        self.parser = httptools.HttpResponseParser(self)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == PROOF_HEADER:
+            self.proof = value
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+    def proves(self, key: str, nonce: bytes) -> bool:
+        return (self.complete and self.parser.get_status_code() == 200 and self.proof is not None
+                and hmac.compare_digest(self.proof, identity_proof(key, nonce)))
+
+
+async def _proven_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: str) -> bool:
+    """:meth:`Upstream.proven` on a stream connection (the router's own GETs of ``GATHERED`` paths)."""
+    nonce = secrets.token_hex(32).encode()
+    identity = _Identity()
+    writer.write(identity_request(nonce))
+    with contextlib.suppress(TimeoutError, httptools.HttpParserError):
+        async with asyncio.timeout(IDENTITY_TIMEOUT):
+            while not identity.complete and (data := await reader.read(4096)):
+                identity.parser.feed_data(data)
+    return identity.proves(key, nonce)
 
 
 def _loop_running() -> bool:
@@ -338,6 +393,7 @@ class Request:
         self.http10 = False
         self.counted = 0  # bytes of its body counted in Proxy.body_bytes (0 once released)
         self.gather: str | None = None  # a path the proxy answers from every model (GATHERED), not one upstream
+        self.identity = False  # IDENTITY_PATH: answered by the proxy itself, keyless, and the connection stays open
 
 
 class Upstream(asyncio.Protocol):
@@ -356,17 +412,38 @@ class Upstream(asyncio.Protocol):
         self.head_sent = self.complete = False
         self.transport: asyncio.Transport | None = None
         self.done = asyncio.get_running_loop().create_future()
+        self.identity: _Identity | None = None  # while the upstream proves who it is (proven)
+        self.proved: asyncio.Future | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.client.proxy.upstreams += 1  # a file descriptor (Proxy.admit)
 
     def data_received(self, data: bytes) -> None:
+        if self.identity is not None:  # the proof comes first; nothing else is asked before it is checked
+            try:
+                self.identity.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.transport.close()
+            if self.identity.complete and not self.proved.done():
+                self.proved.set_result(None)
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             log.warning("vLLM sent an answer that does not parse (%s); the client's connection is closed", e)
             self.transport.close()
+
+    async def proven(self, key: str) -> bool:
+        """Ask the upstream, on this connection, to prove it holds ``key`` (:func:`identity_request`); True if it
+        did within ``IDENTITY_TIMEOUT``.  Nothing of the client's request has been sent yet."""
+        nonce = secrets.token_hex(32).encode()
+        self.identity, self.proved = _Identity(), asyncio.get_running_loop().create_future()
+        self.transport.write(identity_request(nonce))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.proved), IDENTITY_TIMEOUT)
+        identity, self.identity = self.identity, None
+        return identity.proves(key, nonce)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
@@ -399,6 +476,8 @@ class Upstream(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.client.proxy.upstreams -= 1
+        if self.proved is not None and not self.proved.done():
+            self.proved.set_result(None)
         if not self.done.done():
             self.done.set_result(None)
 
@@ -593,7 +672,7 @@ class Client(asyncio.Protocol):
                                             close=True))
         elif int(next((v for k, v in r.headers if k.lower() == b"content-length"), b"0")) > MAX_BODY:
             self._refuse_now(error_response(413, f"Request body larger than {MAX_BODY // 2**20} MiB.", close=True))
-        elif r.refusal is not None and not self.keyed:  # no key shown on this connection yet: its last answer
+        elif r.refusal is not None and not self.keyed and not r.identity:  # no key shown yet: its last answer
             r.refusal, r.keep_alive = closing(r.refusal), False
         elif r.refusal is None and not self.queue and self.worker is None and any(
                 k.lower() == b"expect" and v.lower() == b"100-continue" for k, v in r.headers):
@@ -677,6 +756,11 @@ class Client(asyncio.Protocol):
                 self.write(error_response(503, "The vLLM server behind this proxy does not answer (still loading, "
                                                "or it stopped); `llmlab status` shows which."))
             return
+        if replica.prove and not await upstream.proven(replica.key):
+            upstream.transport.close()
+            log.warning("upstream %s (%s) did not prove it holds its key: nothing sent", replica.name, replica.model)
+            self.write(error_response(503, unproven(replica)))
+            return
         self.upstream = upstream
         try:
             upstream.transport.write(self.proxy.upstream_head(request, replica))
@@ -710,7 +794,16 @@ class Replica:
             raise ProxyError(f"--upstream {upstream!r}: give unix:/path/to/vllm.sock or http://127.0.0.1:PORT.")
         self.name, self.in_flight, self.sent = upstream, 0, 0
         self.model = model
+        self.key = key
         self.auth = b"authorization: Bearer %b\r\n" % key.encode() if key else b""
+        # a keyed upstream on the network (another job's proxy) must prove it holds the key before it gets it
+        self.prove = bool(key) and self.address is not None
+
+
+def unproven(replica: Replica) -> str:
+    return (f"The job serving {replica.model or 'this server'} no longer proves it is that job: it has ended, or "
+            f"another program now listens on its address ({replica.name}). Nothing of this request was sent there; "
+            "`llmlab status` shows the job.")
 
 
 def split_upstream(spec: str) -> tuple[str | None, str]:
@@ -1038,6 +1131,10 @@ class Proxy:
         else:
             reader, writer = await asyncio.open_connection(*replica.address)
         try:
+            if replica.prove and not await _proven_stream(reader, writer, replica.key):
+                log.warning("upstream %s (%s) did not prove it holds its key: %s not asked", replica.name,
+                            replica.model, path)
+                return 0, b""
             writer.write(b"GET %b HTTP/1.1\r\nhost: vllm\r\n%bconnection: close\r\n\r\n" % (path.encode(),
                                                                                             replica.auth))
             collected = _Collected()
@@ -1050,6 +1147,16 @@ class Proxy:
             return (parser.get_status_code(), bytes(collected.body)) if collected.complete else (0, b"")
         finally:
             writer.close()
+
+    def identity_answer(self, r: Request) -> bytes:
+        """The answer to a router's identity challenge (IDENTITY_PATH): this proxy's proof for the nonce, keyless;
+        the connection stays open for the keyed request that follows (a malformed challenge closes it)."""
+        nonce = next((v for k, v in r.headers if k.lower() == NONCE_HEADER), b"")
+        if r.method != b"GET" or not NONCE.match(nonce):
+            return error_response(400, f"Refused: {IDENTITY_PATH} takes GET with a {NONCE_HEADER.decode()} of 64 "
+                                       "lowercase hex digits.")
+        r.identity = True
+        return b"HTTP/1.1 200 OK\r\n%b: %b\r\ncontent-length: 0\r\n\r\n" % (PROOF_HEADER, self.keys.prove(nonce))
 
     def judge(self, r: Request) -> bytes | None:
         """The refusal for a request whose head is complete, or None to forward it.  The order matters: a path
@@ -1064,6 +1171,8 @@ class Proxy:
         why = check_path(raw, path)
         if why:
             return error_response(400, f"Refused: {why}.")
+        if path == IDENTITY_PATH:
+            return self.identity_answer(r)
         authorization = next((v.decode("latin-1") for k, v in r.headers if k.lower() == b"authorization"), None)
         if not self.keys.accepts(authorization):
             if self.keys.revoked(authorization):

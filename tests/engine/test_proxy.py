@@ -466,3 +466,100 @@ def test_a_keys_folder_that_keeps_changing_logs_only_changes_of_who_is_in(tmp_pa
         ring.refresh(force=True)
     said = [r.getMessage() for r in caplog.records if "registered key(s)" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("1 registered key(s)"), said
+
+
+# -- issue 53: the doors security-review-3 found -----------------------------------------------------------------
+
+
+class _Squatter:
+    """Whoever binds a model job's port after the job ended (F1): answers every request 200 "EVE" with a made-up
+    proof, and keeps every byte it was sent."""
+
+    def __init__(self, port: int):
+        import socketserver
+        import threading
+
+        got = self.got = bytearray()
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                self.request.settimeout(5)
+                while True:
+                    try:
+                        data = self.request.recv(65536)
+                    except OSError:
+                        return
+                    if not data:
+                        return
+                    got.extend(data)
+                    if b"\r\n\r\n" in data:
+                        self.request.sendall(b"HTTP/1.1 200 OK\r\nx-llmlab-proof: " + b"0" * 64
+                                             + b"\r\ncontent-length: 3\r\n\r\nEVE")
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _post(port: int, key: str, body: dict) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_a_router_sends_a_model_jobs_key_and_prompts_only_to_that_jobs_own_proxy(tmp_path):
+    """F1 of security-review-3: `llmlab launch A B`'s front routes to each model job's proxy at the host:port it read
+    once.  After job A ends, anyone may bind that port; the router used to send it A's key with every request, and
+    the learners' prompts, and relay its answers as model A's.  Now the router asks each connection to prove it
+    holds A's key (HMAC of a fresh nonce, on the same connection) before it sends a byte of the request: the
+    squatter gets neither key nor prompt, and the learner a 503 that says why."""
+    member, router_dir = tmp_path / "member", tmp_path / "router"
+    member.mkdir()
+    router_dir.mkdir()
+    secret = "alice private prompt: my exam answer is 42"
+    with stand_in_vllm(member) as uds:
+        with proxy_process(member, uds) as (_, member_port, member_key):
+            upstream = f"A=http://127.0.0.1:{member_port}"
+            with proxy_process(router_dir, upstream, "--upstream-key-file", f"A={member / 'owner.key'}") as (
+                    _, port, key):
+                status, body = _post(port, key, {"model": "A", "prompt": "hello"})
+                assert status == 200 and json.loads(body)["path"] == "/v1/completions", body  # the real job answers
+                # ... then job A ends (its proxy exits), and someone binds its port
+        squatter = _Squatter(member_port)
+        try:
+            with proxy_process(router_dir, upstream, "--upstream-key-file", f"A={member / 'owner.key'}") as (
+                    _, port, key):
+                status, body = _post(port, key, {"model": "A", "prompt": secret})
+                listed, _ = _get(f"http://127.0.0.1:{port}/v1/models", key)
+        finally:
+            squatter.close()
+    assert status == 503 and b"no longer proves it is that job" in body, body
+    assert b"EVE" not in body and listed != 200
+    assert squatter.got, "the router never dialled the port (the test would prove nothing)"
+    assert member_key.encode() not in squatter.got and secret.encode() not in squatter.got
+    assert b"authorization" not in squatter.got.lower()
+
+
+def test_a_proxy_answers_an_identity_challenge_without_a_key_and_nothing_else(tmp_path):
+    """The member's side of F1's fix: ``GET /llmlab/identity`` with a nonce is answered keyless with the owner key's
+    HMAC of it (no other use of the key gives these bytes: identity_proof is labelled), on a connection that stays
+    open for the keyed request that follows; a bad nonce is 400; every other route still wants the key."""
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds) as (_, port, key):
+        nonce = os.urandom(32).hex().encode()
+        got = _exchange(port, proxy.identity_request(nonce)
+                        + _get_line("/v1/models", key, close=True))
+        assert _statuses(got) == [200, 200]
+        assert b"x-llmlab-proof: " + proxy.identity_proof(key, nonce) in got
+        assert _statuses(_exchange(port, proxy.identity_request(b"x" * 64))) == [400]
+        assert _get(f"http://127.0.0.1:{port}/v1/models", None)[0] == 401

@@ -101,3 +101,29 @@ def test_status_of_a_front_names_its_models_and_their_jobs(monkeypatch):
     monkeypatch.setattr(cluster, "is_alive", lambda info, timeout: False)
     down = jobs._ready_status(st, cluster.connection_file_of("501"))
     assert down.state == "FAILED" and "`llmlab status 503` (llama3.1-70b) says which" in down.detail
+
+
+def test_the_front_watches_its_models_says_which_ended_and_ends_when_none_is_left(capsys):
+    """security-review-3 F1: the front no longer reads its models once and forgets them.  A model whose job ended
+    is said once (job output and the front's connection file, ``ended``); its requests get the router's 503 (the
+    port no longer proves it holds the job's key: tests/engine/test_proxy.py); with no model left the front ends."""
+    import subprocess
+    import threading
+    from types import SimpleNamespace
+
+    publish("501", "llama3.1-8b", "ready")
+    publish("502", "llama3.1-70b", "ready")
+    members = [ServerInfo.read(cluster.connection_file_of(j)) for j in ("501", "502")]
+    router = subprocess.Popen(["sleep", "60"])
+    published = []
+    ended_marker("501").write_text("ended\n")  # the 8B's job ended (its launcher's clean-up leaves this)
+    threading.Timer(0.5, cluster.connection_file_of("502").unlink).start()  # then the 70B's job is gone
+    try:
+        code = front.watch_members(SimpleNamespace(router=router), members, published.append, poll=0.05)
+    finally:
+        router.kill()
+    assert code == 0 and router.wait() != 0  # the front stopped its router
+    assert published == [["llama3.1-8b"], ["llama3.1-8b", "llama3.1-70b"]]
+    out = capsys.readouterr().out
+    assert out.count("the job of llama3.1-8b ended: requests for it now get 503") == 1
+    assert "no model is left, so the front ends too" in out

@@ -394,6 +394,7 @@ class Request:
         self.counted = 0  # bytes of its body counted in Proxy.body_bytes (0 once released)
         self.gather: str | None = None  # a path the proxy answers from every model (GATHERED), not one upstream
         self.identity = False  # IDENTITY_PATH: answered by the proxy itself, keyless, and the connection stays open
+        self.unauthorized = False  # refused 401 (no key, a wrong one, or a revoked one): the connection's last answer
 
 
 class Upstream(asyncio.Protocol):
@@ -672,8 +673,12 @@ class Client(asyncio.Protocol):
                                             close=True))
         elif int(next((v for k, v in r.headers if k.lower() == b"content-length"), b"0")) > MAX_BODY:
             self._refuse_now(error_response(413, f"Request body larger than {MAX_BODY // 2**20} MiB.", close=True))
-        elif r.refusal is not None and not self.keyed and not r.identity:  # no key shown yet: its last answer
-            r.refusal, r.keep_alive = closing(r.refusal), False
+        elif r.refusal is not None and not r.identity and (r.unauthorized or not self.keyed):
+            # No key shown on this connection, or this request's key refused (a learner revoked since the connection
+            # opened, security-review-3 F5b): its last answer, sent now, not after a body that may never end (F3: 60
+            # keyless requests part-way through a body held the owner out at the open-file limit); what the client
+            # still sends is read and dropped while the connection lingers (close), and lingering ones are shed first.
+            self._refuse_now(closing(r.refusal))
         elif r.refusal is None and not self.queue and self.worker is None and any(
                 k.lower() == b"expect" and v.lower() == b"100-continue" for k, v in r.headers):
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -1175,6 +1180,7 @@ class Proxy:
             return self.identity_answer(r)
         authorization = next((v.decode("latin-1") for k, v in r.headers if k.lower() == b"authorization"), None)
         if not self.keys.accepts(authorization):
+            r.unauthorized = True
             if self.keys.revoked(authorization):
                 return error_response(401, "Unauthorized: your access to this server was revoked by its owner "
                                            "(llmlab revoke): ask your instructor.", (b"www-authenticate: Bearer",))

@@ -647,6 +647,46 @@ time.sleep(60)
 """
 
 
+KEYLESS_BODIES = """
+import socket, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+held = []
+for i in range(n):  # a keyless POST whose body never ends: one byte, then one more every 2 s
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 1000000\\r\\n\\r\\nx")
+        held.append(s)
+    except OSError:
+        pass
+print(len(held), "open", flush=True)
+for _ in range(30):
+    time.sleep(2)
+    for s in held:
+        try:
+            s.send(b"x")
+        except OSError:
+            pass
+"""
+
+
+def test_proxy_keyless_requests_part_way_through_a_body_do_not_lock_the_owner_out(attacker, tmp_path):
+    """F3 of security-review-3: a keyless request's 401 used to wait for the end of its body, and a connection in
+    a request was never shed, so 60 keyless POSTs that never finish their bodies held the owner out at a soft
+    limit of 64 files (68 s in the review).  Now the 401 goes out once the head is read and the connection lingers
+    (read and dropped, shed first): the owner's requests get their answers while the stranger keeps sending."""
+    from proxy_helpers import proxy_process, stand_in_vllm
+
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, ulimit="-n 64") as (_, port, key):
+        flood = attacker_popen(attacker, attacker_python(), "-c", KEYLESS_BODIES, str(port), "60")
+        try:
+            assert flood.stdout.readline().split()[1] == "open"
+            time.sleep(3)
+            assert [owner_status(port, key) for _ in range(3)] == [200, 200, 200]
+        finally:
+            flood.kill()
+            flood.wait()
+
+
 def test_proxy_refused_connections_it_lingers_on_still_count_toward_its_files(attacker, tmp_path):
     """A refused connection stays open up to LINGER seconds after its answer, reading and dropping what its client
     still sends: 80 of them at once, with a soft limit of 64 files, must not lock the owner out.  They count toward

@@ -251,10 +251,11 @@ def test_keep_alive_answers_several_requests_on_one_connection(embedded, api_key
 
 
 def test_a_pipelined_request_without_the_key_is_judged_on_its_own(embedded, api_key):
-    """Request smuggling: a second request behind an authorised one, in the same packet, is still checked."""
-    answer = _exchange(embedded.port, _get_line("/v1/models", api_key) + _get_line("/tokenize", None)
-                       + _get_line("/invocations", api_key) + _get_line("/v1/models", None, close=True))
-    assert _statuses(answer) == [200, 401, 404, 401]
+    """Request smuggling: a second request behind an authorised one, in the same packet, is still checked; its 401
+    is the connection's last answer (security-review-3 F5b), and nothing behind it is answered."""
+    answer = _exchange(embedded.port, _get_line("/v1/models", api_key) + _get_line("/invocations", api_key)
+                       + _get_line("/tokenize", None) + _get_line("/v1/models", api_key, close=True))
+    assert _statuses(answer) == [200, 404, 401]
 
 
 def test_ambiguous_body_length_is_refused(embedded, api_key):
@@ -563,3 +564,27 @@ def test_a_proxy_answers_an_identity_challenge_without_a_key_and_nothing_else(tm
         assert b"x-llmlab-proof: " + proxy.identity_proof(key, nonce) in got
         assert _statuses(_exchange(port, proxy.identity_request(b"x" * 64))) == [400]
         assert _get(f"http://127.0.0.1:{port}/v1/models", None)[0] == 401
+
+
+def test_a_learner_revoked_with_a_connection_open_loses_it_at_the_next_request(tmp_path):
+    """F5b of security-review-3: a connection that once showed a valid key used to stay open after its key was
+    revoked, answering 401 after 401 (a revoked learner kept every connection opened before, and could flood on
+    them).  Now the first request refused for its key is the connection's last answer: nothing behind it is
+    answered, and the proxy closes it."""
+    keys = tmp_path / "keys"
+    learner = "learner-" + os.urandom(16).hex()
+    keys.write_text(proxy.key_digest_line(learner) + "\n")
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, _key):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(_get_line("/v1/models", learner))
+            first = b""
+            while b'"body_bytes"' not in first:  # the stand-in's whole answer, on a connection kept open
+                first += s.recv(65536)
+            assert _statuses(first) == [200]
+            keys.write_text("")  # the instructor revokes the learner
+            wait_for(lambda: _get(f"http://127.0.0.1:{port}/v1/models", learner)[0] == 401, 30, "the revocation")
+            s.sendall(_get_line("/v1/models", learner) + _get_line("/v1/models", learner))
+            rest = b""
+            while chunk := s.recv(65536):  # ends only when the proxy closes (a timeout fails the test)
+                rest += chunk
+    assert _statuses(rest) == [401]  # the second request behind it: never answered

@@ -260,10 +260,23 @@ async def _drive(client, model: str, plan, timeout: float):
     return records, late
 
 
+def save_records(path: Path, records) -> Path:
+    """One JSON line per request (``llmlab.loadtest.Record``'s fields: id, status, times, tokens, error), gzipped:
+    30 learners make 4,950 requests, 300 make 49,500."""
+    import gzip
+    from dataclasses import asdict
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(asdict(r)) + "\n" for r in records)
+    return path
+
+
 def replay(trace_dir: str | Path, learners=(30, 100, 300), *, stagger: float = 1.0, timeout: float = 300.0,
            client=None, model: str | None = None, out: str | Path | None = None, progress=print) -> dict:
     """Replay the traces for each K in ``learners`` against the server ``llmlab.connect()`` finds (or ``client``);
-    returns (and writes to ``out``/replay.json) one row per K: TTFT and latency p50/p99, failures."""
+    returns (and writes to ``out``/replay.json) one row per K: TTFT and latency p50/p99, failures; with ``out``,
+    every request's record too (``replay-K.records.jsonl.gz``)."""
     import asyncio
 
     from llmlab.loadtest import summarize
@@ -281,6 +294,8 @@ def replay(trace_dir: str | Path, learners=(30, 100, 300), *, stagger: float = 1
         progress(f"replay: {k} learners, {len(plan)} requests over {plan[-1][0]:.0f} s of schedule")
         started = time.time()
         records, late = asyncio.run(_drive(client, model, plan, timeout))
+        if out is not None:  # every request, so that anyone can recompute the percentiles (or others) from them
+            save_records(Path(out) / f"replay-{int(k)}.records.jsonl.gz", records)
         s = summarize(records)
         failures = [r.error for r in records if r.status != "ok"]
         rows.append({"learners": int(k), "requests": s["requests"], "ok": s["ok"], "failures": len(failures),

@@ -146,6 +146,13 @@ def test_replay_sends_the_traces_for_each_room_size(fake_url, tmp_path):
     assert [(r["learners"], r["requests"], r["ok"], r["failures"]) for r in report["runs"]] == [(1, 2, 2, 0),
                                                                                                   (3, 6, 6, 0)]
     assert report["runs"][1]["ttft_ms"]["p50"] is not None
+    import gzip  # every request kept, so that the percentiles can be recomputed from the records (issue 52)
+
+    for k, n in ((1, 2), (3, 6)):
+        with gzip.open(tmp_path / f"replay-{k}.records.jsonl.gz", "rt") as f:
+            records = [json.loads(line) for line in f]
+        assert len(records) == n and {r["status"] for r in records} == {"ok"}
+        assert sorted(r["id"] for r in records) == sorted(f"{i}-{j}" for i in range(k) for j in range(2))
 
 
 def test_the_committed_gpu_replays_are_the_workshop_guides_sizing_table():

@@ -242,8 +242,18 @@ def exercise(a, job, tok: dict, result: dict) -> bool:
     info = json.loads(cluster.connection_file_of(a.job_id).read_text())
     srv = SimpleNamespace(base_url=f"http://{info['host']}:{info['port']}/v1",
                           api_key=Path(info["api_key_file"]).read_text().strip())
+    # vllm.log, and with backend mp each other node's vllm-NODE.log: every GPU's probe line.  Read and kept before
+    # the load, so that a run the lease cuts short keeps them (2026-11-28's TP=2 x PP=2 lost its second node's)
+    logs = sorted(cluster.job_log_dir(a.job_id).glob("vllm*.log"))
+    for log in logs:
+        shutil.copy(log, a.out / "states" / f"ready-{log.name}")
+    result["memory_log"], result["kv_tokens"] = rehearse.kv_record(
+        "".join(p.read_text(errors="replace") for p in logs), kv_layout(job))
+    kv = result["kv_tokens"]
+    print(f"KV tokens: logged {kv['logged']:,}, predicted {kv['predicted']:,} ({kv['basis']})", flush=True)
     if a.greedy:
         result["greedy"] = greedy(client, model)
+    save_result(a, result)
     result["benchmark_repeats"] = []
     for rep in range(a.repeats):  # batch 1 and the sweep, again: the spread between repeats is the interval
         print(f"sweep, repeat {rep + 1} of {a.repeats}", flush=True)
@@ -260,12 +270,6 @@ def exercise(a, job, tok: dict, result: dict) -> bool:
                                  headers={"Authorization": f"Bearer {srv.api_key}"})
     with urllib.request.urlopen(req, timeout=10) as r:  # the raw scrape: a fixture for the metric-name tests
         (a.out / "metrics.txt").write_bytes(r.read())
-    # vllm.log, and with backend mp each other node's vllm-NODE.log: every GPU's probe line
-    logs = sorted(cluster.job_log_dir(a.job_id).glob("vllm*.log"))
-    result["memory_log"], result["kv_tokens"] = rehearse.kv_record(
-        "".join(p.read_text(errors="replace") for p in logs), kv_layout(job))
-    kv = result["kv_tokens"]
-    print(f"KV tokens: logged {kv['logged']:,}, predicted {kv['predicted']:,} ({kv['basis']})", flush=True)
     return result["wrong_key"] == "401" and result["completion"]["completion_tokens"] > 0 and streamed > 0
 
 

@@ -196,7 +196,8 @@ def verify(root, spec=None, *, group: bool = True) -> Verdict:
     if not any((root / t).is_file() for t in TOKENIZER_FILES):
         v.problems.append(f"{root} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): vLLM needs one; "
                           f"fetch again with {refetch}.")
-    unreadable = [p for p in [root, *root.rglob("*")] if group and not p.is_symlink() and not _group_readable(p)]
+    unreadable = [p for p in [root, *root.rglob("*")] if group and not p.is_symlink() and not _group_readable(p)
+                  and p.name != MANIFEST]  # a stage's own record, private on purpose
     for p in unreadable[:5]:
         v.problems.append(f"{p} is not readable by the group ({stat.filemode(p.stat().st_mode)}): {fix_modes}.")
     if len(unreadable) > 5:
@@ -545,8 +546,13 @@ def _owner(uid: int) -> str:
         return f"uid {uid}"
 
 
+# Inside the copy, so that the copy and its manifest are renamed into place together (a node that finds the tree
+# there finds its manifest too); a hidden name, which vLLM never reads and _files leaves out.
+MANIFEST = ".llmlab-stage-manifest.json"
+
+
 def _manifest_path(dest: Path) -> Path:
-    return dest.with_name(f".{dest.name}.manifest.json")
+    return dest / MANIFEST
 
 
 def _listing(dest: Path) -> dict[str, list[int]]:
@@ -554,6 +560,8 @@ def _listing(dest: Path) -> dict[str, list[int]]:
     records at the copy, and what the next stage compares before it trusts the copy."""
     out = {}
     for p in sorted(dest.rglob("*")):
+        if p.name == MANIFEST and p.parent == dest:
+            continue
         st = os.lstat(p)
         if not stat.S_ISDIR(st.st_mode):
             kind = "file" if stat.S_ISREG(st.st_mode) else "other"
@@ -562,11 +570,11 @@ def _listing(dest: Path) -> dict[str, list[int]]:
 
 
 def _write_manifest(dest: Path) -> None:
-    """The copy's listing in a 0600 file beside it (replaced whole: written to a new name, then renamed)."""
-    path = _manifest_path(dest)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.manifest-")
+    """The copy's listing in a 0600 file inside it (replaced whole: written to a new name, then renamed)."""
+    path, listing = _manifest_path(dest), _listing(dest)  # the listing first: the temporary file is not the copy's
+    fd, tmp = tempfile.mkstemp(dir=dest, prefix=f"{MANIFEST}.")
     with os.fdopen(fd, "w") as f:  # mkstemp makes it 0600
-        json.dump(_listing(dest), f)
+        json.dump(listing, f)
     os.replace(tmp, path)
 
 
@@ -627,9 +635,9 @@ def stage(src, to, *, progress: bool = True, say=print) -> dict:
                         bar.update(len(chunk))
                 shutil.copymode(p, target)
         seconds = time.monotonic() - started
+        _write_manifest(tmp)  # inodes and mtimes survive the rename: the manifest moves in with its copy
         if not _staged_by_another(src, dest, tmp):
             _put_in_place(src, tmp, dest)
-            _write_manifest(dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

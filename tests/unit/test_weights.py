@@ -36,8 +36,8 @@ def copy_tiny(dest: Path) -> Path:
     return dest
 
 
-# what a stage leaves in its folder: the copy and its private manifest
-STAGED = [".llmlab-tiny.manifest.json", "llmlab-tiny"]
+# what a stage leaves in its folder: the copy (its private manifest inside it)
+STAGED = ["llmlab-tiny"]
 
 
 @pytest.fixture
@@ -406,7 +406,7 @@ def test_missing_stage_folders_are_made_private(sharded, tmp_path):
     local = tmp_path / "scratch" / "me" / "weights"
     weights.stage(sharded, local, progress=False)
     assert stat.S_IMODE(local.stat().st_mode) == 0o700 and stat.S_IMODE(local.parent.stat().st_mode) == 0o700
-    assert stat.S_IMODE((local / ".llmlab-tiny.manifest.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE((local / "llmlab-tiny" / weights.MANIFEST).stat().st_mode) == 0o600
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder or a link to another user needs root (CI runs as root)")

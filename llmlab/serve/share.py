@@ -189,10 +189,17 @@ def revoke(share_dir: str | Path, name: str) -> None:
 
 
 def _remove_if_theirs(path: Path, uid: int) -> None:
-    """Remove a learner's file (the share's owner may, in the sticky ``keys/``), not a folder, nor someone else's."""
+    """Remove a learner's file, or move a folder of theirs aside to a dot name (the share's owner may rename it in
+    the sticky ``keys/``, though not empty it: a folder they made read-only keeps its files), never someone else's.
+    Why the folder too: one made under another learner's name (security-review-3, F9) kept that name taken after
+    ``revoke``, which had said it frees it."""
     with contextlib.suppress(OSError):
         st = os.lstat(path)
-        if st.st_uid == uid and not stat.S_ISDIR(st.st_mode):
+        if st.st_uid != uid:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            os.rename(path, path.with_name(f".{path.name}.revoked-aside.{secrets.token_hex(8)}"))
+        else:
             os.unlink(path)
 
 
@@ -264,7 +271,8 @@ def _taken(path: Path, uid: int) -> ServerError:
     can remove it."""
     who = _owner_name(uid)
     return ServerError(f"{path} was made by {who}, not by you: it registers nothing, and only your instructor can "
-                       f"remove it. Ask them to (`llmlab revoke JOB {who}` removes every file {who} made there).")
+                       f"remove it. Ask them to (`llmlab revoke JOB {who}` removes every file {who} made there and "
+                       "moves their folders aside).")
 
 
 def wait_until_accepted(base_url: str, key: str, timeout: float = 5.0) -> None:

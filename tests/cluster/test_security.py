@@ -432,6 +432,25 @@ def test_share_squatted_name_registers_nothing_and_names_the_squatter(attacker, 
     assert new == "True" and ring.accepts(f"Bearer {victim_key}") and share.learners(root)[VICTIM] == "registered"
 
 
+def test_share_revoke_frees_a_name_squatted_with_a_read_only_folder(attacker, victim, share_room):
+    """F9 of security-review-3: a learner makes ``keys/<victim>`` a folder with a file in it, then makes it
+    read-only, so that nobody but them can empty it.  ``llmlab revoke`` used to skip folders and the name stayed
+    taken, though the victim's error said revoking would free it; it now moves the folder aside (the owner of the
+    sticky ``keys/`` may rename it) and the victim registers."""
+    from llmlab.serve import share
+
+    root, ring = share_room
+    squat = root / "keys" / VICTIM
+    assert as_attacker(attacker, "sh", "-c", 'mkdir "$0" && touch "$0/x" && chmod 555 "$0"', str(squat)).returncode == 0
+    first = as_attacker(victim, *learner_code(root, "share.learner_key(info)"))
+    assert first.returncode != 0 and f"made by {ATTACKER}" in first.stderr.decode() and b"folders aside" in first.stderr
+    share.revoke(root, ATTACKER)
+    assert not squat.exists() and len(list((root / "keys").glob(f".{VICTIM}.revoked-aside.*"))) == 1
+    second = as_attacker(victim, *learner_code(root, "key, new = share.learner_key(info); print(key, new)"))
+    assert second.returncode == 0, second.stderr.decode()
+    assert ring.accepts(f"Bearer {second.stdout.decode().split()[0]}") and share.learners(root)[VICTIM] == "registered"
+
+
 def test_share_revoke_does_not_follow_a_planted_symlink(attacker, share_room):
     """S2: the learner plants revoke()'s temp name as a symlink to a file of the instructor's."""
     from llmlab.serve import share

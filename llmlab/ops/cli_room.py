@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+from llmlab.check.progress import printable
+
 
 def _counts(text: str) -> list[int]:
     try:
@@ -52,8 +54,8 @@ def summary(r: dict) -> str:
     rev, rst = r.get("revocation") or {}, r.get("restart") or {}
     lines = [f"learners            {r['learners']} ({', '.join(r['names'])})",
              f"cells failed        {len(r['cells_failed'])}"]
-    lines += [f"  {c['learner']} {c['notebook']} cell {c['cell']}: {c['error']} (at: {c['raised_at']})"
-              for c in r["cells_failed"]]
+    lines += [printable(f"  {c['learner']} {c['notebook']} cell {c['cell']}: {c['error']} (at: {c['raised_at']})",
+                        400) for c in r["cells_failed"]]  # learners' strings: no escapes reach the terminal
     lines += ["path seconds        " + ", ".join(f"{k.rsplit('-', 1)[-1]}: {v:.0f}" for k, v in
                                                   r["path_seconds"].items()),
               f"fairness            {r['fairness']} (slowest / median path time)",

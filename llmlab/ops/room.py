@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmlab.check import progress
 from llmlab.ops import course, roomreport
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds llmlab/ (a checkout, or site-packages)
@@ -230,21 +231,53 @@ def last_line_of(room: Room, name: str) -> str:
     return "(no log)"
 
 
+# A learner's file the room (root) reads: at most this many bytes (a path's trace is tens of KB).
+MAX_LEARNER_FILE = 16 * 2**20
+
+
+def learner_file(room: Room, name: str, part: str) -> bytes | None:
+    """The bytes of the learner's ``part`` (events, results, trace), or None: opened without following a link and
+    without blocking on a FIFO, and read only if it is a regular file of that learner's own uid, at most
+    ``MAX_LEARNER_FILE`` bytes.  Why: the room runs as root over files its learners control; a trace made a link
+    to a root-only file was copied into the 0644 report (security-review-3, F8)."""
+    try:
+        fd = os.open(room.files(name) / part, progress.OPEN_UNTRUSTED)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != room.uids.get(name, -1):
+            return None
+        chunks, left = [], MAX_LEARNER_FILE
+        while left > 0 and (chunk := os.read(fd, min(left, 2**20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def events_of(room: Room, name: str) -> list[dict]:
-    path = room.files(name) / "events.jsonl"
-    return roomreport.read_jsonl(path)
+    """The learner's events, each a JSON object; lines that are not one (cut by a killed process, or junk) left out."""
+    out = []
+    for line in (learner_file(room, name, "events.jsonl") or b"").decode(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            if isinstance(event := json.loads(line), dict):
+                out.append(event)
+    return out
 
 
 def where(room: Room, name: str) -> str:
-    """Where a learner is, in a few words, from their events."""
+    """Where a learner is, in a few words, from their events; printable (a learner's strings may hold escapes)."""
     ev = events_of(room, name)
-    notebooks = [e for e in ev if e["kind"] == "notebook"]
+    notebooks = [e for e in ev if e.get("kind") == "notebook" and isinstance(e.get("notebook"), str)]
     if not ev:
         return "starting"
-    if ev[-1]["kind"] == "done":
+    if ev[-1].get("kind") == "done":
         return "done"
-    cells = [e for e in ev if e["kind"] == "cell" and notebooks and e["notebook"] == notebooks[-1]["notebook"]]
-    return f"{notebooks[-1]['notebook'][:2]} cell {cells[-1]['cell'] if cells else 0}" if notebooks else "starting"
+    cells = [e for e in ev if e.get("kind") == "cell" and notebooks and e.get("notebook") == notebooks[-1]["notebook"]]
+    here = f"{notebooks[-1]['notebook'][:2]} cell {cells[-1].get('cell') if cells else 0}" if notebooks else "starting"
+    return progress.printable(here, 40)
 
 
 class Scraper(threading.Thread):
@@ -300,7 +333,7 @@ def run_learners(room: Room, notebooks: list[Path], server: dict, *, stagger: fl
                 say(room, f"{name} is done" if procs[name].returncode == 0 else
                     f"{name}'s driver failed (exit {procs[name].returncode}): {last_line_of(room, name)}")
             if revoked and plan["revocation"] is None and any(
-                    e["kind"] == "notebook" and e["notebook"] == REVOKE_AT for e in events_of(room, revoked)):
+                    e.get("kind") == "notebook" and e.get("notebook") == REVOKE_AT for e in events_of(room, revoked)):
                 plan["revocation"] = {"t": time.time(), "said": instructor_revokes(room, revoked)}
                 say(room, f"instructor: {plan['revocation']['said']}")
             if time.monotonic() - last_line > 15:
@@ -358,9 +391,9 @@ def collect(room: Room) -> None:
     """Copy each learner's trace, events and results into the report folder, before their homes go."""
     for name in room.learners:
         for part in ("trace.jsonl", "events.jsonl", "results.json"):
-            src = room.files(name) / part
-            if src.exists():
-                shutil.copyfile(src, room.out / ("traces" if part == "trace.jsonl" else "learners") / f"{name}.{part}")
+            data = learner_file(room, name, part)  # their own regular file only (learner_file says why)
+            if data is not None:
+                (room.out / ("traces" if part == "trace.jsonl" else "learners") / f"{name}.{part}").write_bytes(data)
 
 
 # --------------------------------------------------------------------------------------------------

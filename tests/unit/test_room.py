@@ -166,3 +166,33 @@ def test_the_committed_gpu_replays_are_the_workshop_guides_sizing_table():
     for r in runs.values():
         assert r["failures"] == 0 and r["ok"] == r["requests"] and r["server_peaks"]["waiting"] == 0
         assert f"{round(r['ttft_ms']['p50'])} ms / {round(r['ttft_ms']['p99'])} ms" in guide
+
+
+def test_the_room_reads_learners_files_without_following_links_and_prints_no_escapes(tmp_path):
+    """F8 of security-review-3: the room runs as root over its learners' files.  A trace made a symbolic link to a
+    root-only file was copied into the 0644 report, an events line without "kind" stopped the room's loop, and a
+    notebook name with escape sequences reached the instructor's terminal as it was."""
+    import os
+
+    from llmlab.ops import room as roommod
+
+    me = "learner-1"
+    r = roommod.Room(tag="t", group="g", learners=[me], work=tmp_path / "work", out=tmp_path / "out",
+                     uids={me: os.getuid()})
+    files = r.files(me)
+    files.mkdir(parents=True)
+    for sub in ("traces", "learners"):
+        (r.out / sub).mkdir(parents=True)
+    secret = tmp_path / "root-only"
+    secret.write_text("ROOT-ONLY SECRET\n")
+    (files / "trace.jsonl").symlink_to(secret)
+    fake = "\x1b[31mFAKE: all learners done\x1b[0m"
+    events = [{"kind": "notebook", "notebook": fake}, {"no kind": 1}, "junk",
+              {"kind": "cell", "notebook": fake, "cell": 4}]
+    (files / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + "{cut by a kill")
+    (files / "results.json").write_text('{"cells": []}')
+    assert roommod.where(r, me) == "?[ cell 4"  # ESC shown as ?, never sent to the terminal
+    roommod.collect(r)
+    assert not (r.out / "traces" / f"{me}.trace.jsonl").exists()  # a link: not read, not copied
+    assert (r.out / "learners" / f"{me}.results.json").read_text() == '{"cells": []}'
+    assert roommod.learner_file(r, "someone-else", "results.json") is None  # no uid known: nothing read

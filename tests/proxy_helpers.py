@@ -51,9 +51,20 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def stand_in_vllm(folder: Path):
-    """A stand-in for vLLM listening on ``folder/vllm.sock`` (a thread of this process) while the block runs."""
-    server = socketserver.ThreadingUnixStreamServer(str(folder / "vllm.sock"), _StandIn)
+def stand_in_vllm(folder: Path, slow_over: int | None = None, slow_s: float = 0.0):
+    """A stand-in for vLLM listening on ``folder/vllm.sock`` (a thread of this process) while the block runs.
+    ``slow_over``: a body of more bytes is read whole, then answered ``slow_s`` seconds later (a long generation)."""
+    class Handler(_StandIn):
+        def _answer(self):
+            if slow_over is not None and int(self.headers.get("content-length") or 0) > slow_over:
+                self.rfile.read(int(self.headers["content-length"]))
+                self.headers.replace_header("content-length", "0")
+                time.sleep(slow_s)
+            super()._answer()
+
+        do_GET = do_POST = _answer
+
+    server = socketserver.ThreadingUnixStreamServer(str(folder / "vllm.sock"), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield folder / "vllm.sock"

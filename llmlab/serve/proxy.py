@@ -85,6 +85,7 @@ MAX_BODY = 32 * 2**20  # bytes of one request body; a prompt of a million tokens
 # or on their way to vLLM): four bodies of the largest size.  Beyond it the largest body still arriving is refused
 # (503, Proxy.make_room).  A room's requests are kilobytes each; 30 learners sending a 4 MB prompt at once fit.
 MAX_BODIES = 4 * MAX_BODY
+SENT_BELOW = 2**16  # bytes a body may still have in the proxy's buffer to vLLM and be taken as sent (F4)
 PIPELINED_BODY = 2**20  # bytes of body read ahead on a connection while its previous request is answered
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), plus Host and the client's credentials:
 # never passed on in either direction (the proxy writes its own framing and Host).
@@ -415,10 +416,26 @@ class Upstream(asyncio.Protocol):
         self.done = asyncio.get_running_loop().create_future()
         self.identity: _Identity | None = None  # while the upstream proves who it is (proven)
         self.proved: asyncio.Future | None = None
+        self.sending = False  # the body is still in the transport's buffer (release_when_sent)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.client.proxy.upstreams += 1  # a file descriptor (Proxy.admit)
+        transport.set_write_buffer_limits(high=SENT_BELOW, low=SENT_BELOW)  # over it: paused; at or under: resumed
+
+    def release_when_sent(self) -> None:
+        """The request's body stops counting toward MAX_BODIES once vLLM's socket has taken it (what the transport
+        still holds is under SENT_BELOW), not when vLLM answers: a non-streamed generation answers minutes later,
+        and four such bodies of 32 MiB had every other POST refused 503 meanwhile (security-review-3, F4)."""
+        if self.transport.get_write_buffer_size() <= SENT_BELOW:
+            self.client.release(self.request)
+        else:
+            self.sending = True  # resume_writing releases it
+
+    def resume_writing(self) -> None:  # the transport's buffer fell under SENT_BELOW: vLLM's socket has the rest
+        if self.sending:
+            self.sending = False
+            self.client.release(self.request)
 
     def data_received(self, data: bytes) -> None:
         if self.identity is not None:  # the proof comes first; nothing else is asked before it is checked
@@ -771,6 +788,7 @@ class Client(asyncio.Protocol):
             upstream.transport.write(self.proxy.upstream_head(request, replica))
             upstream.transport.write(request.body)
             request.body = bytearray()  # the transport holds what it could not send yet; no second copy here
+            upstream.release_when_sent()
             await upstream.done
         finally:
             self.upstream = None

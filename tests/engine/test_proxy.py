@@ -588,3 +588,43 @@ def test_a_learner_revoked_with_a_connection_open_loses_it_at_the_next_request(t
             while chunk := s.recv(65536):  # ends only when the proxy closes (a timeout fails the test)
                 rest += chunk
     assert _statuses(rest) == [401]  # the second request behind it: never answered
+
+
+def test_bodies_vllm_has_taken_stop_counting_toward_the_proxys_budget(tmp_path):
+    """F4 of security-review-3: a learner sends four requests of exactly 32 MiB whose answers take minutes (a long
+    non-streamed generation).  Their bodies are in vLLM's hands at once, yet they stayed counted in MAX_BODIES until
+    vLLM answered, and every other POST, the owner's too, got 503.  Now a body stops counting once vLLM's socket has
+    taken it: the owner is answered while the four wait."""
+    import threading
+
+    keys = tmp_path / "keys"
+    learner = "learner-" + os.urandom(16).hex()
+    keys.write_text(proxy.key_digest_line(learner) + "\n")
+    size = proxy.MAX_BODY
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {learner}\r\n"
+            f"Content-Length: {size}\r\n\r\n").encode()
+    held = []
+
+    def send_whole_and_wait():
+        s = socket.create_connection(("127.0.0.1", port), timeout=60)
+        held.append(s)
+        s.sendall(head + b"x" * size)  # whole; the answer is not read
+
+    with stand_in_vllm(tmp_path, slow_over=2**20, slow_s=10) as uds, \
+            proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, key):
+        senders = [threading.Thread(target=send_whole_and_wait) for _ in range(proxy.MAX_BODIES // size)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(60)
+        time.sleep(2)  # the stand-in has read them all and "generates"
+        body = json.dumps({"model": "m", "prompt": "the owner's turn"}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                       f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        for s in held:
+            s.close()
+    assert _statuses(answer) == [200], answer[:300]

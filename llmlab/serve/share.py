@@ -35,6 +35,7 @@ import grp
 import hashlib
 import os
 import pwd
+import re
 import secrets
 import socket
 import stat
@@ -232,10 +233,12 @@ def learner_key(info: ServerInfo) -> tuple[str, bool]:
     """
     root = Path(info.extra["share_dir"])
     group = info.extra.get("group", "the share's group")
-    key_file = llmlab_home() / "keys" / f"shared-{hashlib.sha256(str(root).encode()).hexdigest()[:12]}.key"
+    key_file = _learner_key_file(root, info)
     if key_file.exists():
         key = read_key(key_file)
     else:
+        for old in key_file.parent.glob(key_file.name.rsplit("-", 1)[0] + "-*.key"):  # an earlier job's: dead now
+            old.unlink(missing_ok=True)
         key = new_key_file(key_file)
     keys, me = root / "keys", user()
     not_in_group = ServerError(f"You cannot register a key with the shared server in {root}: you are not in its "
@@ -264,6 +267,15 @@ def learner_key(info: ServerInfo) -> tuple[str, bool]:
                 raise _taken(keys / me, uid) from None
         raise not_in_group from None
     return key, True
+
+
+def _learner_key_file(root: Path, info: ServerInfo) -> Path:
+    """The learner's key for this share folder *and this server* (its job, else its start time): a new job means a
+    new key, registered again.  Why: a key kept for the folder outlived its job, and a ``server.json`` left by a job
+    killed past its clean-up handed it, with the learner's prompts, to whoever then bound the job's port; the next
+    day's job would have accepted it from them (security-review-3, F7)."""
+    server = re.sub(r"[^0-9A-Za-z]", "", str(info.job_id or info.started or "server"))[:40] or "server"
+    return llmlab_home() / "keys" / f"shared-{hashlib.sha256(str(root).encode()).hexdigest()[:12]}-{server}.key"
 
 
 def _taken(path: Path, uid: int) -> ServerError:

@@ -451,6 +451,23 @@ def test_share_revoke_frees_a_name_squatted_with_a_read_only_folder(attacker, vi
     assert ring.accepts(f"Bearer {second.stdout.decode().split()[0]}") and share.learners(root)[VICTIM] == "registered"
 
 
+def test_share_a_learners_key_is_good_for_one_job_only(victim, share_room):
+    """F7 of security-review-3: the learner's key was one per share folder and outlived its job, so a stale
+    server.json (a job killed past its clean-up) handed it to whoever bound the dead job's port, and the next day's
+    job with the same --share-dir accepted it from them.  Now each job (the server.json's job id) has its own key,
+    registered anew: yesterday's key is refused today, and only today's key file is kept."""
+    root, ring = share_room
+    code = ("from dataclasses import replace\nimport os\n"
+            "k1, _ = share.learner_key(replace(info, job_id='41'))\n"
+            "k2, new = share.learner_key(replace(info, job_id='42'))\n"
+            "print(k1, k2, new, *sorted(os.listdir(os.environ['LLMLAB_HOME'] + '/keys')))")
+    done = as_attacker(victim, *learner_code(root, code))
+    assert done.returncode == 0, done.stderr.decode()
+    old_key, new_key, new, *files = done.stdout.decode().split()
+    assert new == "True" and new_key != old_key and len(files) == 1 and files[0].endswith("-42.key"), files
+    assert ring.accepts(f"Bearer {new_key}") and not ring.accepts(f"Bearer {old_key}")
+
+
 def test_share_revoke_does_not_follow_a_planted_symlink(attacker, share_room):
     """S2: the learner plants revoke()'s temp name as a symlink to a file of the instructor's."""
     from llmlab.serve import share

@@ -45,6 +45,9 @@ unset VLLM_API_KEY  # vLLM behind the proxy takes no key; one inherited from the
 # replace the job's own token (its 0600 file) in Ray, vLLM and every srun step, and is passed to processes that Ray
 # starts in their environment.  The job's token comes from its file only.
 unset RAY_AUTH_TOKEN
+# Nor may the user's shell reopen runtime LoRA loading, which vLLM's resolvers do by a request's "model" alone
+# (the proxy closes only the two HTTP routes): llmlab.serve.vllm.INHERITED_OPENERS.
+unset VLLM_ALLOW_RUNTIME_LORA_UPDATING VLLM_LORA_RESOLVER_CACHE_DIR VLLM_LORA_RESOLVER_HF_REPO_LIST
 
 say() { printf '[llmlab %(%H:%M:%S)T] %s\n' -1 "$*"; }
 die() { say "FAILED: $*"; exit 1; }

@@ -179,6 +179,11 @@ def vllm_env(platform: str, *, kv_cache_gib: float = 1, run_dir: Path | str | No
 
 
 INHERITED_SECRETS = ("VLLM_API_KEY", "RAY_AUTH_TOKEN")  # never passed on from the user's shell (local_env)
+# Nor what would let vLLM load LoRA adapters while it runs, by a completion's "model" naming one its resolvers find
+# (security-review-3, F10): the proxy closes the two HTTP routes, not the resolvers.  A caller's explicit setting
+# (engines.start(env=...), lesson 17's test) still applies.
+INHERITED_OPENERS = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_LORA_RESOLVER_CACHE_DIR",
+                     "VLLM_LORA_RESOLVER_HF_REPO_LIST")
 
 
 def local_env(recipe: dict[str, str]) -> dict[str, str]:
@@ -188,7 +193,8 @@ def local_env(recipe: dict[str, str]) -> dict[str, str]:
     llmlab's own key.  No ``RAY_AUTH_TOKEN`` either: a Ray this vLLM starts or joins takes that before a job's token
     file, and hands it on to every process it starts.  ``VLLM_LOGGING_LEVEL`` as set, else INFO: the start-up
     phases (:data:`PHASES`) and the memory figures are INFO lines."""
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **recipe}
+    inherited = {k: v for k, v in os.environ.items() if k not in INHERITED_OPENERS}
+    env = {**inherited, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **recipe}
     for secret in INHERITED_SECRETS:
         env.pop(secret, None)
     return env

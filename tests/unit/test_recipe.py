@@ -109,8 +109,11 @@ def test_a_local_vllm_gets_this_environment_without_a_key(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_TOKEN", "the-users-own-ray-token")  # Ray would take it before any token file
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     monkeypatch.setenv("LLMLAB_RECIPE_TEST", "kept")
+    for name in vllm.INHERITED_OPENERS:  # security-review-3 F10: the shell does not reopen runtime LoRA
+        monkeypatch.setenv(name, "1")
     for env in (vllm.engine_env(Path("/run"), 1), generate.engine_env(1, "cpu")):
         assert "VLLM_API_KEY" not in env and "RAY_AUTH_TOKEN" not in env
+        assert not set(vllm.INHERITED_OPENERS) & set(env)
         assert (env["VLLM_LOGGING_LEVEL"], env["LLMLAB_RECIPE_TEST"]) == ("DEBUG", "kept")
     assert generate.engine_env(1, "cpu")["PYTHONUNBUFFERED"] == "1"
 

@@ -39,6 +39,7 @@ from slurm_helpers import (
 from llmlab import cluster, memory
 from llmlab.cluster.render import MP_PORTS
 from llmlab.ops import launcher
+from llmlab.serve import vllm
 from llmlab.serve.info import new_key_file, servers_dir
 from llmlab.serve.proc import free_port
 
@@ -642,12 +643,13 @@ def test_the_job_passes_no_inherited_ray_token_to_anything_it_starts(tmp_path):
     python.chmod(0o700)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(LLMLAB_DRY_RUN="1", LLMLAB_PYTHON=str(python), RAY_AUTH_TOKEN="the-users-own-ray-token",
-               VLLM_API_KEY="a-key")
+               VLLM_API_KEY="a-key", **dict.fromkeys(vllm.INHERITED_OPENERS, "1"))  # F10: no runtime LoRA either
     out = subprocess.run(["bash", str(SLURM / f"{CPU_JOB}.sh")], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     seen = dump.read_text()
     assert "RAY_AUTH_TOKEN_PATH" in out.stdout and "LLMLAB_DRY_RUN=1" in seen  # a Ray layout; the probe ran
     assert "the-users-own-ray-token" not in seen and "RAY_AUTH_TOKEN=" not in seen and "VLLM_API_KEY=" not in seen
+    assert not [name for name in vllm.INHERITED_OPENERS if f"{name}=" in seen]
 
 
 def test_plain_sbatch_output_is_private_from_its_creation(tmp_path):

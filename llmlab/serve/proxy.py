@@ -220,6 +220,15 @@ class KeyRing:
         return ok
 
 
+    def salt_for(self, authorization: str | None) -> str | None:
+        """The ``cache_salt`` of a registered key's requests: HMAC of its digest under the owner's key, so that no
+        learner can compute another's (the digests in ``keys/`` are readable by the room); None for the owner."""
+        key = (authorization or "").partition(" ")[2].strip()
+        given = digest(key)
+        if not key or hmac.compare_digest(given, self.owner):
+            return None
+        return hmac.new(self._owner_key.encode(), b"llmlab-cache-salt\0" + given, hashlib.sha256).hexdigest()[:32]
+
     def prove(self, nonce: bytes) -> bytes:
         """This proxy's answer to a router's identity challenge: the owner key's :func:`identity_proof`."""
         return identity_proof(self._owner_key, nonce)
@@ -400,6 +409,7 @@ class Request:
         self.gather: str | None = None  # a path the proxy answers from every model (GATHERED), not one upstream
         self.identity = False  # IDENTITY_PATH: answered by the proxy itself, keyless, and the connection stays open
         self.unauthorized = False  # refused 401 (no key, a wrong one, or a revoked one): the connection's last answer
+        self.salt: str | None = None  # the cache_salt the proxy sets in its body (a learner's request, SALTED)
 
 
 class Upstream(asyncio.Protocol):
@@ -783,6 +793,14 @@ class Client(asyncio.Protocol):
         if request.gather:
             self.write(await self.proxy.gathered(request.gather))
             return
+        if request.salt:
+            try:
+                request.body = salted(request.body, request.salt)
+            except ValueError as e:
+                self.write(error_response(413, f"Refused: this shared server reads every learner's request to keep "
+                                               f"their prefix caches apart, and will not read a body with {e}; send "
+                                               "a shorter request."))
+                return
         try:
             replica = self.proxy.pick(request)
         except Unroutable as e:
@@ -905,6 +923,30 @@ def model_of(body: bytes | bytearray) -> str | None:
     return model if isinstance(model, str) else None
 
 
+# On a shared server (registered keys) each learner's generation requests get a cache_salt of their own, so that one
+# learner cannot tell from cached_tokens (or the time to first token) what another has sent: security-review-3 F6.
+# The owner's requests keep the shared cache; `--shared-prefix-cache` turns the salts off (lesson 13's room).
+SALTED = ("/v1/completions", "/v1/chat/completions")
+
+
+def salted(body: bytes | bytearray, salt: str) -> bytes | bytearray:
+    """``body`` with its ``cache_salt`` prefixed by ``salt`` (the learner's own: a salt they send still separates
+    their own requests, as lesson 13 shows, but never meets another learner's), or as it was when it is not a JSON
+    object (vLLM refuses it then).  vLLM still checks the whole salt (its characters, 128 at most: a learner's own
+    may then be 96).  Raises ValueError as :func:`model_of` does for a body too costly to read."""
+    if len(body) > MODEL_PARSE_MAX and _items_over(body, MODEL_PARSE_ITEMS):
+        raise ValueError(f"more than {MODEL_PARSE_ITEMS:,} JSON values in a body of {len(body) // 2**10:,} KiB")
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError):
+        return body
+    if not isinstance(request, dict):
+        return body
+    theirs = request.get("cache_salt")
+    request["cache_salt"] = salt + theirs if isinstance(theirs, str) else salt if theirs is None else theirs
+    return json.dumps(request).encode()
+
+
 def _items_over(body: bytes | bytearray, limit: int, chunk: int = 2**20) -> bool:
     """True once the body's '{', '[' and ',' exceed ``limit``, counted a MiB at a time (stops as soon as they do)."""
     seen = 0
@@ -1020,7 +1062,7 @@ class Proxy:
 
     def __init__(self, upstreams: str | list[str], keys: KeyRing, upstream_key: str | None = None,
                  route: str = "least-loaded", prefix_chars: int = PREFIX_CHARS, balance: int = BALANCE,
-                 upstream_keys: dict[str, str] | None = None):
+                 upstream_keys: dict[str, str] | None = None, shared_prefix_cache: bool = False):
         upstreams = [upstreams] if isinstance(upstreams, str) else list(upstreams)
         if not upstreams:
             raise ProxyError("no --upstream: give the vLLM socket (unix:/path/vllm.sock) or several, one each.")
@@ -1043,6 +1085,7 @@ class Proxy:
         self.by_model = None not in self.pools  # route by each request's "model"
         self.route, self.prefix_chars, self.balance = route, prefix_chars, balance
         self.upstream, self.keys = " + ".join(upstreams), keys
+        self.salted = keys.registered_path is not None and not shared_prefix_cache  # a shared server (SALTED)
         self.clients: dict[Client, None] = {}  # open client connections, oldest first
         self.upstreams = 0  # open connections to vLLM
         self.fd_budget: int | None = None  # connections (both kinds) to hold before shedding; None: no limit
@@ -1235,6 +1278,8 @@ class Proxy:
                                        "llmlab.connect() reads it from the server's key file).",
                                   (b"www-authenticate: Bearer",))
         r.keyed = True
+        if self.salted and path in SALTED and r.method == b"POST":
+            r.salt = self.keys.salt_for(authorization)
         if path == "/metrics" and len(self.replicas) > 1:
             return error_response(404, f"Not Found: this proxy routes between {len(self.replicas)} vLLM servers, "
                                        "each with counters of its own; read /metrics from each server (notebook 15: "
@@ -1366,7 +1411,8 @@ def _read_secret(path: Path) -> str:
 def serve(listen: str, upstream: str | list[str], key_file: Path, keys: Path | None = None,
           upstream_key_file: Path | str | list | None = None, watch_pid: int | None = None,
           ready_file: Path | None = None,
-          route: str = "least-loaded", prefix_chars: int = PREFIX_CHARS, balance: int = BALANCE) -> None:
+          route: str = "least-loaded", prefix_chars: int = PREFIX_CHARS, balance: int = BALANCE,
+          shared_prefix_cache: bool = False) -> None:
     """Run the proxy until SIGTERM/SIGINT (or until ``watch_pid`` exits).  Once it listens, ``ready_file`` says
     where (removed again when it stops)."""
     host, _, port = listen.rpartition(":")
@@ -1374,7 +1420,8 @@ def serve(listen: str, upstream: str | list[str], key_file: Path, keys: Path | N
         raise ProxyError(f"--listen {listen!r}: give HOST:PORT, e.g. 127.0.0.1:8000.")
     models = {split_upstream(u)[0] for u in ([upstream] if isinstance(upstream, str) else upstream)}
     upstream_key, per_model = upstream_keys(upstream_key_file, models)
-    proxy = Proxy(upstream, KeyRing(key_file, keys), upstream_key, route, prefix_chars, balance, per_model)
+    proxy = Proxy(upstream, KeyRing(key_file, keys), upstream_key, route, prefix_chars, balance, per_model,
+                  shared_prefix_cache)
     if ready_file:
         Path(ready_file).unlink(missing_ok=True)  # a file left by an earlier run must not say "listening"
     limit = raise_fd_limit()
@@ -1499,6 +1546,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-file", type=Path, help="write {host, port, pid} here (0600) once listening")
     p.add_argument("--log-level", default=os.environ.get("LLMLAB_PROXY_LOG_LEVEL", "warning"))
     p.add_argument("--cpus", help="run on these CPUs only, e.g. 0,1 (see proxy_cpus)")
+    p.add_argument("--shared-prefix-cache", action="store_true", help="with --keys: let learners' requests share "
+                   "vLLM's prefix cache (no cache_salt per key; SALTED says what that exposes)")
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="[llmlab proxy %(asctime)s] %(message)s",
                         datefmt="%H:%M:%S")
@@ -1508,7 +1557,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.cpus:
             pin(a.cpus)
         serve(a.listen, a.upstream, a.key_file, a.keys, a.upstream_key_file, a.watch_pid, a.ready_file, a.route,
-              a.prefix_chars, a.balance)
+              a.prefix_chars, a.balance, a.shared_prefix_cache)
     except ProxyError as e:
         print(f"llmlab proxy: {e}", file=sys.stderr)
         return 2

@@ -628,3 +628,40 @@ def test_bodies_vllm_has_taken_stop_counting_toward_the_proxys_budget(tmp_path):
         for s in held:
             s.close()
     assert _statuses(answer) == [200], answer[:300]
+
+
+def test_on_a_shared_server_each_learner_has_a_prefix_cache_of_their_own(embedded, tmp_path):
+    """F6 of security-review-3: every llmlab server reports ``cached_tokens`` per request, so one learner could test
+    whether another had sent a prompt (the shared prefix cache as an oracle).  On a server with registered keys the
+    proxy now puts each learner's own salt (an HMAC under the owner's key) before the ``cache_salt`` they send: a
+    learner's repeat still hits their own cache, their own salts still part their requests (lesson 13), and another
+    learner's identical prompt, whatever salt either sends, finds nothing."""
+    import httpx
+
+    owner = write_private(tmp_path / "owner.key", "owner-" + os.urandom(16).hex())
+    keys = tmp_path / "keys.d"
+    keys.mkdir()
+    alice, bob = ("learner-" + os.urandom(16).hex() for _ in range(2))
+    for name, key in (("alice", alice), ("bob", bob)):
+        write_private(keys / name, proxy.key_digest_line(key, name) + "\n")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
+                             f"unix:{embedded.extra['uds']}", "--key-file", str(owner), "--keys", str(keys)])
+    prompt = "Alice's private question, long enough to fill several cache blocks: " + os.urandom(24).hex() * 6
+
+    def cached(key: str, **extra) -> int:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"model": embedded.model, "prompt": prompt, "max_tokens": 1, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    try:
+        wait_for(lambda: _get(f"http://127.0.0.1:{port}/v1/models", bob)[0] == 200, 30, "the registered keys")
+        assert cached(alice) == 0
+        assert cached(alice) > 0  # her own repeat: her cache
+        assert cached(bob) == 0  # the same prompt from another learner: nothing cached for him
+        assert cached(alice, cache_salt="room") == 0 < cached(alice, cache_salt="room")  # her salts part her requests
+        assert cached(bob, cache_salt="room") == 0  # the same salt from him: still not her cache
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

@@ -4,6 +4,7 @@
 #
 #   sed -n 's/^.*Packages: //p' /work/.library/device/KINDS.md >/tmp/device-packages   # the machine's packages
 #   DEVICE_PACKAGES=/tmp/device-packages PY=python3.12 benchmarks/make_gpu_bundle.sh  # .whl/site.tar.xz.00, .01
+#   RAY=2.60.0 DEVICE_PACKAGES=... benchmarks/make_gpu_bundle.sh   # the set, then Ray: .whl/bundle.NN (BUNDLE=)
 #
 # .whl/ must be ignored (echo /.whl/ >>.git/info/exclude).  PY: a Python 3.12 with pip (the machine's version).
 #
@@ -66,7 +67,31 @@ EOF
 )
 tar -C "$work/site" -cf - . | xz "$XZ_OPTS" -T2 >"$work/site.tar.xz"
 mkdir -p .whl
-rm -f .whl/site.tar.xz.*
-split -b "$PIECE_BYTES" -d -a 2 "$work/site.tar.xz" .whl/site.tar.xz.
-ls -l .whl/site.tar.xz.*
-echo "send them with: PIECES=$(find .whl -name 'site.tar.xz.*' | wc -l) benchmarks/rehearse_on_device.sh ..."
+rm -f .whl/site.tar.xz.* .whl/bundle.*
+if [ -z "${RAY:-}" ]; then
+    split -b "$PIECE_BYTES" -d -a 2 "$work/site.tar.xz" .whl/site.tar.xz.
+    ls -l .whl/site.tar.xz.*
+    echo "send them with: PIECES=$(find .whl -name 'site.tar.xz.*' | wc -l) benchmarks/rehearse_on_device.sh ..."
+    exit 0
+fi
+# RAY=VERSION (the launcher's multi-node jobs with Ray): Ray and what it needs beyond the set and the machine, as a
+# second stream after the set; rehearse_on_device.sh unpacks the two from BUNDLE pieces given SITE_BYTES.
+"$PY" -m pip install -q --dry-run --ignore-installed --target "$work/none" "${pick[@]}" --report "$work/ray.json" \
+    "ray==$RAY"
+"$PY" - "$work/ray.json" "$DEVICE_PACKAGES" "$work/keep.txt" >"$work/ray.txt" <<'EOF2'
+import json, re, sys
+norm = lambda s: re.sub(r"[-_.]+", "-", s).lower()
+there = {norm(x.strip().rstrip(".")) for x in open(sys.argv[2]).read().split(",") if x.strip()}
+there |= {norm(line.split("==")[0]) for line in open(sys.argv[3]) if line.strip()}  # in the set already
+for item in json.load(open(sys.argv[1]))["install"]:
+    if norm(item["metadata"]["name"]) not in there:
+        print(f"{item['metadata']['name']}=={item['metadata']['version']}")
+EOF2
+"$PY" -m pip download -q --no-deps "${pick[@]}" -d "$work/ray-wheels" -r "$work/ray.txt"
+"$PY" -m pip install -q --no-index --no-deps --no-compile --target "$work/ray-site" "$work"/ray-wheels/*.whl
+find "$work/ray-site" -name __pycache__ -type d -prune -exec rm -rf {} +
+tar -C "$work/ray-site" -cf - . | xz "$XZ_OPTS" -T2 >"$work/ray.tar.xz"
+cat "$work/site.tar.xz" "$work/ray.tar.xz" | split -b "$PIECE_BYTES" -d -a 2 - .whl/bundle.
+ls -l .whl/bundle.*
+echo "send them with: BUNDLE=$(find .whl -name 'bundle.*' | wc -l) SITE_BYTES=$(stat -c %s "$work/site.tar.xz")" \
+    "benchmarks/rehearse_on_device.sh ..."

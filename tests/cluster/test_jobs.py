@@ -156,7 +156,8 @@ class TestALaunchedJob:
         for node in ("node1", "node2"):  # srun relays the bar (stderr) and the result (stdout) apart: either may
             lines = (logs / f"stage-{node}.log").read_text().splitlines()  # come last in the node's log
             done = [line for line in lines if line.startswith(f"staged {shipped} -> {staged}: ") or
-                    line == f"{staged} already holds a verified copy of {shipped}: not copied again"]
+                    line == f"{staged} already holds this stage's verified copy of {shipped} (its manifest "
+                            "matches): not copied again"]
             assert len(done) == 1, lines
             assert f"{node}: {done[0]}" in text
         assert weights.verify(staged, group=False).ok and weights.same_files(shipped, staged)

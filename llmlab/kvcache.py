@@ -431,6 +431,11 @@ def greedy(model, input_ids, new_tokens: int, use_cache: bool = True) -> Generat
     return result
 
 
+NOT_REPORTED = ("This server does not report each request's cached tokens: vLLM leaves "
+                "usage.prompt_tokens_details out unless it is started with --enable-prompt-tokens-details, which "
+                "every server llmlab starts passes (ask the server's owner to add it).")
+
+
 def cached_tokens(usage) -> int | None:
     """The prompt tokens *this* request found in the prefix cache (``usage.prompt_tokens_details.cached_tokens``);
     None from a server that does not report them (vLLM's ``--enable-prompt-tokens-details``, which every server

@@ -112,3 +112,27 @@ def test_live_kv_usage_is_not_called_alone_while_another_request_runs(live):
         for worker in workers:
             worker.join()
     assert not reading["alone"], reading["tries"]
+
+
+def test_lesson_02_holds_against_a_server_started_without_llmlabs_flags(tmp_path, monkeypatch):
+    """Issue 48, item 7: some sites give learners a vLLM endpoint of their own, started without
+    --enable-prompt-tokens-details, so usage.prompt_tokens_details is missing and the lesson's per-request check
+    stopped on a bare AssertionError.  Against such a server (the tiny model, that flag turned off, reached through
+    LLMLAB_BASE_URL as a site's would be) the lesson says in one sentence what the server does not report and how to
+    turn it on, checks the rule on the server's counters instead, and runs to the end."""
+    from pathlib import Path
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    from llmlab import engines
+
+    with engines.start(["--no-enable-prompt-tokens-details"], progress=False) as plain:
+        monkeypatch.setenv("LLMLAB_BASE_URL", plain.base_url)
+        monkeypatch.setenv("LLMLAB_API_KEY", plain.api_key)
+        monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / "home"))
+        nb = nbformat.read(Path(__file__).parents[2] / "notebooks" / "02_kv_caching.ipynb", as_version=4)
+        NotebookClient(nb, timeout=600, kernel_name="python3",
+                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert kc.NOT_REPORTED in printed and "checked on its counters instead" in printed

@@ -909,17 +909,23 @@ MODEL_PARSE_MAX = 256 * 2**10
 MODEL_PARSE_ITEMS = 2**16
 
 
-def model_of(body: bytes | bytearray) -> str | None:
-    """The ``"model"`` a JSON request body names, or None (not a JSON object, or no string ``model``).  Raises
-    ValueError for a body over ``MODEL_PARSE_MAX`` that holds more than ``MODEL_PARSE_ITEMS`` values: reading it
-    would cost the event loop (and memory) in proportion to them."""
+def json_object(body: bytes | bytearray) -> dict | None:
+    """The JSON object a request body holds, or None (not JSON, or not an object).  Raises ValueError for a body over
+    ``MODEL_PARSE_MAX`` that holds more than ``MODEL_PARSE_ITEMS`` values: reading it would cost the event loop (and
+    memory) in proportion to them."""
     if len(body) > MODEL_PARSE_MAX and _items_over(body, MODEL_PARSE_ITEMS):
         raise ValueError(f"more than {MODEL_PARSE_ITEMS:,} JSON values in a body of {len(body) // 2**10:,} KiB")
     try:
         request = json.loads(body)
     except (ValueError, RecursionError):
         return None
-    model = request.get("model") if isinstance(request, dict) else None
+    return request if isinstance(request, dict) else None
+
+
+def model_of(body: bytes | bytearray) -> str | None:
+    """The ``"model"`` a JSON request body names, or None (not a JSON object, or no string ``model``); ValueError as
+    :func:`json_object`."""
+    model = (json_object(body) or {}).get("model")
     return model if isinstance(model, str) else None
 
 
@@ -933,14 +939,9 @@ def salted(body: bytes | bytearray, salt: str) -> bytes | bytearray:
     """``body`` with its ``cache_salt`` prefixed by ``salt`` (the learner's own: a salt they send still separates
     their own requests, as lesson 13 shows, but never meets another learner's), or as it was when it is not a JSON
     object (vLLM refuses it then).  vLLM still checks the whole salt (its characters, 128 at most: a learner's own
-    may then be 96).  Raises ValueError as :func:`model_of` does for a body too costly to read."""
-    if len(body) > MODEL_PARSE_MAX and _items_over(body, MODEL_PARSE_ITEMS):
-        raise ValueError(f"more than {MODEL_PARSE_ITEMS:,} JSON values in a body of {len(body) // 2**10:,} KiB")
-    try:
-        request = json.loads(body)
-    except (ValueError, RecursionError):
-        return body
-    if not isinstance(request, dict):
+    may then be 96).  Raises ValueError as :func:`json_object` does for a body too costly to read."""
+    request = json_object(body)
+    if request is None:
         return body
     theirs = request.get("cache_salt")
     request["cache_salt"] = salt + theirs if isinstance(theirs, str) else salt if theirs is None else theirs

@@ -271,7 +271,7 @@ if ((${#stage_argv[@]})); then
       wait "${stage_pids[i]}" || die "staging the weights on ${nodes[i]} failed; the end of $log_dir/stage-${nodes[i]}.log:
 $(tail -n 5 "$log_dir/stage-${nodes[i]}.log")"
       # its result line, not its last: srun relays the task's stdout (the result) and stderr (the bar) apart
-      say "${nodes[i]}: $(grep -E '^staged |already holds a verified copy' "$log_dir/stage-${nodes[i]}.log" | tail -n 1)"
+      say "${nodes[i]}: $(grep -E '^staged | already holds this stage.s verified copy ' "$log_dir/stage-${nodes[i]}.log" | tail -n 1)"
     done
   fi
 fi

@@ -10,7 +10,7 @@
 #
 # ROUND picks the runs: 1 (default) is what ran on 2026-11-28 (benchmarks/results/h200x4-*); 2 and 3 are what that
 # lease left undone, each sized for one 30-minute lease: 2, the 70B's larger rooms (100 and 300 learners, then 600
-# while TTFT p99 stays under 2 s; every request's record kept) and the proxy's cost measured with distinct prompts
+# and 1,000 while TTFT p99 stays under 2 s, learners starting 0.25 s apart; every request's record kept) and the proxy's cost measured with distinct prompts
 # per way; 3, 405B FP8's rooms (30 and 100) and TP=2 x PP=2 again, with mp and with Ray (Ray travels as a second
 # stream: BUNDLE=5 SITE_BYTES=<site.tar.xz's size>, see rehearse_on_device.sh).
 # What each run does and why: benchmarks/results/README.md, "Four H200s".
@@ -28,7 +28,7 @@ case ${ROUND:-1} in
   1) runs=("70b-tp4 llama3.1-70b ${h200[*]} --concurrency 1 8 64 256 --repeats 2 --proxy-paired 256 --room $traces --learners 30"
            "405b-fp8-tp4 ${fp8[*]} --gpus-per-node 4 --tp 4 --concurrency 1 8 64"
            "405b-fp8-tp2-pp2-mp ${fp8[*]} ${pp2[*]} --backend mp --concurrency 1 64") ;;
-  2) runs=("70b-tp4-rooms llama3.1-70b ${h200[*]} --concurrency 1 256 --proxy-paired 64 256 --room $traces --learners 100 300 600") ;;
+  2) runs=("70b-tp4-rooms llama3.1-70b ${h200[*]} --concurrency 1 256 --proxy-paired 64 256 --room $traces --room-stagger 0.25 --learners 100 300 600 1000") ;;
   3) runs=("405b-fp8-tp4-rooms ${fp8[*]} --gpus-per-node 4 --tp 4 --concurrency 1 64 --room $traces --learners 30 100"
            "405b-fp8-tp2-pp2-ray ${fp8[*]} ${pp2[*]} --backend ray --concurrency 1 64"
            "405b-fp8-tp2-pp2-mp ${fp8[*]} ${pp2[*]} --backend mp --concurrency 1 64") ;;

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--room", type=Path, metavar="TRACES", help="replay a room's traces against the READY job "
                     "(benchmarks/room_on_gpu.py's replay_one), once per --learners count")
     ap.add_argument("--learners", type=int, nargs="*", default=[30], help="learner counts for --room, in order")
+    ap.add_argument("--room-stagger", type=float, default=1.0, help="seconds between learners' starts in --room")
     ap.add_argument("--room-ttft-p99-s", type=float, default=2.0, help="stop the replays once TTFT p99 passes this")
     ap.add_argument("--notebooks", nargs="*", default=[], help="lessons to run against the READY server "
                     "(benchmarks/notebooks_on_server.py), e.g. notebooks/03_online_inference.ipynb")
@@ -314,7 +315,7 @@ def room(a, srv, job) -> list[dict]:
     engine.dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for k in a.learners:
-        row = room_on_gpu.replay_one(engine, a.room, k, 1.0)
+        row = room_on_gpu.replay_one(engine, a.room, k, a.room_stagger)
         rows.append(row)
         p99 = (row.get("ttft_ms") or {}).get("p99")
         print(f"room of {k}: TTFT p99 {p99} ms, failures {row.get('failures')}", flush=True)

@@ -13,6 +13,9 @@
 # and 1,000 while TTFT p99 stays under 2 s, learners starting 0.25 s apart; every request's record kept) and the proxy's cost measured with distinct prompts
 # per way; 3, 405B FP8's rooms (30 and 100) and TP=2 x PP=2 again, with mp and with Ray (Ray travels as a second
 # stream: BUNDLE=5 SITE_BYTES=<site.tar.xz's size>, see rehearse_on_device.sh).
+# 4 needs one H200: ROUND=2's room of 100 waited seconds before vLLM's clock started (TTFT p99 7.1 s, vLLM's own
+# histogram under 2.5 s for every request); the 8B's job replays the same room as shipped and with four API-server
+# processes, each process's CPU sampled (launcher_on_gpu.CpuSampler), to tell which one-core process held them.
 # What each run does and why: benchmarks/results/README.md, "Four H200s".
 set -euo pipefail
 snap=/tmp/llmlab-snap
@@ -32,7 +35,9 @@ case ${ROUND:-1} in
   3) runs=("405b-fp8-tp4-rooms ${fp8[*]} --gpus-per-node 4 --tp 4 --concurrency 1 64 --room $traces --learners 30 100"
            "405b-fp8-tp2-pp2-ray ${fp8[*]} ${pp2[*]} --backend ray --concurrency 1 64"
            "405b-fp8-tp2-pp2-mp ${fp8[*]} ${pp2[*]} --backend mp --concurrency 1 64") ;;
-  *) echo "ROUND=${ROUND}: give 1, 2 or 3" >&2; exit 2 ;;
+  4) one=(llama3.1-8b --gpu-type H200-141 --timeout 600 --concurrency 1 --room "$traces" --room-stagger 0.25 --learners 100)
+     runs=("8b-room ${one[*]}" "8b-room-api4 ${one[*]} --extra-vllm-args '--api-server-count 4'") ;;
+  *) echo "ROUND=${ROUND}: give 1, 2, 3 or 4" >&2; exit 2 ;;
 esac
 PYTHON_FIRST=$snap exec benchmarks/rehearse_on_device.sh python "$snap/benchmarks/launches_on_gpu.py" \
     --out "$out/runs" "${runs[@]}"

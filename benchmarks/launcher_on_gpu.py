@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -305,6 +306,47 @@ def proxy_paired(a, srv, job, tok) -> dict:
     return proxy_overhead.run(args, target)
 
 
+class CpuSampler(threading.Thread):
+    """Every second, the CPU seconds of each vLLM, proxy and replay process (/proc/PID/stat, named by /proc/PID/comm, which
+    vLLM sets per role): a room whose requests wait before vLLM's clock starts (TTFT far above vLLM's own histogram)
+    is waiting in a process of one core -- the proxy, or vLLM's API server -- and this says which."""
+
+    def __init__(self, path: Path):
+        super().__init__(daemon=True)
+        self.path, self.stopped, self.samples = path, threading.Event(), []
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopped.set()
+        self.join()
+        self.path.write_text("".join(json.dumps(s) + "\n" for s in self.samples))
+
+    def run(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        while not self.stopped.wait(1.0):
+            sample = {"t": time.time()}
+            for line in processes("vllm|llmlab.serve.proxy|llmlab room"):
+                pid = line.split()[0]
+                try:
+                    comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:  # ended between pgrep and the read
+                    continue
+                sample[f"{pid} {comm}"] = (int(fields[11]) + int(fields[12])) / tick
+            self.samples.append(sample)
+
+    def busiest(self) -> dict:
+        """Each process's highest CPU use over any 5 s of the replay, in cores, busiest first (top 8)."""
+        rates: dict[str, float] = {}
+        for a, b in zip(self.samples, self.samples[5:]):
+            for name in a.keys() & b.keys() - {"t"}:
+                rates[name] = max(rates.get(name, 0.0), (b[name] - a[name]) / (b["t"] - a["t"]))
+        return dict(sorted(((n, round(r, 2)) for n, r in rates.items()), key=lambda x: -x[1])[:8])
+
+
 def room(a, srv, job) -> list[dict]:
     """``llmlab room --replay`` against this job for each --learners count, until TTFT p99 passes the bound or a
     request fails (room_on_gpu.replay_one: each replay's folder keeps its per-request records)."""
@@ -315,7 +357,9 @@ def room(a, srv, job) -> list[dict]:
     engine.dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for k in a.learners:
-        row = room_on_gpu.replay_one(engine, a.room, k, a.room_stagger)
+        with CpuSampler(engine.dir / f"cpu-{k}.jsonl") as cpu:
+            row = room_on_gpu.replay_one(engine, a.room, k, a.room_stagger)
+        row["busiest_cpu"] = cpu.busiest()
         rows.append(row)
         p99 = (row.get("ttft_ms") or {}).get("p99")
         print(f"room of {k}: TTFT p99 {p99} ms, failures {row.get('failures')}", flush=True)

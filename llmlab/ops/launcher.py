@@ -34,6 +34,7 @@ from llmlab.cluster.render import (  # noqa: F401 -- moved to the lesson; tests 
     parse_ray_status,
     render,
 )
+from llmlab.ops.weights import CACHE, WeightsError, private_folder
 from llmlab.serve.info import ServerError, ServerInfo, read_key, write_private
 
 
@@ -357,7 +358,17 @@ def wait_until_ready(host: str, port: int, pid: int, log: Path, timeout: float, 
         time.sleep(poll)
 
 
+def check_cache_dir(env: dict) -> None:
+    """``LLMLAB_CACHE_DIR``, where set, must be a folder only the job's user (and root) can change, as the stage
+    folder must (:func:`llmlab.ops.weights.private_folder`, made 0700 if missing): vLLM runs the compiled code it
+    finds in its cache and, for a model named by its id, serves the weights and chat template of the Hugging Face
+    cache there, so whoever can write it chooses both.  Raises ``WeightsError`` naming the folder and the fix."""
+    if env.get("LLMLAB_CACHE_DIR"):
+        private_folder(env["LLMLAB_CACHE_DIR"], CACHE)
+
+
 def _cmd_render(a) -> int:
+    check_cache_dir(os.environ)
     rendered = render(a.job, job_id=a.job_id, nodes=a.nodes.split() if a.nodes else None, port=a.port,
                       python=a.python, addresses=node_addresses, port_free=port_is_free,
                       iface_address=None if os.environ.get("LLMLAB_DRY_RUN") == "1" else interface_address)
@@ -585,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         return a.func(a)
-    except (SettingsError, memory.ConfigError, memory.PlanError) as e:
+    except (SettingsError, memory.ConfigError, memory.PlanError, WeightsError) as e:
         say(f"FAILED: {e}", file=sys.stderr)  # stderr: the launcher captures render's stdout
         return 2
 

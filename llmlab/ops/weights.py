@@ -33,6 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from llmlab import memory
 
@@ -492,17 +493,35 @@ def _remove_stale(to: Path, name: str) -> None:
 # room is served (security-review-3, F2).
 
 
-def private_stage_folder(to) -> Path:
+class Use(NamedTuple):
+    """What a private folder is for, in its refusal's words (:func:`private_folder`): what was refused (``{}``: the
+    folder), what someone else could do with the folder, and the fix."""
+
+    refused: str
+    risk: str
+    fix: str
+
+
+STAGE = Use("stage weights into {}", "someone else could choose the weights the room is served",
+            "Stage into a folder only you can write, e.g. LLMLAB_STAGE_DIR=/local/scratch/$USER/weights")
+# vLLM's compile cache and the Hugging Face cache (LLMLAB_CACHE_DIR): code vLLM loads and runs, and the weights and
+# chat template it serves when the model is named by its id, so the same rule as the stage folder.
+CACHE = Use("use {} as LLMLAB_CACHE_DIR", "someone else could change the compiled code and the model files vLLM "
+            "loads from it", "Set LLMLAB_CACHE_DIR to a folder only you can write, e.g. one in your home or your "
+            "own folder of the shared file system")
+
+
+def private_folder(to, use: Use = STAGE) -> Path:
     """``to``, made if missing (0700), after checking that nobody but the caller (and root) can change it or any
     folder above it: each existing folder is root's and not writable by others (or sticky, as /tmp is), or the
     caller's and writable by nobody else; a symbolic link on the way must be root's or the caller's.  Returns the
-    real path.  Raises :class:`WeightsError` naming the folder and the fix."""
+    real path.  Raises :class:`WeightsError` naming the folder and the fix (``use`` says what the folder is for)."""
     path = Path(os.path.abspath(Path(to).expanduser()))
     for part in (path, *path.parents):
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(part)
             if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
-                raise WeightsError(_unsafe(path, f"{part} is a symbolic link made by {_owner(st.st_uid)}"))
+                raise WeightsError(_unsafe(path, f"{part} is a symbolic link made by {_owner(st.st_uid)}", use))
     real = Path(os.path.realpath(path))
     for part in reversed((real, *real.parents)):
         try:
@@ -510,31 +529,31 @@ def private_stage_folder(to) -> Path:
         except FileNotFoundError:
             os.mkdir(part, 0o700)
             st = os.stat(part)
-        _check_folder(path, part, st)
+        if why := _unsafe_folder(part, st):
+            raise WeightsError(_unsafe(path, why, use))
     if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):  # the folder itself: the caller's
-        raise WeightsError(_unsafe(path, f"{real} is not a folder of yours that only you can write"))
+        raise WeightsError(_unsafe(path, f"{real} is not a folder of yours that only you can write", use))
     return real
 
 
-def _check_folder(asked: Path, part: Path, st: os.stat_result) -> None:
-    if not stat.S_ISDIR(st.st_mode):
-        raise WeightsError(_unsafe(asked, f"{part} is not a folder"))
+def _unsafe_folder(part: Path, st: os.stat_result) -> str | None:
+    """Why someone other than the caller and root could change what is in ``part``, or None."""
     others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{part} is not a folder"
     if st.st_uid == 0:
         if others_write and not st.st_mode & stat.S_ISVTX:
-            raise WeightsError(_unsafe(asked, f"{part} (root's) can be changed by others: mode "
-                                              f"{stat.S_IMODE(st.st_mode):o}, not sticky"))
+            return f"{part} (root's) can be changed by others: mode {stat.S_IMODE(st.st_mode):o}, not sticky"
     elif st.st_uid != os.geteuid():
-        raise WeightsError(_unsafe(asked, f"{part} belongs to {_owner(st.st_uid)}"))
+        return f"{part} belongs to {_owner(st.st_uid)}"
     elif others_write:
-        raise WeightsError(_unsafe(asked, f"{part} can be written by its group or others (mode "
-                                          f"{stat.S_IMODE(st.st_mode):o}): chmod go-w it"))
+        return f"{part} can be written by its group or others (mode {stat.S_IMODE(st.st_mode):o}): chmod go-w it"
+    return None
 
 
-def _unsafe(asked: Path, why: str) -> str:
-    return (f"Cannot stage weights into {asked}: {why}, so someone else could choose the weights the room is "
-            "served. Stage into a folder only you can write, e.g. LLMLAB_STAGE_DIR=/local/scratch/$USER/weights "
-            "(llmlab makes the missing folders 0700).")
+def _unsafe(asked: Path, why: str, use: Use) -> str:
+    return (f"Cannot {use.refused.format(asked)}: {why}, so {use.risk}. {use.fix} (llmlab makes the missing folders "
+            "0700).")
 
 
 def _owner(uid: int) -> str:
@@ -605,7 +624,7 @@ def stage(src, to, *, progress: bool = True, say=print) -> dict:
     from tqdm.auto import tqdm
 
     src = Path(src)
-    to = private_stage_folder(to)
+    to = private_folder(to, STAGE)
     dest = to / src.name
     if trusted_copy(src, dest):
         say(f"{dest} already holds this stage's verified copy of {src} (its manifest matches): not copied again")

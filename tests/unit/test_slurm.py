@@ -148,6 +148,31 @@ def test_dry_run_takes_model_dir_cache_and_extra_args_from_the_environment(tmp_p
     assert "NCCL_IB_DISABLE=0" in ib.stdout and "NCCL_IB_HCA=mlx5_0" in ib.stdout
 
 
+def test_a_cache_folder_others_can_change_is_refused_before_anything_starts(tmp_path):
+    """LLMLAB_CACHE_DIR gets the stage folder's rule (security-review-3, "the same rule for the cache folder"): vLLM
+    runs the compiled code of its cache and serves the Hugging Face cache's weights and chat template, and a folder
+    another user can write, or owns, let them choose both.  The job (and its dry run) now fails before anything
+    starts, naming the folder and the fix; a folder of the user's own is used, a missing one made 0700."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    out = dry_run("llama3.1-70b", LLMLAB_CACHE_DIR=str(shared / "cache"))
+    assert out.returncode != 0 and "vLLM:" not in out.stdout and not (shared / "cache").exists()
+    why = "(root's) can be changed by others" if os.geteuid() == 0 else "can be written by its group or others"
+    assert f"Cannot use {shared / 'cache'} as LLMLAB_CACHE_DIR: {shared} {why}" in out.stderr, out.stderr
+    assert "Set LLMLAB_CACHE_DIR to a folder only you can write" in out.stderr
+    if os.geteuid() == 0:  # a folder another user made first
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        out = dry_run("llama3.1-70b", LLMLAB_CACHE_DIR=str(theirs))
+        assert out.returncode != 0 and re.search(r"belongs to (user nobody|uid 65534)", out.stderr), out.stderr
+    mine = tmp_path / "mine" / "cache"
+    out = dry_run("llama3.1-70b", LLMLAB_CACHE_DIR=str(mine))
+    assert out.returncode == 0, out.stderr
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700 and f"HF_HOME={mine}/huggingface" in out.stdout
+
+
 def test_launcher_outside_slurm_says_to_use_sbatch():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     out = subprocess.run(["bash", str(SLURM / "llmlab-serve.sh"), "llama3.1-8b"], capture_output=True, text=True,

@@ -367,11 +367,28 @@ def check_cache_dir(env: dict) -> None:
         private_folder(env["LLMLAB_CACHE_DIR"], CACHE)
 
 
+def check_mp_exposure(rendered: RenderedJob, env: dict) -> None:
+    """Backend mp across nodes binds vLLM's unauthenticated message queues on each node's address (pickled scheduler
+    outputs, prompts included; render.MP_EXPOSURE): without ``LLMLAB_HOST_IFACE`` that is the address the hostname
+    resolves to, which every user of the cluster may reach (security-review-3, F11).  Such a job starts only when
+    the instructor says so, ``LLMLAB_MP_ACCEPT_EXPOSURE=1`` (a firewall keeps other users off the nodes); a named
+    interface and loopback (the CPU test bed, one host) need nothing.  Raises SettingsError naming both ways."""
+    on_loopback = rendered.env.get("VLLM_HOST_IP") == LOOPBACK_RAY_IP
+    if (rendered.mp_workers and not on_loopback and not env.get("LLMLAB_HOST_IFACE")
+            and env.get("LLMLAB_MP_ACCEPT_EXPOSURE") != "1"):
+        raise SettingsError("backend mp across nodes would bind vLLM's unauthenticated message queues on each node's "
+                            "public address, where any cluster user can read the prompts: set LLMLAB_HOST_IFACE to "
+                            "the nodes' private interface (e.g. ib0; `ip -br addr` on a compute node lists them), or "
+                            "LLMLAB_MP_ACCEPT_EXPOSURE=1 where a firewall keeps other users off the nodes, or use "
+                            "Ray, the default (docs/security.md).")
+
+
 def _cmd_render(a) -> int:
     check_cache_dir(os.environ)
     rendered = render(a.job, job_id=a.job_id, nodes=a.nodes.split() if a.nodes else None, port=a.port,
                       python=a.python, addresses=node_addresses, port_free=port_is_free,
                       iface_address=None if os.environ.get("LLMLAB_DRY_RUN") == "1" else interface_address)
+    check_mp_exposure(rendered, os.environ)
     print(rendered.shell() if a.shell else rendered.summary() + "\n" + rendered.serve_line)
     from llmlab.serve.vllm import installed_vllm, vllm_outside_range
 

@@ -110,12 +110,30 @@ def test_launch_of_backend_mp_says_in_one_sentence_what_it_exposes_and_that_ray_
     it.  Now `llmlab launch` and its dry run say it before anything is submitted; mp stays available."""
     from llmlab.cluster.render import MP_EXPOSURE
 
-    out = llmlab_cli("launch", "llama3.1-405b", "--backend", "mp", "--dry-run")
+    out = llmlab_cli("launch", "llama3.1-405b", "--backend", "mp", "--dry-run",
+                     env={**os.environ, "LLMLAB_MP_ACCEPT_EXPOSURE": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.count(MP_EXPOSURE) == 1 and "--distributed-executor-backend mp" in out.stdout
     assert MP_EXPOSURE.count(". ") == 0 and "pickled scheduler outputs, prompt token ids included" in MP_EXPOSURE
     assert "Ray, token-authenticated, is the default" in MP_EXPOSURE
     assert "backend mp on a shared cluster" not in llmlab_cli("launch", "llama3.1-405b", "--dry-run").stdout
+
+
+def test_an_mp_job_across_nodes_on_a_public_address_starts_only_when_the_instructor_accepts_it():
+    """F11 of security-review-3: without LLMLAB_HOST_IFACE, a multi-node mp job bound vLLM's unauthenticated queues
+    (pickled prompts) on each node's public address, and only a warning said so.  Now the job, and its dry run,
+    fail before anything starts with one sentence naming the ways out (the nodes' private interface, or
+    LLMLAB_MP_ACCEPT_EXPOSURE=1, or Ray); with either it starts as before."""
+    launch = ("launch", "llama3.1-405b", "--backend", "mp", "--dry-run")
+    env = {k: v for k, v in os.environ.items() if k not in ("LLMLAB_HOST_IFACE", "LLMLAB_MP_ACCEPT_EXPOSURE")}
+    exposed = llmlab_cli(*launch, env=env)
+    said = exposed.stdout + exposed.stderr
+    assert exposed.returncode != 0 and "--distributed-executor-backend mp" not in exposed.stdout, said
+    assert "set LLMLAB_HOST_IFACE to the nodes' private interface" in said, said
+    assert "LLMLAB_MP_ACCEPT_EXPOSURE=1 where a firewall keeps other users off the nodes" in said
+    for way in ({"LLMLAB_HOST_IFACE": "ib0"}, {"LLMLAB_MP_ACCEPT_EXPOSURE": "1"}):
+        out = llmlab_cli(*launch, env={**env, **way})
+        assert out.returncode == 0 and "--distributed-executor-backend mp" in out.stdout, out.stdout + out.stderr
 
 
 UNLISTED = [m for m in memory.shipped_models() if m not in {j.model for j in cluster.load_settings().values()}]

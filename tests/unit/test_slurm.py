@@ -209,7 +209,7 @@ def test_backend_mp_runs_vllm_on_every_node_without_ray(tmp_path):
                         'backend = "mp"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(LLMLAB_DRY_RUN="1", LLMLAB_PYTHON=sys.executable, LLMLAB_SETTINGS_FILE=str(settings),
-               LLMLAB_RAY_HEAD_IP="10.1.2.3", LLMLAB_NODES="gpu-a gpu-b")
+               LLMLAB_RAY_HEAD_IP="10.1.2.3", LLMLAB_NODES="gpu-a gpu-b", LLMLAB_MP_ACCEPT_EXPOSURE="1")
     out = subprocess.run(["bash", str(SLURM / "llmlab-serve.sh"), "405b-mp"], capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

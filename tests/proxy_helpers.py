@@ -18,6 +18,7 @@ from pathlib import Path
 
 from llmlab.serve.info import write_private
 from llmlab.serve.proc import free_port
+from llmlab.serve.proxy import BACKLOG
 
 
 def get(url: str, key: str | None, timeout: float = 10) -> tuple[int, bytes]:
@@ -64,7 +65,10 @@ def stand_in_vllm(folder: Path, slow_over: int | None = None, slow_s: float = 0.
 
         do_GET = do_POST = _answer
 
-    server = socketserver.ThreadingUnixStreamServer(str(folder / "vllm.sock"), Handler)
+    class Server(socketserver.ThreadingUnixStreamServer):
+        request_queue_size = BACKLOG  # connections from the proxy at once (vLLM's uvicorn: 2048)
+
+    server = Server(str(folder / "vllm.sock"), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield folder / "vllm.sock"

@@ -47,8 +47,10 @@ Under load from others (docs/security.md, tests/cluster/test_security.py): the s
 hard one, and near it idle connections are closed, oldest first, those that never showed a key before keyed ones
 (:meth:`Proxy.admit`); a connection that has shown no key is closed after its first refusal; a client that pipelines
 without reading is held back by TCP, not by the proxy's memory (:meth:`Client._reading`); the bodies of all
-connections together are held to ``MAX_BODIES`` (:meth:`Proxy.make_room`); a room's ``keys/`` is re-read in a worker
-thread (:meth:`KeyRing.watch`); the log has a budget (:class:`LogBudget`).
+connections together are held to ``MAX_BODIES`` (:meth:`Proxy.make_room`), a learner's key to ``KEY_BODIES`` of them
+and ``KEY_REQUESTS`` requests in progress (429 beyond); a room's ``keys/`` is re-read in a worker thread
+(:meth:`KeyRing.watch`), and a revoked key's connections are closed then (:meth:`Proxy.drop_revoked`); the log has a
+budget (:class:`LogBudget`).
 """
 
 from __future__ import annotations
@@ -86,6 +88,13 @@ MAX_BODY = 32 * 2**20  # bytes of one request body; a prompt of a million tokens
 # or on their way to vLLM): four bodies of the largest size.  Beyond it the largest body still arriving is refused
 # (503, Proxy.make_room).  A room's requests are kilobytes each; 30 learners sending a 4 MB prompt at once fit.
 MAX_BODIES = 4 * MAX_BODY
+# A learner's key (a registered one; the owner's has no such limits) may hold a quarter of that, one body of the
+# largest size: largest-first alone let one learner's many smaller bodies fill the budget, so that the owner's
+# larger body was the one refused (security-review-3, F4).  And it may have at most KEY_REQUESTS requests in progress
+# (arriving, waiting in a pipeline, or answered now), all its connections together: the top of the lessons' load
+# sweeps; a flood of pipelined requests over many connections had no bound but the connections' (F5).
+KEY_BODIES = MAX_BODIES // 4
+KEY_REQUESTS = 256
 SENT_BELOW = 2**16  # bytes a body may still have in the proxy's buffer to vLLM and be taken as sent (F4)
 PIPELINED_BODY = 2**20  # bytes of body read ahead on a connection while its previous request is answered
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), plus Host and the client's credentials:
@@ -153,6 +162,7 @@ class KeyRing:
         self._signature: tuple = ()
         self._checked = float("-inf")
         self._watcher: asyncio.Task | None = None
+        self.on_change = None  # called with the registered digests whenever they change (Proxy.drop_revoked)
         self.refresh(force=True)
 
     def refresh(self, force: bool = False) -> None:
@@ -172,9 +182,12 @@ class KeyRing:
     def _install(self, ring) -> None:
         if ring is None:  # nothing changed (or keys/ is unreadable just now: keep what was read)
             return
-        if set(ring.digests) != set(self._digests):  # a folder that keeps changing logs only what changes who is in
+        changed = set(ring.digests) != set(self._digests)
+        if changed:  # a folder that keeps changing logs only what changes who is in
             log.info("%d registered key(s) from %s", len(ring.digests), self.registered_path)
         self._digests, self._signature, self._denied = ring.digests, ring.signature, frozenset(ring.denied)
+        if changed and self.on_change is not None:
+            self.on_change(frozenset(ring.digests))
 
     def watch(self) -> asyncio.Task:
         """Start (once) re-reading the registered keys off the running event loop; the task that does it.
@@ -220,14 +233,17 @@ class KeyRing:
         return ok
 
 
-    def salt_for(self, authorization: str | None) -> str | None:
-        """The ``cache_salt`` of a registered key's requests: HMAC of its digest under the owner's key, so that no
-        learner can compute another's (the digests in ``keys/`` are readable by the room); None for the owner."""
+    def learner(self, authorization: str | None) -> bytes | None:
+        """The digest of an accepted key that is not the owner's (a learner's: what the per-key limits count by and
+        what revocation closes); None for the owner's key."""
         key = (authorization or "").partition(" ")[2].strip()
         given = digest(key)
-        if not key or hmac.compare_digest(given, self.owner):
-            return None
-        return hmac.new(self._owner_key.encode(), b"llmlab-cache-salt\0" + given, hashlib.sha256).hexdigest()[:32]
+        return None if not key or hmac.compare_digest(given, self.owner) else given
+
+    def salt_for(self, learner: bytes) -> str:
+        """The ``cache_salt`` of a learner's requests (their key's digest, :meth:`learner`): HMAC of it under the
+        owner's key, so that no learner can compute another's (the digests in ``keys/`` are readable by the room)."""
+        return hmac.new(self._owner_key.encode(), b"llmlab-cache-salt\0" + learner, hashlib.sha256).hexdigest()[:32]
 
     def prove(self, nonce: bytes) -> bytes:
         """This proxy's answer to a router's identity challenge: the owner key's :func:`identity_proof`."""
@@ -334,8 +350,8 @@ CLIENT_SNDBUF = 256 * 1024  # the kernel's send buffer per client socket (autotu
 IDLE_TIMEOUT = 30.0  # seconds a connection may sit without a request (uvicorn's keep-alive is 5 s, nginx's 75 s)
 LINGER = 2.0  # seconds a client refused part way may go on sending, read and dropped (nginx's lingering_close)
 REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-           413: "Content Too Large", 431: "Request Header Fields Too Large", 502: "Bad Gateway",
-           503: "Service Unavailable"}
+           413: "Content Too Large", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
+           502: "Bad Gateway", 503: "Service Unavailable"}
 
 
 def status_line(status: int) -> bytes:
@@ -410,7 +426,9 @@ class Request:
         self.counted = 0  # bytes of its body counted in Proxy.body_bytes (0 once released)
         self.gather: str | None = None  # a path the proxy answers from every model (GATHERED), not one upstream
         self.identity = False  # IDENTITY_PATH: answered by the proxy itself, keyless, and the connection stays open
-        self.unauthorized = False  # refused 401 (no key, a wrong one, or a revoked one): the connection's last answer
+        self.last = False  # refused 401 (no key, a wrong or revoked one) or 429 (KEY_REQUESTS): the connection's last
+        self.key: bytes | None = None  # a learner's key digest (KeyRing.learner): what the per-key limits count by
+        self.begun = False  # counted in Proxy.key_requests (Proxy.begin)
         self.salt: str | None = None  # the cache_salt the proxy sets in its body (a learner's request, SALTED)
 
 
@@ -531,6 +549,7 @@ class Client(asyncio.Protocol):
         self.in_head, self.head_size = True, 0  # bytes of the current request's head so far (MAX_HEAD)
         self.broken = False  # answer what is queued, then close; nothing more is parsed
         self.keyed = False  # a request on this connection carried an accepted key (Proxy.admit sheds others first)
+        self.learners: set[bytes] = set()  # learners' keys shown on it (Proxy.drop_revoked)
         self.queue: collections.deque[Request] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.upstream: Upstream | None = None
@@ -564,6 +583,7 @@ class Client(asyncio.Protocol):
         self.proxy.clients.pop(self, None)
         for request in (self.current, *self.queue):  # the one being answered: _answer_queue's finally
             self.release(request)
+            self.proxy.end(request)
         self.queue.clear()
         if self.idle:
             self.idle.cancel()
@@ -622,23 +642,28 @@ class Client(asyncio.Protocol):
         """Bytes of the body arriving now, for a request that is being kept (Proxy.make_room refuses the largest)."""
         return 0 if self.in_head or self.broken or self.closed else self.current.counted
 
-    def count(self, request: Request, n: int) -> None:
-        request.counted += n
-        self.proxy.body_bytes += n
-
     def release(self, request: Request) -> None:
         """Let go of ``request``'s body (answered, refused, sent on, or its client left): it no longer counts toward
         MAX_BODIES, and its memory is freed now, not when the garbage collector breaks the cycle between a client
         and its parser."""
-        self.proxy.body_bytes -= request.counted
-        request.counted, request.body = 0, bytearray()
+        self.proxy.hold(request, -request.counted)
+        request.body = bytearray()
 
-    def evict(self) -> None:
-        """Refuse the request whose body is arriving, and drop what came of it: the proxy holds too many bodies."""
+    def evict(self, share: bool = False) -> None:
+        """Refuse the request whose body is arriving, and drop what came of it: the proxy holds too many bodies, or
+        (``share``) its key holds its KEY_BODIES."""
         self.release(self.current)
-        self._refuse_now(error_response(
-            503, f"Refused: the proxy holds {MAX_BODIES // 2**20} MiB of request bodies from all its clients, its "
-                 "limit, and this one was the largest still arriving; send it again in a moment.", close=True))
+        held = (f"your key's requests have {KEY_BODIES // 2**20} MiB of bodies on their way to this server, the "
+                "most one learner's key may hold at once" if share else
+                f"the proxy holds {MAX_BODIES // 2**20} MiB of request bodies from all its clients, its limit")
+        self._refuse_now(error_response(503, f"Refused: {held}, and this one was the largest still arriving; send it "
+                                             "again in a moment.", close=True))
+
+    def abort(self) -> None:
+        """Close at once, whatever is being answered (vLLM's request is aborted by connection_lost)."""
+        self.closed = True
+        self.proxy.clients.pop(self, None)
+        self.transport.abort()
 
     def _arm_idle(self) -> None:
         self.idle = asyncio.get_running_loop().call_later(IDLE_TIMEOUT, self.close)
@@ -696,6 +721,7 @@ class Client(asyncio.Protocol):
         self.broken = True
         self.transport.pause_reading()
         self.release(self.current)  # a body cut short is not kept
+        self.proxy.end(self.current)
         request = Request()
         request.refusal, request.keep_alive = answer, False
         self.queue.append(request)
@@ -720,16 +746,20 @@ class Client(asyncio.Protocol):
         r.http10 = self.parser.get_http_version() == "1.0"
         r.refusal = self.proxy.judge(r)
         self.keyed = self.keyed or r.keyed
+        if r.key:
+            self.learners.add(r.key)
+            self.proxy.begin(r)  # ended when answered, or dropped (_refuse_now, connection_lost)
         if self.parser.should_upgrade():
             self._refuse_now(error_response(400, "Refused: protocol upgrades (websockets, h2c) are not forwarded.",
                                             close=True))
         elif int(next((v for k, v in r.headers if k.lower() == b"content-length"), b"0")) > MAX_BODY:
             self._refuse_now(error_response(413, f"Request body larger than {MAX_BODY // 2**20} MiB.", close=True))
-        elif r.refusal is not None and not r.identity and (r.unauthorized or not self.keyed):
+        elif r.refusal is not None and not r.identity and (r.last or not self.keyed):
             # No key shown on this connection, or this request's key refused (a learner revoked since the connection
-            # opened, security-review-3 F5b): its last answer, sent now, not after a body that may never end (F3: 60
-            # keyless requests part-way through a body held the owner out at the open-file limit); what the client
-            # still sends is read and dropped while the connection lingers (close), and lingering ones are shed first.
+            # opened, security-review-3 F5b) or over its KEY_REQUESTS: its last answer, sent now, not after a body
+            # that may never end (F3: 60 keyless requests part-way through a body held the owner out at the
+            # open-file limit); what the client still sends is read and dropped while the connection lingers (close),
+            # and lingering ones are shed first.
             self._refuse_now(closing(r.refusal))
         elif r.refusal is None and not self.queue and self.worker is None and any(
                 k.lower() == b"expect" and v.lower() == b"100-continue" for k, v in r.headers):
@@ -739,12 +769,15 @@ class Client(asyncio.Protocol):
         r = self.current
         if r.refusal is None and not self.broken:
             r.body += body
-            self.count(r, len(body))
+            self.proxy.hold(r, len(body))
             if len(r.body) > MAX_BODY:
                 self.release(r)
                 r.refusal = error_response(413, f"Request body larger than {MAX_BODY // 2**20} MiB.", close=True)
                 r.keep_alive = False
-            elif self.proxy.body_bytes > MAX_BODIES:
+                return
+            if r.key and self.proxy.key_bodies[r.key] > KEY_BODIES:
+                self.proxy.make_room(r.key)
+            if self.proxy.body_bytes > MAX_BODIES:
                 self.proxy.make_room()
 
     def on_message_complete(self) -> None:
@@ -783,6 +816,7 @@ class Client(asyncio.Protocol):
                         await self._forward(request)
                 finally:
                     self.release(request)
+                    self.proxy.end(request)
                 if not request.keep_alive:
                     self.close(linger=request.refusal is not None)
                 else:
@@ -1094,6 +1128,42 @@ class Proxy:
         self.upstreams = 0  # open connections to vLLM
         self.fd_budget: int | None = None  # connections (both kinds) to hold before shedding; None: no limit
         self.body_bytes = 0  # request bodies held, all connections together (MAX_BODIES)
+        self.key_bodies: collections.Counter[bytes] = collections.Counter()  # ... each learner key's (KEY_BODIES)
+        self.key_requests: collections.Counter[bytes] = collections.Counter()  # in progress, per key (KEY_REQUESTS)
+        keys.on_change = self.drop_revoked
+
+    def hold(self, r: Request, n: int) -> None:
+        """Count ``n`` more bytes of ``r``'s body (negative: fewer) toward MAX_BODIES and its key's KEY_BODIES."""
+        r.counted += n
+        self.body_bytes += n
+        if r.key:
+            self.key_bodies[r.key] += n
+            if not self.key_bodies[r.key]:
+                del self.key_bodies[r.key]
+
+    def begin(self, r: Request) -> None:
+        """``r``, judged, is in progress until :meth:`end`: it counts toward its learner's KEY_REQUESTS."""
+        if r.key and not r.last and not r.begun:
+            r.begun = True
+            self.key_requests[r.key] += 1
+
+    def end(self, r: Request) -> None:
+        if r.begun:
+            r.begun = False
+            self.key_requests[r.key] -= 1
+            if not self.key_requests[r.key]:
+                del self.key_requests[r.key]
+
+    def drop_revoked(self, registered: frozenset[bytes]) -> None:
+        """Close, at once, every connection that showed a learner's key no longer registered, whatever it is doing:
+        an idle one, one whose answer is streaming (vLLM aborts it), one whose pipelined requests wait.  Why: a
+        revoked learner kept the connections opened before, until their next request was refused, and could go
+        on with what was already queued or streaming (security-review-3, F5b)."""
+        revoked = [c for c in self.clients if c.learners - registered]
+        for client in revoked:
+            client.abort()
+        if revoked:
+            log.warning("closed %d connection(s) of a revoked key", len(revoked))
 
     def admit(self, new: Client) -> bool:
         """Count a new connection; False if it must be closed at once.
@@ -1124,21 +1194,26 @@ class Proxy:
                     "turned away (all others have a request in progress)")
         return admitted
 
-    def make_room(self) -> None:
-        """Refuse the largest bodies still arriving until the bodies held fit in MAX_BODIES again.
+    def make_room(self, key: bytes | None = None) -> None:
+        """Refuse the largest bodies still arriving until the bodies held fit in MAX_BODIES again, or (``key``) those
+        of that learner's key fit in its KEY_BODIES.
 
         Why: the body bound is per request, and a key holder can open many connections, each with a body one byte
         short of it, and never finish them: 12 of them took the proxy from 100 to 495 MB (security-review-2,
         finding 6).  The largest body still arriving is the one refused: an attacker's held bodies go before a
-        learner's prompt of a few kilobytes, and whatever is complete goes on to vLLM."""
-        while self.body_bytes > MAX_BODIES:
-            largest = max(self.clients, key=lambda c: c.receiving, default=None)
+        learner's prompt of a few kilobytes, and whatever is complete goes on to vLLM.  A key's share comes first,
+        so that one learner's many smaller bodies cannot fill the budget and leave a larger body of someone else's
+        the largest (security-review-3, F4)."""
+        limit, held = (KEY_BODIES, lambda: self.key_bodies[key]) if key else (MAX_BODIES, lambda: self.body_bytes)
+        while held() > limit:
+            arriving = [c for c in self.clients if key is None or c.current.key == key]
+            largest = max(arriving, key=lambda c: c.receiving, default=None)
             if largest is None or largest.receiving == 0:  # what is held is complete: it is on its way out
                 return
-            log.warning("the proxy holds %d MiB of request bodies (its limit: %d MiB): refused the largest one still "
-                        "arriving (%d MiB)", self.body_bytes // 2**20, MAX_BODIES // 2**20,
-                        largest.receiving // 2**20)
-            largest.evict()
+            log.warning("%s %d MiB of request bodies (its limit: %d MiB): refused the largest one still arriving "
+                        "(%d MiB)", "a learner's key holds" if key else "the proxy holds", held() // 2**20,
+                        limit // 2**20, largest.receiving // 2**20)
+            largest.evict(share=key is not None)
 
     async def connect(self, factory, replica: Replica) -> None:
         loop = asyncio.get_running_loop()
@@ -1274,16 +1349,22 @@ class Proxy:
             return self.identity_answer(r)
         authorization = next((v.decode("latin-1") for k, v in r.headers if k.lower() == b"authorization"), None)
         if not self.keys.accepts(authorization):
-            r.unauthorized = True
+            r.last = True
             if self.keys.revoked(authorization):
                 return error_response(401, "Unauthorized: your access to this server was revoked by its owner "
                                            "(llmlab revoke): ask your instructor.", (b"www-authenticate: Bearer",))
             return error_response(401, "Unauthorized: missing or wrong API key (send 'Authorization: Bearer <key>'; "
                                        "llmlab.connect() reads it from the server's key file).",
                                   (b"www-authenticate: Bearer",))
-        r.keyed = True
-        if self.salted and path in SALTED and r.method == b"POST":
-            r.salt = self.keys.salt_for(authorization)
+        r.keyed, r.key = True, self.keys.learner(authorization)
+        if r.key and self.key_requests[r.key] >= KEY_REQUESTS:
+            r.last = True
+            return error_response(429, f"Too many requests: your key has {KEY_REQUESTS} requests in progress on this "
+                                       "server (being sent, waiting or being answered), the most one learner's key "
+                                       "may; this connection is closed: send more once some are answered.",
+                                  (b"retry-after: 1",))
+        if r.key and self.salted and path in SALTED and r.method == b"POST":
+            r.salt = self.keys.salt_for(r.key)
         if path == "/metrics" and len(self.replicas) > 1:
             return error_response(404, f"Not Found: this proxy routes between {len(self.replicas)} vLLM servers, "
                                        "each with counters of its own; read /metrics from each server (notebook 15: "

@@ -7,6 +7,7 @@ their revocation, streaming that is not buffered, and a client that goes away ab
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -566,30 +567,6 @@ def test_a_proxy_answers_an_identity_challenge_without_a_key_and_nothing_else(tm
         assert _get(f"http://127.0.0.1:{port}/v1/models", None)[0] == 401
 
 
-def test_a_learner_revoked_with_a_connection_open_loses_it_at_the_next_request(tmp_path):
-    """F5b of security-review-3: a connection that once showed a valid key used to stay open after its key was
-    revoked, answering 401 after 401 (a revoked learner kept every connection opened before, and could flood on
-    them).  Now the first request refused for its key is the connection's last answer: nothing behind it is
-    answered, and the proxy closes it."""
-    keys = tmp_path / "keys"
-    learner = "learner-" + os.urandom(16).hex()
-    keys.write_text(proxy.key_digest_line(learner) + "\n")
-    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, _key):
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(_get_line("/v1/models", learner))
-            first = b""
-            while b'"body_bytes"' not in first:  # the stand-in's whole answer, on a connection kept open
-                first += s.recv(65536)
-            assert _statuses(first) == [200]
-            keys.write_text("")  # the instructor revokes the learner
-            wait_for(lambda: _get(f"http://127.0.0.1:{port}/v1/models", learner)[0] == 401, 30, "the revocation")
-            s.sendall(_get_line("/v1/models", learner) + _get_line("/v1/models", learner))
-            rest = b""
-            while chunk := s.recv(65536):  # ends only when the proxy closes (a timeout fails the test)
-                rest += chunk
-    assert _statuses(rest) == [401]  # the second request behind it: never answered
-
-
 def test_bodies_vllm_has_taken_stop_counting_toward_the_proxys_budget(tmp_path):
     """F4 of security-review-3: a learner sends four requests of exactly 32 MiB whose answers take minutes (a long
     non-streamed generation).  Their bodies are in vLLM's hands at once, yet they stayed counted in MAX_BODIES until
@@ -665,3 +642,109 @@ def test_on_a_shared_server_each_learner_has_a_prefix_cache_of_their_own(embedde
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def _learner_keys(tmp_path: Path) -> tuple[Path, str]:
+    """A keys file with one learner's digest, and that learner's key."""
+    learner = "learner-" + os.urandom(16).hex()
+    keys = tmp_path / "keys"
+    keys.write_text(proxy.key_digest_line(learner) + "\n")
+    return keys, learner
+
+
+def _post_raw(port: int, key: str, size: int, close: bool = True) -> bytes:
+    """A POST of ``size`` body bytes, sent whole; its answer read to the end (the proxy or the client closes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                   f"Content-Length: {size}\r\nConnection: close\r\n\r\n").encode() + b"x" * size)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_a_learners_bodies_hold_only_their_keys_share_of_the_budget(tmp_path):
+    """F4 of security-review-3, the rest: a learner held 31 bodies of 4 MiB one byte short, never finished (124 MiB
+    of the proxy's 128), and the owner's 8 MiB prompt, the largest body still arriving once the budget was passed,
+    was the one refused (503).  Now a learner's key holds at most KEY_BODIES (their largest arriving body is
+    refused beyond it, with a sentence naming the share), and the owner's POST passes while the learner holds all
+    of theirs."""
+    keys, learner = _learner_keys(tmp_path)
+    size = 4 * 2**20
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {learner}\r\n"
+            f"Content-Length: {size}\r\n\r\n").encode()
+    held = []
+    with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, key):
+        for _ in range(31):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            held.append(s)
+            with contextlib.suppress(OSError):  # refused part way: the proxy answered and shut its side
+                s.sendall(head + b"x" * (size - 1))
+        time.sleep(1)
+        owner = _post_raw(port, key, 8 * 2**20)
+        refused = b""
+        for s in held:
+            s.settimeout(0.2)
+            with contextlib.suppress(OSError):
+                refused += s.recv(65536)
+            s.close()
+    assert _statuses(owner) == [200], owner[:300]
+    assert b"your key's requests have 32 MiB of bodies on their way" in refused, refused[:300]
+
+
+def test_a_learners_key_has_a_limit_on_requests_in_progress(tmp_path):
+    """F5 of security-review-3, the rest: one learner's requests in progress had no bound but their connections'
+    (16 waiting on each, for as many connections as the files allow).  Now a learner's key has at most
+    KEY_REQUESTS being sent, waiting or being answered, all connections together: the next one is a 429 that names
+    the limit, and closes its connection; the owner and another learner are served meanwhile, and the learner again
+    once theirs are answered."""
+    keys, learner = _learner_keys(tmp_path)
+    other = "learner-" + os.urandom(16).hex()
+    with open(keys, "a") as f:
+        f.write(proxy.key_digest_line(other) + "\n")
+    slow = json.dumps({"prompt": "x" * 2000}).encode()  # over slow_over: each answered 15 s later
+    one = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {learner}\r\n"
+           f"Content-Length: {len(slow)}\r\n\r\n").encode() + slow
+    connections = proxy.KEY_REQUESTS // 16 + 2
+    held = []
+    with stand_in_vllm(tmp_path, slow_over=1000, slow_s=15) as uds, \
+            proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, key):
+        for _ in range(connections):  # 16 pipelined on each: more than KEY_REQUESTS in all
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(one * 16)
+            held.append(s)
+        url = f"http://127.0.0.1:{port}/v1/models"
+        status, said = wait_for(lambda: (a := _get(url, learner))[0] == 429 and a, 20, "the learner's limit", poll=0.5)
+        assert f"your key has {proxy.KEY_REQUESTS} requests in progress".encode() in said, said
+        assert _get(url, key)[0] == 200 and _get(url, other)[0] == 200
+        for s in held:
+            s.close()
+        wait_for(lambda: _get(url, learner)[0] == 200, 20, "the learner's requests to end with their connections")
+
+
+def test_revoking_a_learner_closes_their_open_connections_at_once(tmp_path):
+    """F5b of security-review-3: a revoked learner kept the connections opened before the revocation, answering 401
+    after 401 (fixed first by closing at the next request); still, an idle one stayed up to IDLE_TIMEOUT (30 s), and
+    an answer being generated went on to its end.  Now the proxy closes every connection that showed the revoked
+    key as soon as it reads the keys again (about a second): the idle one, and the one waiting for a slow answer
+    (whose upstream request is closed, so vLLM aborts it)."""
+    keys, learner = _learner_keys(tmp_path)
+    slow = json.dumps({"prompt": "x" * 2000}).encode()
+    with stand_in_vllm(tmp_path, slow_over=1000, slow_s=15) as uds, \
+            proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, _key):
+        idle = socket.create_connection(("127.0.0.1", port), timeout=10)
+        idle.sendall(_get_line("/v1/models", learner))
+        first = b""
+        while b'"body_bytes"' not in first:
+            first += idle.recv(65536)
+        waiting = socket.create_connection(("127.0.0.1", port), timeout=10)
+        waiting.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {learner}\r\n"
+                         f"Content-Length: {len(slow)}\r\n\r\n").encode() + slow)
+        time.sleep(1)
+        keys.write_text("")  # the instructor revokes the learner
+        for s in (idle, waiting):  # each ends (b"") within its 10 s timeout, with nothing more said
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+            s.close()
+            assert got == b"", got[:200]

@@ -426,7 +426,8 @@ class Request:
         self.counted = 0  # bytes of its body counted in Proxy.body_bytes (0 once released)
         self.gather: str | None = None  # a path the proxy answers from every model (GATHERED), not one upstream
         self.identity = False  # IDENTITY_PATH: answered by the proxy itself, keyless, and the connection stays open
-        self.last = False  # refused 401 (no key, a wrong or revoked one) or 429 (KEY_REQUESTS): the connection's last
+        self.last = False  # refused 401 (no key, a wrong one, or a revoked one): the connection's last answer
+        self.over = False  # refused 429: its key has KEY_REQUESTS in progress (not counted itself)
         self.key: bytes | None = None  # a learner's key digest (KeyRing.learner): what the per-key limits count by
         self.begun = False  # counted in Proxy.key_requests (Proxy.begin)
         self.salt: str | None = None  # the cache_salt the proxy sets in its body (a learner's request, SALTED)
@@ -756,10 +757,9 @@ class Client(asyncio.Protocol):
             self._refuse_now(error_response(413, f"Request body larger than {MAX_BODY // 2**20} MiB.", close=True))
         elif r.refusal is not None and not r.identity and (r.last or not self.keyed):
             # No key shown on this connection, or this request's key refused (a learner revoked since the connection
-            # opened, security-review-3 F5b) or over its KEY_REQUESTS: its last answer, sent now, not after a body
-            # that may never end (F3: 60 keyless requests part-way through a body held the owner out at the
-            # open-file limit); what the client still sends is read and dropped while the connection lingers (close),
-            # and lingering ones are shed first.
+            # opened, security-review-3 F5b): its last answer, sent now, not after a body that may never end (F3: 60
+            # keyless requests part-way through a body held the owner out at the open-file limit); what the client
+            # still sends is read and dropped while the connection lingers (close), and lingering ones are shed first.
             self._refuse_now(closing(r.refusal))
         elif r.refusal is None and not self.queue and self.worker is None and any(
                 k.lower() == b"expect" and v.lower() == b"100-continue" for k, v in r.headers):
@@ -1143,7 +1143,7 @@ class Proxy:
 
     def begin(self, r: Request) -> None:
         """``r``, judged, is in progress until :meth:`end`: it counts toward its learner's KEY_REQUESTS."""
-        if r.key and not r.last and not r.begun:
+        if r.key and not r.over and not r.begun:
             r.begun = True
             self.key_requests[r.key] += 1
 
@@ -1358,11 +1358,10 @@ class Proxy:
                                   (b"www-authenticate: Bearer",))
         r.keyed, r.key = True, self.keys.learner(authorization)
         if r.key and self.key_requests[r.key] >= KEY_REQUESTS:
-            r.last = True
+            r.over = True  # answered in turn, not counted: a pipelining client stays held back by TCP (Client._reading)
             return error_response(429, f"Too many requests: your key has {KEY_REQUESTS} requests in progress on this "
                                        "server (being sent, waiting or being answered), the most one learner's key "
-                                       "may; this connection is closed: send more once some are answered.",
-                                  (b"retry-after: 1",))
+                                       "may; send more once some are answered.", (b"retry-after: 1",))
         if r.key and self.salted and path in SALTED and r.method == b"POST":
             r.salt = self.keys.salt_for(r.key)
         if path == "/metrics" and len(self.replicas) > 1:

@@ -696,8 +696,9 @@ def test_a_learners_key_has_a_limit_on_requests_in_progress(tmp_path):
     """F5 of security-review-3, the rest: one learner's requests in progress had no bound but their connections'
     (16 waiting on each, for as many connections as the files allow).  Now a learner's key has at most
     KEY_REQUESTS being sent, waiting or being answered, all connections together: the next one is a 429 that names
-    the limit, and closes its connection; the owner and another learner are served meanwhile, and the learner again
-    once theirs are answered."""
+    the limit (answered in turn: a client that pipelines without reading stays held back by TCP, where closing made
+    it reconnect at once); the owner and another learner are served meanwhile, and the learner again once theirs
+    are answered."""
     keys, learner = _learner_keys(tmp_path)
     other = "learner-" + os.urandom(16).hex()
     with open(keys, "a") as f:

@@ -12,9 +12,10 @@ engine, nothing else on the machine is touched):
   (never finished), then sends one 32 MiB body of ten million empty JSON objects to a ``--route prefix`` proxy
   (two stand-in replicas).  VmRSS of the proxy (/proc/PID/status) before, at its peak and a second after the
   attacker left; the owner's own requests meanwhile (their slowest answer).
-- ``mixed``: every kind of client at once, at a limit of 64 open files: 30 keyless connections idle mid-head, 30
-  keyed ones idle after one request, and the ``memory`` attack's bodies; VmRSS and the owner's requests (answered,
-  failed) throughout.
+- ``mixed``: security-review-3's three attacks on the proxy at once, at a limit of 256 open files, each in a process
+  of its own: 60 keyless POSTs part-way through their bodies (F3), a learner's 31 bodies of 4 MiB one byte short
+  (F4), and the learner's 100 connections of pipelined requests never read (F5); VmRSS, and the owner's GETs and
+  8 MiB POSTs (answered, failed, how long) throughout.
 
     sudo PYTHONPATH=. .venv/bin/python benchmarks/proxy_under_attack.py            # all three
     PYTHONPATH=. .venv/bin/python benchmarks/proxy_under_attack.py --attack memory  # any user
@@ -25,6 +26,8 @@ Figures, not pass/fail: see CONVENTIONS.md.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import os
 import pwd
 import re
@@ -176,58 +179,113 @@ def owner_requests(port: int, key: str, seconds: float) -> tuple[list[float], li
     return took, failed
 
 
-def idle_connections(port: int, n: int, key: str | None) -> list[socket.socket]:
-    """``n`` connections that say nothing more: keyless ones send half a head, keyed ones one GET and then wait."""
+def keyless_bodies(port: int, n: int, seconds: float) -> None:
+    """F3's attack: ``n`` keyless POSTs part-way through a body of a million bytes, one byte more every 2 s."""
     held = []
     for _ in range(n):
-        try:
+        with contextlib.suppress(OSError):
             s = socket.create_connection(("127.0.0.1", port), timeout=10)
-            if key:
-                s.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n".encode())
-                s.recv(4096)
-            else:
-                s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
             held.append(s)
-        except OSError:
-            pass
-    return held
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nx")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(2)
+        for s in held:
+            with contextlib.suppress(OSError):
+                s.send(b"x")
 
 
-def attack_mixed(folder: Path, connections: int, seconds: float) -> None:
-    """Every kind of client at once against a proxy with a soft and hard limit of 64 open files: 30 keyless
-    connections idle mid-head, 30 keyed ones idle after one request, and a learner holding ``connections`` 32 MiB
-    bodies plus one 32 MiB prefix-routed body; the owner sends requests throughout."""
+def share_bodies(port: int, key: str, n: int, seconds: float) -> None:
+    """F4's attack: a learner's ``n`` bodies of 4 MiB one byte short, held open (124 MiB of the 128 for n=31)."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Length: {4 * MiB}\r\n\r\n").encode()
+    held = []
+    for _ in range(n):
+        with contextlib.suppress(OSError):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            held.append(s)
+            s.sendall(head + b"x" * (4 * MiB - 1))
+    time.sleep(seconds)
+
+
+def pipelined_flood(port: int, key: str, n: int, seconds: float) -> None:
+    """F5's attack: ``n`` connections, each sending batches of a thousand keyed requests for a route that does not
+    exist and never reading the answers; a connection the proxy closes is opened again."""
+    batch = f"GET /nowhere HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n".encode() * 1000
+    end = time.monotonic() + seconds
+
+    def one() -> None:
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError), socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(("127.0.0.1", port))
+                s.settimeout(1)
+                while time.monotonic() < end:
+                    with contextlib.suppress(socket.timeout):
+                        s.sendall(batch)
+            time.sleep(0.1)
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def owner_post(port: int, key: str, size: int) -> tuple[str, float]:
+    """The owner's POST of ``size`` body bytes: (its status, or the error, and the seconds it took)."""
+    t = time.monotonic()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                       f"Content-Length: {size}\r\nConnection: close\r\n\r\n").encode() + b"x" * size)
+            status = s.recv(100).split(b" ")[1].decode()
+    except (OSError, IndexError) as e:
+        status = type(e).__name__
+    return status, time.monotonic() - t
+
+
+def attack_mixed(folder: Path, seconds: float) -> None:
+    """The three attacks of security-review-3 at once against a proxy with a limit of 256 open files, each in a
+    process of its own: F3 (60 keyless POSTs part-way through their bodies), F4 (a learner's 31 bodies of 4 MiB
+    one byte short) and F5 (the learner's 100 connections of pipelined requests never read).  Meanwhile the owner
+    sends GET /v1/models one after another, and an 8 MiB POST (larger than each of the learner's bodies) every
+    half second; their statuses and times, and the proxy's VmRSS, are printed."""
+    import multiprocessing
+
     learner = "learner-" + os.urandom(16).hex()
     keys = write_private(folder / "keys.txt", key_digest_line(learner) + "\n")
-    (folder / "a").mkdir()
-    (folder / "b").mkdir()
-    with stand_in_vllm(folder / "a") as a, stand_in_vllm(folder / "b") as b, proxy_process(
-            folder, a, "--upstream", f"unix:{b}", "--route", "prefix", "--keys", str(keys),
-            ulimit="-n 64") as (proc, port, key):
+    with stand_in_vllm(folder) as uds, proxy_process(folder, uds, "--keys", str(keys), ulimit="-n 256") as (
+            proc, port, key):
         time.sleep(1)
         before = peak = rss_mib(proc.pid)
-        idle = idle_connections(port, 30, None) + idle_connections(port, 30, learner)
-        said, done = [], threading.Event()
-        attacker = threading.Thread(target=hold_bodies, args=(port, learner, connections, said, done), daemon=True)
-        attacker.start()
-        took, failed = [], []
+        attackers = [multiprocessing.Process(target=f, args=args, daemon=True) for f, args in (
+            (keyless_bodies, (port, 60, seconds + 5)), (share_bodies, (port, learner, 31, seconds + 5)),
+            (pipelined_flood, (port, learner, 100, seconds + 5)))]
+        for a in attackers:
+            a.start()
+        time.sleep(3)  # the attacks in place
+        took, failed, posts = [], [], []
         end = time.monotonic() + seconds
-        while time.monotonic() < end or not done.is_set():
+        while time.monotonic() < end:
             peak = max(peak, rss_mib(proc.pid))
-            ok, bad = owner_requests(port, key, 0.2)
+            ok, bad = owner_requests(port, key, 0.5)
             took += ok
             failed += bad
-        attacker.join()
-        for s in idle:
-            s.close()
+            posts.append(owner_post(port, key, 8 * MiB))
+        for a in attackers:
+            a.terminate()
+            a.join()
         time.sleep(1)
         after = rss_mib(proc.pid)
-    print(f"mixed: 30 keyless idle + 30 keyed idle + {connections} x 32 MiB held + one 32 MiB prefix body, open "
-          f"files 64: VmRSS {before:.0f} MiB before, {peak:.0f} at the peak (+{peak - before:.0f}), {after:.0f} a "
-          "second after")
-    print(f"mixed: the attacker: {'; '.join(said)}")
-    print(f"mixed: the owner meanwhile: {summary(took) if took else 'no answer'}; {len(failed)} failed "
+    print(f"mixed: 60 keyless bodies part-way + a learner's 31 x (4 MiB - 1) bodies held + the learner's 100 "
+          f"connections of pipelined requests never read, open files 256, {seconds:g} s: VmRSS {before:.0f} MiB "
+          f"before, {peak:.0f} at the peak (+{peak - before:.0f}), {after:.0f} a second after")
+    print(f"mixed: the owner's GETs meanwhile: {summary(took) if took else 'no answer'}; {len(failed)} failed "
           f"{sorted(set(failed)) if failed else ''}")
+    statuses = collections.Counter(status for status, _ in posts)
+    print(f"mixed: the owner's 8 MiB POSTs meanwhile: {len(posts)}, {dict(statuses)}, "
+          f"{summary([t for status, t in posts if status == '200']) if statuses['200'] else 'none answered'}")
 
 
 def main() -> None:
@@ -239,7 +297,7 @@ def main() -> None:
     a = p.parse_args()
     for attack, run in (("keys", lambda f: attack_keys(f, a.junk, a.seconds)),
                         ("memory", lambda f: attack_memory(f, a.connections)),
-                        ("mixed", lambda f: attack_mixed(f, a.connections, a.seconds))):
+                        ("mixed", lambda f: attack_mixed(f, a.seconds))):
         if a.attack in (attack, "all"):
             folder = Path(tempfile.mkdtemp(prefix=f"llmlab-attack-{attack}-"))
             os.chmod(folder, 0o755)

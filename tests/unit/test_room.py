@@ -153,6 +153,7 @@ def test_replay_sends_the_traces_for_each_room_size(fake_url, tmp_path):
             records = [json.loads(line) for line in f]
         assert len(records) == n and {r["status"] for r in records} == {"ok"}
         assert sorted(r["id"] for r in records) == sorted(f"{i}-{j}" for i in range(k) for j in range(2))
+        assert "text" not in records[0] and all(round(r["ttft"], 6) == r["ttft"] for r in records)
 
 
 def test_the_committed_gpu_replays_are_the_workshop_guides_sizing_table():

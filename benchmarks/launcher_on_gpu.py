@@ -307,9 +307,10 @@ def proxy_paired(a, srv, job, tok) -> dict:
 
 
 class CpuSampler(threading.Thread):
-    """Every second, the CPU seconds of each vLLM, proxy and replay process (/proc/PID/stat, named by /proc/PID/comm, which
-    vLLM sets per role): a room whose requests wait before vLLM's clock starts (TTFT far above vLLM's own histogram)
-    is waiting in a process of one core -- the proxy, or vLLM's API server -- and this says which."""
+    """Every second, the CPU seconds of each vLLM, proxy and replay process (/proc/PID/stat), named by its pid and
+    command line: a room whose requests wait before vLLM's clock starts (TTFT far above vLLM's own histogram) waits
+    in a process of one core -- the proxy, or vLLM's API server -- and this says which.  (/proc/PID/comm would not:
+    it says python3 for all of them; vLLM retitles its engine and workers VLLM::..., hence the pattern's case.)"""
 
     def __init__(self, path: Path):
         super().__init__(daemon=True)
@@ -328,20 +329,19 @@ class CpuSampler(threading.Thread):
         tick = os.sysconf("SC_CLK_TCK")
         while not self.stopped.wait(1.0):
             sample = {"t": time.time()}
-            for line in processes("vllm|llmlab.serve.proxy|llmlab room"):
-                pid = line.split()[0]
+            for line in processes("vllm|VLLM|llmlab.serve.proxy|llmlab room"):
+                pid, _, command = line.partition(" ")
                 try:
-                    comm = Path(f"/proc/{pid}/comm").read_text().strip()
                     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 except OSError:  # ended between pgrep and the read
                     continue
-                sample[f"{pid} {comm}"] = (int(fields[11]) + int(fields[12])) / tick
+                sample[f"{pid} {command[:60]}"] = (int(fields[11]) + int(fields[12])) / tick
             self.samples.append(sample)
 
     def busiest(self) -> dict:
         """Each process's highest CPU use over any 5 s of the replay, in cores, busiest first (top 8)."""
         rates: dict[str, float] = {}
-        for a, b in zip(self.samples, self.samples[5:]):
+        for a, b in zip(self.samples, self.samples[5:], strict=False):
             for name in a.keys() & b.keys() - {"t"}:
                 rates[name] = max(rates.get(name, 0.0), (b[name] - a[name]) / (b["t"] - a["t"]))
         return dict(sorted(((n, round(r, 2)) for n, r in rates.items()), key=lambda x: -x[1])[:8])

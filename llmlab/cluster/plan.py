@@ -255,6 +255,11 @@ def _quoted(field: str, value) -> str:
     return shlex.quote(one_line(field, value))
 
 
+# The settings that decide what a job loads and where it caches: ``llmlab launch`` writes those its shell had into
+# the job script, so that resubmitting it (``sbatch THIS_FILE``) from a shell without them serves the same weights.
+RECORDED = ("LLMLAB_MODEL_PATH", "LLMLAB_MODEL_DIR", "LLMLAB_STAGE_DIR", "LLMLAB_CACHE_DIR")
+
+
 def render_script(job: JobSettings, options: dict[str, str], extra_sbatch: list[str] = (),
                   python: str | None = None, command: str = "", share: tuple[str, Path] | None = None,
                   rehearse: bool = False) -> str:
@@ -280,6 +285,7 @@ def render_script(job: JobSettings, options: dict[str, str], extra_sbatch: list[
               f"export LLMLAB_HOME={q('LLMLAB_HOME', home)}",
               f"export LLMLAB_SLURM_DIR={q('the folder of the slurm/ scripts', slurm_dir())}",
               f"export LLMLAB_PYTHON=${{LLMLAB_PYTHON:-{q('the Python of the job', python or sys.executable)}}}",
+              *[f"export {k}={q(k, os.environ[k])}" for k in RECORDED if os.environ.get(k)],
               'mkdir -p "$LLMLAB_HOME/logs/job-$SLURM_JOB_ID"',
               *([f"export LLMLAB_SHARE_GROUP={q('the share group', share[0])}",
                  f"export LLMLAB_SHARE_DIR={q('the share folder', share[1])}"] if share else []),

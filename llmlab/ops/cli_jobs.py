@@ -39,6 +39,7 @@ def cmd_launch(a) -> int:
                         share_dir=a.share_dir, rehearse=a.rehearse, **overrides)
     if not a.dry_run:
         jobs.require_slurm("sbatch")  # before the plan: on a laptop, say so first
+    check_weights(a, [plan])
     if plan.job.engine == "gpu" and (untested := vllm_outside_range(installed_vllm())):
         print(f"warning: {untested}", file=sys.stderr)
     dry = jobs.dry_run_lines(plan)
@@ -64,6 +65,19 @@ def cmd_launch(a) -> int:
     return 0
 
 
+def check_weights(a, plans) -> None:
+    """Each plan's weights as its job will load them (``llmlab.ops.preflight``): a submission is refused with the
+    sentence; a dry run prints it and goes on, so that the script can still be read."""
+    from llmlab.ops import preflight
+
+    for plan in plans:
+        problem = None if plan.rehearse else preflight.weights_problem(plan.job, from_hub=a.from_hub)
+        if problem and not a.dry_run:
+            raise jobs.JobError(problem)
+        if problem:
+            print(f"warning: the submission would be refused: {problem}", file=sys.stderr)
+
+
 def cmd_launch_set(a, overrides: dict) -> int:
     """``llmlab launch A B ...``: each model's job as ``llmlab launch A`` would submit it, and the front job that
     routes between them (``llmlab.ops.front``).  A model's layout comes from slurm/models.toml only."""
@@ -78,6 +92,7 @@ def cmd_launch_set(a, overrides: dict) -> int:
     plans = [jobs.prepare(m, account=a.account, partition=a.partition, time_limit=a.time,
                           extra_sbatch=a.sbatch or [], command=command) for m in a.model]
     front.check_set(plans)
+    check_weights(a, plans)
     share = (a.share, share_directory(a.share, a.share_dir)) if a.share else None
     options = front.front_options(a.account, a.partition, a.time, plans)
     if a.dry_run:
@@ -246,6 +261,8 @@ def add_commands(sub) -> None:
     p.add_argument("--share-dir", metavar="DIR", help="where learners find it (default $LLMLAB_SHARE_ROOT/GROUP)")
     p.add_argument("--rehearse", action="store_true", help="run `llmlab rehearse` on the layout in the allocation "
                    "(dummy weights: memory and speed before downloading the real ones)")
+    p.add_argument("--from-hub", action="store_true", help="serve the model's Hugging Face id, downloaded in the job "
+                   "into $HF_HOME (without it, a GPU job needs LLMLAB_MODEL_DIR or LLMLAB_MODEL_PATH, checked first)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the job script; submit nothing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_launch)

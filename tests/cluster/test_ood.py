@@ -42,7 +42,7 @@ needs_slurm = pytest.mark.skipif(slurm_testbed.skip_reason() is not None, reason
 def form(**values) -> dict[str, str]:
     """What the form sends: every value a string, as in OnDemand."""
     base = {"bc_account": "physics101", "bc_queue": "debug", "bc_num_hours": "2", "llmlab_cpus": "1",
-            "llmlab_server": "embedded", "llmlab_job_id": "", "llmlab_shared_file": "", "llmlab_env": str(VENV),
+            "llmlab_reservation": "", "llmlab_server": "embedded", "llmlab_job_id": "", "llmlab_shared_file": "", "llmlab_env": str(VENV),
             "llmlab_course": str(ROOT)}
     return {**base, **values}
 
@@ -115,6 +115,20 @@ def test_submission_carries_account_partition_hours_and_cores(tmp_path):
     assert s["script"]["accounting_id"] == "physics101" and s["script"]["queue_name"] == "debug"
     assert s["script"]["wall_time"] == 3 * 3600
     assert "--cpus-per-task=4" in s["script"]["native"] and "--nodes=1" in s["script"]["native"]
+    assert not any(a.startswith("--reservation") for a in s["script"]["native"])  # none asked for
+    assert not s["script"]["job_name"].startswith("llmlab-")  # `llmlab status` lists llmlab-* jobs as servers
+
+
+def test_a_reservation_goes_to_sbatch_and_a_name_that_is_not_one_is_refused(tmp_path):
+    """Issue 47: 30 sessions at 9:00 queue like any others unless they name the workshop's reservation."""
+    env = {**fake_sinfo(tmp_path), "LLMLAB_OOD_RESERVATION": "ws-0900"}
+    f = json.loads((rendered(tmp_path, form(), env) / "form.json").read_text())
+    assert f["attributes"]["llmlab_reservation"]["value"] == "ws-0900"  # the site's default in the form
+    assert f["attributes"]["bc_num_hours"]["value"] > 3  # longer than the 3-hour path: a taught class talks too
+    s = json.loads((rendered(tmp_path, form(llmlab_reservation=" ws-0900 ")) / "submit.json").read_text())
+    assert "--reservation=ws-0900" in s["script"]["native"]
+    message = refused(tmp_path, form(llmlab_reservation='ws"\n  - --x'))
+    assert "is not a reservation name" in message and "scontrol show res" in message
 
 
 def test_rendered_scripts_are_shellcheck_clean(tmp_path):
@@ -173,6 +187,7 @@ def test_a_learner_outside_the_workshops_group_is_told_so(tmp_path):
         (work / "ws").chmod(0o700)
         shutil.rmtree(work, ignore_errors=True)
     assert f"You may not open {share}: your account is not in the workshop's group" in message
+    assert "Restart Web Server" in message  # a group added today reaches the dashboard only after its restart
 
 
 def test_view_posts_the_password_not_in_a_url(tmp_path):

@@ -172,6 +172,41 @@ def workshop_table(course: Course) -> str:
     return "\n".join(rows)
 
 
+READING_WORDS_PER_MINUTE = 200  # an adult's reading of technical prose, about
+
+
+def path_load(course: Course, root: Path = ROOT) -> tuple[int, int]:
+    """Words of prose and code cells a learner meets on the workshop path (the lessons' sections as the room runs
+    them, :func:`write_path`; the exercises come on top): what a realistic timing is made from."""
+    words = cells = 0
+    for st in course.workshop:
+        if st.lesson:
+            nb = paths.path_notebook(root / course.lesson(st.lesson).notebook, st.section_numbers())
+            words += sum(len(source_text(c).split()) for c in nb["cells"] if c["cell_type"] == "markdown")
+            cells += sum(c["cell_type"] == "code" for c in nb["cells"])
+    return words, cells
+
+
+def handout(course: Course, root: Path = ROOT) -> str:
+    """The learner's page (docs/handout.md): what to open when, and what the path asks of them in time."""
+    rows = ["| time | open | sections | then |", "|---|---|---|---|"]
+    for st in course.workshop:
+        if st.lesson:
+            ls = course.lesson(st.lesson)
+            rows.append(f"| {st.at} | [{ls.number} {ls.title}](../{ls.notebook}) | {st.sections} | "
+                        f"{st.exercises if st.exercises != '--' else ''} |")
+        else:
+            rows.append(f"| {st.at} | break | | |")
+    rows.append(f"| {course.workshop_end} | end | | |")
+    words, cells = path_load(course, root)
+    reading = words / READING_WORDS_PER_MINUTE
+    rows += ["", f"The path is {words:,} words to read and {cells} code cells to run, besides the exercises: about "
+             f"{reading:.0f} minutes of reading alone at {READING_WORDS_PER_MINUTE} words a minute. Taught, with "
+             "the instructor talking and questions asked, plan three and a half to four hours, or leave the "
+             "exercises for afterwards."]
+    return "\n".join(rows)
+
+
 def readme_outline(course: Course) -> str:
     rows = ["| # | notebook | topic |", "|---|---|---|"]
     rows += [f"| {ls.number} | `{ls.notebook}` | {ls.summary} |" for ls in course.lessons]
@@ -241,6 +276,7 @@ REGIONS = [
     Region(HOME, "map", lambda c, r: home_map(c, r)),
     Region(HOME, "workshop", lambda c, r: workshop_table(c)),
     Region("README.md", "outline", lambda c, r: readme_outline(c)),
+    Region("docs/handout.md", "handout", lambda c, r: handout(c, r)),
     Region("docs/architecture.md", "topics", lambda c, r: architecture_rows(c, r)),
     Region("llmlab/check/__init__.py", "checks", lambda c, r: check_imports(c), "# {}"),
 ]

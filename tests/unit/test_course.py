@@ -125,3 +125,17 @@ def test_undefined_names_reads_magics_and_knows_what_a_kernel_defines():
     cells = [{"cell_type": "code", "source": "import os\nx = [y for y in range(3)]\n!echo {x}\ndisplay(x)"},
              {"cell_type": "code", "source": "def f(a):\n    return a + x + z\nawait g()\nfor k in x: print(k)"}]
     assert undefined_names(cells) == [(1, "g"), (1, "z")]
+
+
+def test_the_learners_handout_lists_the_paths_steps_and_a_timing_made_from_its_text():
+    """docs/handout.md (issue 47): each step's notebook as a link, its sections and exercise, and the path's words
+    and code cells counted from the notebooks, so that a lesson that grows changes the timing on paper too."""
+    c = course.load()
+    page = course.handout(c)
+    for st in c.workshop:
+        if st.lesson:
+            ls = c.lesson(st.lesson)
+            assert f"| {st.at} | [{ls.number} {ls.title}](../{ls.notebook}) | {st.sections} |" in page
+    words, cells = course.path_load(c)
+    assert words > 1000 and cells > 10 and f"{words:,} words to read and {cells} code cells" in page
+    assert page in (ROOT / "docs" / "handout.md").read_text()  # rendered into the page (llmlab course --check)

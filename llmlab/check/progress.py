@@ -24,9 +24,11 @@ COURSE = Path(__file__).resolve().parent.parent.parent  # the repository: soluti
 
 
 def progress_file() -> Path:
+    """``$LLMLAB_PROGRESS_FILE``, else ``progress.jsonl`` in llmlab's home.  Why the setting: an OnDemand session of the
+    tiny model has a home of its own (its server's files), and a learner's progress must outlive the session."""
     from llmlab.serve.info import llmlab_home
 
-    return llmlab_home() / "progress.jsonl"
+    return Path(os.environ.get("LLMLAB_PROGRESS_FILE") or llmlab_home() / "progress.jsonl")
 
 
 def record(check: str, ok: bool) -> None:

@@ -42,7 +42,8 @@ needs_slurm = pytest.mark.skipif(slurm_testbed.skip_reason() is not None, reason
 def form(**values) -> dict[str, str]:
     """What the form sends: every value a string, as in OnDemand."""
     base = {"bc_account": "physics101", "bc_queue": "debug", "bc_num_hours": "2", "llmlab_cpus": "1",
-            "llmlab_reservation": "", "llmlab_server": "embedded", "llmlab_job_id": "", "llmlab_shared_file": "", "llmlab_env": str(VENV),
+            "llmlab_reservation": "", "llmlab_server": "embedded", "llmlab_job_id": "", "llmlab_shared_file": "",
+            "llmlab_env": str(VENV),
             "llmlab_course": str(ROOT)}
     return {**base, **values}
 
@@ -227,7 +228,9 @@ def test_each_server_choice_exports_what_connect_reads(tmp_path):
     env = {**fake_sinfo(tmp_path), "HOME": str(home)}
     cases = {"shared": ({"llmlab_shared_file": str(shared)}, {"LLMLAB_CONNECTION_FILE": str(shared)}),
              "job": ({"llmlab_job_id": "77"}, {"LLMLAB_CONNECTION_FILE": str(llmlab_home / "servers" / "job-77.json")}),
-             "embedded": ({}, {"LLMLAB_HOME": str(tmp_path / "work-embedded" / "llmlab-home")})}
+             "embedded": ({}, {"LLMLAB_HOME": str(tmp_path / "work-embedded" / "llmlab-home"),
+                               # progress outlives the session (issue 47): the learner's own home, not the session's
+                               "LLMLAB_PROGRESS_FILE": str(llmlab_home / "progress.jsonl")})}
     for server, (extra, expected) in cases.items():
         staged = rendered(tmp_path, form(llmlab_server=server, **extra), env)
         exported = source_before(staged, home, tmp_path / f"work-{server}")

@@ -398,6 +398,7 @@ def test_progress_counts_each_lessons_exercises_passed(tmp_path, monkeypatch, ca
 
     monkeypatch.setenv("LLMLAB_HOME", str(tmp_path))
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    monkeypatch.delenv("LLMLAB_PROGRESS_FILE", raising=False)
     sweep = pd.DataFrame({"output_tokens_per_s": [100.0, 700.0, 900.0, 1000.0]},
                          index=pd.Index([1, 8, 64, 256], name="concurrency"))
     not_yet(check.knee, 8, sweep, hint="take the smallest concurrency")
@@ -715,3 +716,20 @@ def test_replica_crossover_check_names_each_mistake(capsys):
                          ((256, 14870.5, 8568), "tp2_per_gpu")):
         not_yet(check.replica_crossover, *answer, hint=hint)
     assert right(capsys, check.replica_crossover, 256, 14870.5, 8011).startswith("Right: from 256 in flight: 14,870")
+
+
+def test_progress_outlives_a_session_whose_llmlab_home_is_its_own(tmp_path, monkeypatch, capsys):
+    """OnDemand's tiny-model session gives llmlab a home of its own (its server's files) and points
+    LLMLAB_PROGRESS_FILE at the learner's usual one (issue 47: progress started over with each session)."""
+    from llmlab.check import progress
+
+    kept = tmp_path / "home" / ".llmlab" / "progress.jsonl"
+    kept.parent.mkdir(parents=True)
+    monkeypatch.setenv("LLMLAB_PROGRESS_FILE", str(kept))
+    for session in ("session-1", "session-2"):
+        monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / session / "llmlab-home"))
+        right(capsys, check.knee, 64, pd.DataFrame({"output_tokens_per_s": [100.0, 700.0, 900.0, 1000.0]},
+                                                   index=pd.Index([1, 8, 64, 256], name="concurrency")))
+    assert [a["check"] for a in progress.attempts()] == ["knee", "knee"]
+    assert not (tmp_path / "session-1" / "llmlab-home" / "progress.jsonl").exists()
+

@@ -164,7 +164,10 @@ cleanup() {
   rm -f "$conn_file" "$key_file" "${key_file%.key}.curl"
   # In its place, a word that the job ended: llmlab.connect() then says so instead of starting the tiny model.
   printf '%s\n' "$served_model" >"$home/servers/job-$job_id.ended" 2>/dev/null || true
-  [[ -n ${LLMLAB_SHARE_DIR:-} ]] && rm -f "$LLMLAB_SHARE_DIR/server.json"
+  # The room's server.json only if it is still this job's: after a hand-over it names the new job, which serves.
+  if [[ -n ${LLMLAB_SHARE_DIR:-} ]]; then
+    "$PY" -m llmlab.ops.launcher unpublish --share-dir "$LLMLAB_SHARE_DIR" --job-id "$job_id" || true
+  fi
   [[ -n $ray_head_cmd ]] && rm -f "$RAY_AUTH_TOKEN_PATH"
   # Then every process at once, under one grace period: SLURM's SIGKILL comes KillWait seconds after its SIGTERM.
   [[ -n $helper_pid ]] && { kill -TERM "$helper_pid" 2>/dev/null || true; }

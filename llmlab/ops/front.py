@@ -221,12 +221,9 @@ class Front:
             write_private(ended_marker(self.job_id), "the front of several models\n")
         self.conn_file.unlink(missing_ok=True)
         if self.share_dir:
-            room = Path(self.share_dir) / "server.json"
-            try:
-                if ServerInfo.read(room).job_id == self.job_id:
-                    room.unlink()
-            except (ServerError, OSError):
-                pass
+            from llmlab.serve import share
+
+            share.unpublish(self.share_dir, self.job_id)  # not a later job's publication
         self.key_file.unlink(missing_ok=True)
         if self.router is not None and self.router.poll() is None:
             self.router.terminate()

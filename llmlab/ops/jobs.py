@@ -136,28 +136,26 @@ def launch(plan: Launch, name: str | None = None) -> Submitted:
                        rehearse=plan.rehearse)
     (jobs_dir() / f"{job_id}.json").write_text(json.dumps(record.as_dict(), indent=1))
     if not plan.rehearse:
-        publish_queued(job_id, name or plan.job.name, plan.share)
+        publish_queued(job_id, name or plan.job.name)
     return record
 
 
 QUEUED = "waiting in SLURM's queue"
 
 
-def publish_queued(job_id: str, name: str, shared: tuple[str, Path] | None = None) -> None:
-    """A "loading" connection file (and a room's ``server.json``) from the moment SLURM accepts the job.
+def publish_queued(job_id: str, name: str) -> None:
+    """A "loading" connection file (the instructor's own) from the moment SLURM accepts the job.
 
     Why: a notebook that connects while the job waits for nodes must hear that the server is on its way, not get
     the embedded tiny model in its place.  The launcher rewrites the file with its address once its proxy
-    listens; ``stop`` and ``status`` remove it when the job ends before the launcher ran."""
+    listens; ``stop`` and ``status`` remove it when the job ends before the launcher ran.  A room's
+    ``server.json`` is not written here: only the job, once READY (``share.publish``), so that a relaunch leaves
+    the room on the server it has until the new one serves."""
     for marker in ended_jobs():  # a new job: connect() waits for it, no longer says an old one ended
         marker.unlink(missing_ok=True)
     info = ServerInfo(kind="slurm", host="", port=0, model=name, job_id=job_id, status="loading",
                       api_key_file=str(llmlab_home() / "keys" / f"job-{job_id}.key"), extra={"phase": QUEUED})
     info.write(cluster.connection_file_of(job_id))
-    if shared:
-        from llmlab.serve import share
-
-        share.publish(shared[1], info.updated(group=shared[0]))
 
 
 def forget(job_id: str, ended: bool = False) -> None:
@@ -172,13 +170,10 @@ def forget(job_id: str, ended: bool = False) -> None:
             write_private(ended_marker(job_id), ServerInfo.read(conn).model + "\n")
     conn.unlink(missing_ok=True)
     rec = record_of(job_id)
-    shared = rec.share if rec else None
-    if not shared:
-        return
-    room = Path(shared["dir"]) / "server.json"
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads(room.read_text()).get("job_id") == job_id:  # not a later job's publication
-            room.unlink()
+    if rec and rec.share:
+        from llmlab.serve import share
+
+        share.unpublish(rec.share["dir"], job_id)  # not a later job's publication
 
 
 # --------------------------------------------------------------------------------------------------

@@ -435,7 +435,7 @@ def capped_timeout(timeout: float, time_left: str, stop_grace: float) -> tuple[f
 
 
 def publish(a, status: str, phase: str | None = None, **extra) -> ServerInfo:
-    """Write the job's connection file (and a room's ``server.json``): "loading" from the launcher's first
+    """Write the job's connection file (and at READY a room's ``server.json``): "loading" from the launcher's first
     seconds, with the phase, so that ``llmlab.connect()`` says the server is still loading instead of starting the
     embedded tiny model; "ready" once ``/health`` answered.  The key stays in its 0600 file."""
     extra = {"nodes": a.nodes.split(), "tp": a.tp, "pp": a.pp, "engine": a.engine, "ray_address": a.ray_address or None,
@@ -448,21 +448,44 @@ def publish(a, status: str, phase: str | None = None, **extra) -> ServerInfo:
 
 def publish_connection(path: Path, **fields) -> ServerInfo:
     """Write a job's connection file with ``fields``, and under ``llmlab launch --share GROUP`` (LLMLAB_SHARE_DIR)
-    the room's ``server.json``, where the group's learners look.  ``started`` is the first publication's time, kept
-    through every rewrite.  The launcher and the front of several models (``llmlab.ops.front``) both publish so."""
+    the room's ``server.json``, where the group's learners look (:func:`publish_room`).  ``started`` is the first
+    publication's time, kept through every rewrite.  The launcher and the front of several models
+    (``llmlab.ops.front``) both publish so."""
     if os.environ.get("LLMLAB_SHARE_DIR"):
         fields.update(share_dir=os.environ["LLMLAB_SHARE_DIR"], group=os.environ.get("LLMLAB_SHARE_GROUP"))
     try:
-        fields["started"] = ServerInfo.read(path).started
+        before = ServerInfo.read(path)
+        fields["started"] = before.started
     except ServerError:
-        pass
+        before = None
     info = ServerInfo.from_dict(fields)
     info.write(path)
     if fields.get("share_dir"):
-        from llmlab.serve import share
-
-        share.publish(fields["share_dir"], info)
+        publish_room(fields["share_dir"], info, was_ready=before is not None and before.status == "ready")
     return info
+
+
+def publish_room(share_dir: str, info: ServerInfo, was_ready: bool) -> None:
+    """The room's ``server.json``: taken over at the job's first READY, updated after only while it is still this
+    job's, and never written while the job loads.
+
+    Why: a relaunch (a new job READY, then the old one stopped) must keep the room on the old server until the new
+    one serves, and the old job's later rewrites must not take the room back from the new one."""
+    from llmlab.serve import share
+
+    if info.status == "ready" and (not was_ready or share.holder(share_dir) == info.job_id):
+        share.publish(share_dir, info)
+
+
+def _cmd_unpublish(a) -> int:
+    """The job's clean-up: remove the room's ``server.json`` if this job wrote it (``share.unpublish``)."""
+    from llmlab.serve import share
+
+    if share.unpublish(a.share_dir, a.job_id):
+        say(f"removed {a.share_dir}/server.json: the room has no server now")
+    elif other := share.holder(a.share_dir):
+        say(f"left {a.share_dir}/server.json to job {other}, which serves the room now")
+    return 0
 
 
 def _cmd_wait_bound(a) -> int:
@@ -595,6 +618,10 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--stop-grace", type=float, default=20, help="seconds the clean-up may take (LLMLAB_STOP_GRACE)")
     h.add_argument("--step", action="append", default=[], help="NODE:PID:LOG of each node's headless vLLM (mp)")
     h.set_defaults(func=_cmd_wait_ready)
+    u = sub.add_parser("unpublish", help="remove the room's server.json if this job wrote it")
+    u.add_argument("--share-dir", required=True)
+    u.add_argument("--job-id", required=True)
+    u.set_defaults(func=_cmd_unpublish)
     m = sub.add_parser("wait-master", help="backend mp: wait until the head's vLLM holds its master port")
     m.add_argument("--port", type=int, required=True)
     m.add_argument("--pid", type=int, required=True, help="the head's vLLM, leader of its process group (setsid)")

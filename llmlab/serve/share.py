@@ -135,9 +135,31 @@ def _owner_name(uid: int) -> str:
 
 
 def publish(share_dir: str | Path, info: ServerInfo) -> Path:
-    """Write ``server.json`` (group-readable, no key) once the server is ready."""
+    """Write ``server.json`` (group-readable, no key), replacing whatever was there.  A job calls it only once READY
+    (``launcher.publish_room`` says when): the file is what every learner's ``connect()`` and the OnDemand form
+    read, and a job still queued or loading that wrote it cut the room off a server that still worked."""
     root = Path(share_dir)
     return ServerInfo.of(info).updated(kind="shared", share_dir=str(root)).write(root / "server.json", mode=0o640)
+
+
+def holder(share_dir: str | Path) -> str | None:
+    """The job id the room's ``server.json`` names, or None (no file, or one that cannot be read)."""
+    with contextlib.suppress(ServerError, OSError):
+        return ServerInfo.read(Path(share_dir) / "server.json").job_id
+    return None
+
+
+def unpublish(share_dir: str | Path, job_id: str) -> bool:
+    """Remove the room's ``server.json`` if job ``job_id`` wrote it; True if it did.
+
+    Why the check: after a hand-over (a new job READY, then the old one stopped) the file is the new job's, and
+    the old job's clean-up must leave it, or the room loses a server that runs.  (A new job that became READY
+    between the read and the removal, microseconds apart, would lose its file: a hand-over stops the old job only
+    after the new one is READY, so the two do not meet.)"""
+    if holder(share_dir) != str(job_id):
+        return False
+    (Path(share_dir) / "server.json").unlink(missing_ok=True)
+    return True
 
 
 def learners(share_dir: str | Path) -> dict[str, str]:

@@ -127,3 +127,28 @@ def test_the_front_watches_its_models_says_which_ended_and_ends_when_none_is_lef
     out = capsys.readouterr().out
     assert out.count("the job of llama3.1-8b ended: requests for it now get 503") == 1
     assert "no model is left, so the front ends too" in out
+
+
+def test_the_room_file_is_a_ready_jobs_and_an_older_job_does_not_take_it_back(tmp_path, monkeypatch):
+    """Issue 47, item 2: the room's server.json is written at a job's first READY, never while it loads; once a newer
+    job took the room over, the older job's later rewrites (a front saying a model ended) leave it alone.  Before, a
+    loading job overwrote a working server's file, and any rewrite took the room back."""
+    from llmlab.ops.launcher import publish_connection
+    from llmlab.serve import share
+
+    monkeypatch.setenv("LLMLAB_SHARE_DIR", str(tmp_path))
+
+    def job(job_id: str, status: str) -> None:
+        publish_connection(cluster.connection_file_of(job_id), kind="slurm", host=f"node-{job_id}", port=8000,
+                           model="llama3.1-8b", api_key_file="/nonexistent/key", job_id=job_id, status=status)
+
+    job("601", "loading")
+    assert share.holder(tmp_path) is None and not (tmp_path / "server.json").exists()
+    job("601", "ready")
+    job("602", "loading")
+    assert share.holder(tmp_path) == "601"
+    job("602", "ready")
+    job("601", "ready")  # the old job's rewrite, after the hand-over
+    assert share.holder(tmp_path) == "602"
+    assert not share.unpublish(tmp_path, "601") and share.unpublish(tmp_path, "602")
+    assert not (tmp_path / "server.json").exists()

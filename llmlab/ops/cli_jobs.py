@@ -295,10 +295,12 @@ def add_commands(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stop)
 
-    p = sub.add_parser("revoke", help="shut one learner out of a shared server (it keeps running)")
+    p = sub.add_parser("revoke", help="shut one learner out of a shared server (it keeps running); --undo gives them "
+                                      "back")
     p.add_argument("job_id")
     p.add_argument("user", help="the learner's user name")
-    p.set_defaults(func=lambda a: print(jobs.revoke(a.job_id, a.user)) or 0)
+    p.add_argument("--undo", action="store_true", help="give back a learner revoked by mistake")
+    p.set_defaults(func=lambda a: print(jobs.revoke(a.job_id, a.user, undo=a.undo)) or 0)
 
     p = sub.add_parser("list", help="the shipped server settings and their checked plans")
     p.add_argument("--json", action="store_true")

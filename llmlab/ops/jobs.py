@@ -313,13 +313,17 @@ def _shared(info: ServerInfo) -> str:
             + (f", {revoked} revoked" if revoked else ""))
 
 
-def revoke(job_id: str, name: str) -> str:
-    """Shut one learner out of a shared server (``llmlab revoke JOB USER``); the server keeps running."""
+def revoke(job_id: str, name: str, undo: bool = False) -> str:
+    """Shut one learner out of a shared server (``llmlab revoke JOB USER``), or give them back (``--undo``, for a
+    revocation by mistake); the server keeps running either way."""
     from llmlab.serve import share
 
     info = server_info(job_id)
     if not info.extra.get("share_dir"):
         raise JobError(f"Job {job_id} is not shared (launch it with --share GROUP): there is nobody to revoke.")
+    if undo:
+        share.admit(info.extra["share_dir"], name)
+        return f"{name} may use job {job_id}'s server again: their next llmlab.connect() registers their key"
     share.revoke(info.extra["share_dir"], name)
     return f"{name} can no longer use job {job_id}'s server (their key stops working within a second)"
 

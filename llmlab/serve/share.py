@@ -21,7 +21,8 @@ counts only as the one key of the user it is named after, and only if that user 
 name, or a name taken before its user came, registers nothing); FIFOs, symlinks and oversized files are skipped
 without blocking.  The instructor revokes a learner with ``llmlab revoke JOB USER``: their files in ``keys/`` are
 removed, and their name gets a file the instructor owns that registers nothing and lists the revoked digests,
-which the proxy then refuses in any file; the sticky bit keeps the learner from putting theirs back.  Every file
+which the proxy then refuses in any file; the sticky bit keeps the learner from putting theirs back.  A revocation
+by mistake is undone with ``llmlab revoke JOB USER --undo``, which removes that file (:func:`admit`).  Every file
 made in ``keys/`` goes through a random ``O_EXCL`` temp name (``tempfile.mkstemp``) and ``os.replace``: a name
 planted there in advance is never written through.  The instructor's job cannot write into a learner's home, and
 need not.
@@ -209,6 +210,28 @@ def revoke(share_dir: str | Path, name: str) -> None:
     except OSError as e:
         raise ServerError(f"Cannot revoke {name} in {keys} ({e.strerror}): run `llmlab revoke` as the user who "
                           "launched the shared server.") from None
+
+
+def admit(share_dir: str | Path, name: str) -> None:
+    """Give back a learner revoked by mistake (``llmlab revoke JOB USER --undo``): remove the revocation file of the
+    share's owner at ``keys/NAME``; the learner's next ``connect()`` registers their key again.
+
+    Why removing that one file is enough: the proxy refuses the revoked digests only while a file of its owner lists
+    them.  The folders ``revoke`` moved aside stay aside: they only held names, never a key."""
+    keys = Path(share_dir) / "keys"
+    try:
+        fd = keyring.open_folder(keys)
+        try:
+            entry = keyring.read_entry(fd, name, trusted_uid=os.geteuid())
+            if entry is None or not (entry.trusted and entry.revoked):
+                raise ServerError(f"{name} is not revoked in {keys}: there is nothing to undo (`llmlab status JOB` "
+                                  "counts who is).")
+            os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ServerError(f"Cannot give {name} back in {keys} ({e.strerror}): run `llmlab revoke --undo` as the user "
+                          "who launched the shared server.") from None
 
 
 def _remove_if_theirs(path: Path, uid: int) -> None:

@@ -5,7 +5,8 @@ model shared with it (``llmlab launch llmlab-tiny-cpu --share GROUP``), then a s
 and the first stopped once the second is READY -- the relaunch an instructor does to extend the server's time.  A
 thread watches the room's ``server.json`` all along, and the learner runs ``llmlab.connect()`` and a completion at
 each step.  Before the fix, ``llmlab launch`` wrote a "loading" ``server.json`` at submission (over the running
-server's) and the first job's clean-up deleted the second job's file: the learner was cut off twice.
+server's) and the first job's clean-up deleted the second job's file: the learner was cut off twice.  Then the
+instructor revokes the learner and gives them back (``llmlab revoke JOB USER --undo``).
 
 Two jobs of a CPU vLLM each: about four minutes on a 2-core machine.  Skipped (with the reason) where the test
 cannot create users (not root) or SLURM's test bed cannot run.
@@ -101,9 +102,15 @@ def loading(job_id: str) -> bool:
     return st.state == "LOADING"
 
 
+def undo(job_id: str, name: str) -> subprocess.CompletedProcess:
+    """``llmlab revoke JOB USER --undo``, as the instructor types it."""
+    return subprocess.run([sys.executable, "-m", "llmlab", "revoke", job_id, name, "--undo"], capture_output=True,
+                          text=True, timeout=60)
+
+
 def hand_over(r: room.Room, seen: dict) -> None:
-    """Job A READY, a learner on it; job B launched and loading; B READY; A stopped; B stopped.  What the learner
-    and the room's file showed at each step goes into ``seen``."""
+    """Job A READY, a learner on it; job B launched and loading; B READY; A stopped; B revokes and gives back the
+    learner; B stopped.  What the learner and the room's file showed at each step goes into ``seen``."""
     server_json = r.share_dir / "server.json"
     a = seen["a"] = launch_shared(r)
     seen["after_sbatch"] = server_json.exists()
@@ -117,6 +124,11 @@ def hand_over(r: room.Room, seen: dict) -> None:
     seen["learner_before_a_stops"] = learner_connects(r)
     seen["a_stopped"] = jobs.stop(a).state
     seen["learner_after_a_stopped"] = learner_connects(r)
+    learner = seen["learner"] = r.learners[0]
+    jobs.revoke(b, learner)
+    seen["learner_revoked"] = learner_connects(r)
+    seen["undo"], seen["undo_again"] = undo(b, learner), undo(b, learner)
+    seen["learner_given_back"] = learner_connects(r)
     seen["b_stopped"] = jobs.stop(b).state
 
 
@@ -174,3 +186,15 @@ def test_the_last_jobs_clean_up_removes_its_own_room_file(relaunch):
     s = relaunch
     assert s["b_stopped"] == "STOPPED" and s["files_seen"][-1] is None
 
+
+def test_a_learner_revoked_by_mistake_is_given_back(relaunch):
+    """`llmlab revoke JOB USER --undo`: the learner's next connect() works again; undone twice, one sentence."""
+    s = relaunch
+    assert "revoked" in s["learner_revoked"]["error"], s["learner_revoked"]
+    name = s["learner"]
+    assert s["undo"].returncode == 0 and s["undo"].stdout.strip() == (
+        f"{name} may use job {s['b']}'s server again: their next llmlab.connect() registers their key")
+    assert s["learner_given_back"] == {"url": s["url_b"], "tokens": 4}
+    assert s["undo_again"].returncode == 2
+    assert s["undo_again"].stderr.startswith(f"llmlab: {name} is not revoked in ")
+    assert "nothing to undo" in s["undo_again"].stderr and s["undo_again"].stderr.count("\n") == 1

@@ -454,8 +454,14 @@ def test_a_room_collects_only_the_tables_its_learners_hand_in(tmp_path, monkeypa
     assert rows[0]["06_threaded_requests"] == "1/5" and rows[0]["passed"] == 1 and rows[0]["total"] > 20
     assert main(["progress", "--room", str(folder)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:2] == ["user", "passed"] and out[1].startswith(me)
-    assert out[2] == f"skipped someone-else.json: it belongs to {me}, and only {me}.json can be theirs"
+    assert out[0].split()[:4] == ["user", "the", "path", "all"] and out[1].startswith(me)
+    # the path's lessons only (issue 47: the whole course's 19 columns buried the 8 a room is taught): 06's 1 of 5
+    # counts toward the path's and the course's totals alike
+    assert out[0].split()[6:] == [k[:2] for k in progress.path_lessons()] and "06" in out[0] and "07" not in out[0]
+    path_total = sum(r["total"] for r in progress.table() if r["lesson"] in progress.path_lessons())
+    assert out[1].split()[1:7] == ["1", "/", str(path_total), "1", "/", str(rows[0]["total"])]
+    assert out[2].startswith("(the path: the lessons of the workshop's path")
+    assert out[3] == f"skipped someone-else.json: it belongs to {me}, and only {me}.json can be theirs"
     assert main(["progress", "--room", str(folder), "--json"]) == 0
     out, err = capsys.readouterr()
     assert [r["user"] for r in json.loads(out)] == [me] and "skipped someone-else.json" in err
@@ -732,4 +738,32 @@ def test_progress_outlives_a_session_whose_llmlab_home_is_its_own(tmp_path, monk
                                                    index=pd.Index([1, 8, 64, 256], name="concurrency")))
     assert [a["check"] for a in progress.attempts()] == ["knee", "knee"]
     assert not (tmp_path / "session-1" / "llmlab-home" / "progress.jsonl").exists()
+
+
+def test_in_a_room_each_check_hands_the_table_in_by_itself(tmp_path, monkeypatch, capsys):
+    """Issue 47: with a ``progress`` folder beside the workshop's server.json (or LLMLAB_PROGRESS_DIR), a check cell
+    hands the learner's table in -- no key, no answer -- without a command to remember; without one, nothing."""
+    import json
+
+    from llmlab.check import progress
+
+    share = tmp_path / "ws"
+    (share / "progress").mkdir(parents=True)
+    (share / "progress").chmod(0o3770)
+    monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("LLMLAB_PROGRESS_FILE", raising=False)
+    monkeypatch.delenv("LLMLAB_PROGRESS_DIR", raising=False)
+    monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
+    (tmp_path / "home").mkdir()
+    sweep = pd.DataFrame({"output_tokens_per_s": [100.0, 700.0, 900.0, 1000.0]},
+                         index=pd.Index([1, 8, 64, 256], name="concurrency"))
+    monkeypatch.delenv("LLMLAB_CONNECTION_FILE", raising=False)
+    right(capsys, check.knee, 64, sweep)
+    assert list((share / "progress").iterdir()) == []  # not in a room: nothing leaves the home
+    monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(share / "server.json"))
+    right(capsys, check.knee, 64, sweep)
+    handed = json.loads((share / "progress" / f"{progress.learner_name()}.json").read_text())
+    assert {r["lesson"]: r["passed"] for r in handed["lessons"]}["06_threaded_requests"] == 1
+    (share / "progress").chmod(0o777)  # not sticky: the hand-in refuses it, the check still answers
+    right(capsys, check.knee, 64, sweep)
 

@@ -90,12 +90,32 @@ def launch_set(plans: list[Launch], options: dict[str, str], extra_sbatch: list[
     from llmlab.ops import jobs
 
     check_set(plans)
-    members = [jobs.launch(plan) for plan in plans]
+    members = []
+    for plan in plans:
+        try:
+            members.append(jobs.launch(plan))
+        except jobs.JobError as e:
+            raise jobs.JobError(f"{e}{_left_running(members)} Nothing else was submitted.") from None
     script = front_script([m.job_id for m in members], [p.job.name for p in plans], options, extra_sbatch, share,
                           command=command)
-    front = jobs.launch(Launch(plans[0].job, {"nodes": 1, "gpus": 0, "tp": 0, "pp": 0, "context": 0}, script,
-                               options, share=share), name="front: " + " + ".join(p.job.name for p in plans))
+    try:
+        front = jobs.launch(Launch(plans[0].job, {"nodes": 1, "gpus": 0, "tp": 0, "pp": 0, "context": 0}, script,
+                                   options, share=share), name="front: " + " + ".join(p.job.name for p in plans))
+    except jobs.JobError as e:  # the models' jobs run on: keep the front's script for a resubmission
+        saved = llmlab_home() / "logs" / f"front-{'-'.join(m.job_id for m in members)}.sbatch"
+        saved.write_text(script)
+        raise jobs.JobError(f"{e} (the front job){_left_running(members)} The front's script is saved: once the "
+                            f"cause is fixed, `sbatch {saved}` submits it as it is.") from None
     return members, front
+
+
+def _left_running(members) -> str:
+    """A sentence naming the models' jobs already submitted when a later sbatch was refused (they run on)."""
+    if not members:
+        return ""
+    named = ", ".join(f"{m.job_id} ({m.name})" for m in members)
+    stops = "; ".join(f"llmlab stop {m.job_id}" for m in members)
+    return f" The jobs already submitted keep going: {named}; stop them with `{stops}` if they are not wanted."
 
 
 # -- inside the front job

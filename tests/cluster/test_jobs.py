@@ -401,3 +401,28 @@ def test_launch_rehearse_runs_llmlab_rehearse_in_the_allocation(slurm_env, monke
     wait_for(lambda: not job_processes(record.job_id), 60, f"job {record.job_id}'s processes to end")
     with pytest.raises(jobs.JobError, match="A rehearsal runs on one node"):
         jobs.prepare(CPU_JOB, rehearse=True)  # two nodes
+
+
+def test_a_refused_front_names_the_models_jobs_left_running_and_keeps_its_script(slurm_env, monkeypatch):
+    """instructor-review-3, mismatch 4: when sbatch refused the front, its script was deleted and the models' jobs
+    already submitted were not named.  The models' jobs are held (never started); the front asks for a partition
+    the test bed does not have."""
+    from llmlab.ops import front
+    from llmlab.serve.info import llmlab_home
+
+    use_testbed(monkeypatch, slurm_env)
+    plans = [jobs.prepare(m, nodes=1, extra_sbatch=["--hold"]) for m in (CPU_JOB, "llmlab-wide-cpu")]
+    before = {p.stem for p in jobs.jobs_dir().glob("*.json")}
+    with pytest.raises(jobs.JobError) as refused:
+        front.launch_set(plans, front.front_options(None, "no-such-partition", None, plans))
+    held = sorted(({p.stem for p in jobs.jobs_dir().glob("*.json")} - before), key=int)
+    try:
+        message = str(refused.value)
+        assert len(held) == 2 and "(the front job)" in message
+        assert f"{held[0]} ({CPU_JOB}), {held[1]} (llmlab-wide-cpu)" in message
+        assert f"llmlab stop {held[0]}; llmlab stop {held[1]}" in message
+        saved = llmlab_home() / "logs" / f"front-{held[0]}-{held[1]}.sbatch"
+        assert f"`sbatch {saved}`" in message and "llmlab.ops.front" in saved.read_text()
+    finally:
+        subprocess.run(["scancel", *held], check=False)
+

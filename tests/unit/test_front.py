@@ -152,3 +152,4 @@ def test_the_room_file_is_a_ready_jobs_and_an_older_job_does_not_take_it_back(tm
     assert share.holder(tmp_path) == "602"
     assert not share.unpublish(tmp_path, "601") and share.unpublish(tmp_path, "602")
     assert not (tmp_path / "server.json").exists()
+

@@ -208,9 +208,11 @@ class ServerInfo(Address):
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise ServerUnavailable(f"The connection file {path} does not exist: the job that wrote it has ended "
-                                    "(its clean-up removes it). Relaunch the job, or unset LLMLAB_CONNECTION_FILE "
-                                    "to use the embedded tiny model.") from None
+            raise ServerUnavailable(f"The connection file {path} does not exist: its server is not ready yet (a "
+                                    "workshop's file appears once its job is READY) or the job that wrote it has "
+                                    "ended (its clean-up removes it). Ask the server's owner (`llmlab status` shows "
+                                    "the job), or unset LLMLAB_CONNECTION_FILE to use the embedded tiny "
+                                    "model.") from None
         except PermissionError:
             raise ServerError(f"You cannot read the connection file {path} (permission denied): a shared server's "
                               "file is readable by its group only; ask its owner to add you to the group.") from None

@@ -155,7 +155,8 @@ def test_rendered_scripts_are_shellcheck_clean(tmp_path):
     (form(bc_queue=""), "No partition: fill in Partition (one of debug, gpu)."),
     (form(llmlab_server="shared", llmlab_shared_file=""), "No connection file for the workshop's shared server"),
     (form(llmlab_server="shared", llmlab_shared_file="/nonexistent/ws/server.json"),
-     "The workshop's shared server is not running (/nonexistent/ws/server.json does not exist): ask the instructor"),
+     "The workshop's shared server is not running (/nonexistent/ws/server.json does not exist: not ready yet, or "
+     "stopped): ask the instructor"),
     (form(llmlab_server="job", llmlab_job_id="12a"), "'12a' is not a job id"),
     (form(llmlab_server="job", llmlab_job_id="4242"), "Job 4242 has no server ready"),
     (form(llmlab_server="gpu"), "Unknown server choice 'gpu'"),

@@ -27,7 +27,7 @@ def test_env_url_to_closed_port_says_how_to_fix(monkeypatch):
 
 def test_connection_file_that_vanished(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMLAB_CONNECTION_FILE", str(tmp_path / "gone.json"))
-    with pytest.raises(llmlab.ServerUnavailable, match="job that wrote it has ended"):
+    with pytest.raises(llmlab.ServerUnavailable, match="not ready yet .* or the job that wrote it has ended"):
         llmlab.connect()
 
 

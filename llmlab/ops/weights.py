@@ -22,6 +22,7 @@ import contextlib
 import errno
 import grp
 import json
+import logging
 import math
 import os
 import random
@@ -356,18 +357,29 @@ def plan(model, to=None) -> dict:
 # Fetch: huggingface_hub's own download, then modes the group can read
 # --------------------------------------------------------------------------------------------------
 
+def check_group(group: str | None) -> int:
+    """The gid of ``group`` (-1 for none), checked before anything is downloaded: the group exists here and you
+    are in it, else giving it the tree fails -- found after a 141 GB download when it was checked last.  Root may
+    give a file any group."""
+    if group is None:
+        return -1
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise WeightsError(f"there is no UNIX group {group!r} here: ask the admins for the class's group, or "
+                           "leave --group out to keep the folder's own.") from None
+    if os.geteuid() != 0 and gid not in (os.getegid(), *os.getgroups()):
+        raise WeightsError(f"you are not in the UNIX group {group!r} (`id -Gn` lists yours), so the tree cannot be "
+                           "given to it: ask the admins to add you and log in again, or leave --group out.")
+    return gid
+
+
 def make_group_readable(root, group: str | None = None) -> str:
     """Folders ``2750`` (the group may list and enter; setgid: what is added later keeps the group), files
     ``0640`` (the group reads, nobody else); with ``group``, the tree's group too.  Returns a sentence saying what
     it did, for the group it ended up with."""
     root = Path(root)
-    gid = -1
-    if group is not None:
-        try:
-            gid = grp.getgrnam(group).gr_gid
-        except KeyError:
-            raise WeightsError(f"there is no UNIX group {group!r} here: ask the admins for the class's group, or "
-                               "leave --group out to keep the folder's own.") from None
+    gid = check_group(group)
     dirs = files = 0
     for p in [root, *root.rglob("*")]:
         try:  # through an fd opened without following a link: a link swapped in after the walk is not followed
@@ -398,6 +410,7 @@ GATED = ("{repo} is gated: accept its licence on https://huggingface.co/{repo} w
 
 def explain_hub_error(e: BaseException, repo: str) -> str | None:
     """One sentence for the hub's expected failures (gated, not found, no network), or None for anything else."""
+    import httpx2
     from huggingface_hub import errors
 
     if isinstance(e, errors.GatedRepoError):
@@ -407,47 +420,109 @@ def explain_hub_error(e: BaseException, repo: str) -> str | None:
                 "name (Owner/Model), and for a private model `hf auth login` or HF_TOKEN.")
     if isinstance(e, errors.HfHubHTTPError) and e.response is not None and e.response.status_code in (401, 403):
         return GATED.format(repo=repo)
-    if isinstance(e, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
-        return (f"the hub cannot be reached from here ({type(e).__name__}) and {repo} is not downloaded yet: fetch "
+    if isinstance(e, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled | httpx2.ConnectError
+                  | httpx2.TimeoutException):
+        return (f"the hub cannot be reached from here ({type(e).__name__}), so {repo} cannot be fetched: fetch "
                 "from a machine with network (a login node, not a compute node), or unset HF_HUB_OFFLINE.")
-    if isinstance(e, errors.IncompleteSnapshotError):
-        return f"the download of {repo} is incomplete and the hub cannot be reached: run the same fetch again later."
+    if isinstance(e, errors.IncompleteSnapshotError):  # its cause says why the hub did not answer: a 401 is gated
+        cause = e.__cause__ and explain_hub_error(e.__cause__, repo)
+        return cause or (f"the download of {repo} is incomplete and the hub cannot be reached: run the same fetch "
+                         "again later.")
     return None
+
+
+def _from_hub(call, repo_id: str):
+    """``call()``, its expected failures raised as :class:`WeightsError` with :func:`explain_hub_error`'s sentence."""
+    try:
+        return call()
+    except Exception as e:
+        why = explain_hub_error(e, repo_id)
+        if why is None:
+            raise
+        raise WeightsError(why) from None
+
+
+def check_access(repo_id: str, *, token=None, endpoint: str | None = None) -> None:
+    """The hub's own access check (``HfApi.auth_check``) before anything is downloaded: a licence not accepted, a
+    token expired or missing, a name misspelt is said now, in one sentence, and not after (or instead of) the
+    download."""
+    from huggingface_hub import HfApi
+
+    _from_hub(lambda: HfApi(endpoint=endpoint, token=token).auth_check(repo_id), repo_id)
+
+
+# huggingface_hub's snapshot_download, when it cannot list the repository and ``local_dir`` already holds files,
+# returns that folder with only this warning (huggingface_hub 2.4, _snapshot_download.py): a resumed fetch whose
+# token had expired "succeeded", and verify then sent the instructor back to fetch.
+HIDDEN_FAILURE = "as remote repo cannot be accessed"
+
+
+@contextlib.contextmanager
+def _hub_warnings():
+    """The warnings snapshot_download logs while the block runs (at WARNING whatever HF_HUB_VERBOSITY says)."""
+    caught: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: caught.append(record.getMessage())
+    logger = logging.getLogger("huggingface_hub._snapshot_download")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    try:
+        yield caught
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _download(repo_id: str, to: Path, *, revision, token, endpoint) -> None:
+    """snapshot_download of the files vLLM reads; a listing that failed behind a warning is raised, never a
+    success: the access is checked again (an expired token reads as the gated sentence), else the hub's own words."""
+    from huggingface_hub import snapshot_download
+
+    with _hub_warnings() as warned:
+        _from_hub(lambda: snapshot_download(repo_id, local_dir=to, revision=revision, token=token, endpoint=endpoint,
+                                            allow_patterns=VLLM_FILES, ignore_patterns=IGNORED), repo_id)
+    hidden = [w for w in warned if HIDDEN_FAILURE in w]
+    if hidden:
+        check_access(repo_id, token=token, endpoint=endpoint)
+        raise WeightsError(f"the hub did not list the files of {repo_id} ({hidden[0]}), so nothing was fetched or "
+                           f"checked: run the same fetch again when the hub answers.")
+
+
+def _check_space(repo_id: str, to: Path, say) -> None:
+    """For a model llmlab knows: refuse before the download when its estimate does not fit in the free bytes left
+    (what ``to`` holds already counts: a resume)."""
+    name = _known(repo_id)
+    if not name:
+        return
+    estimate = plan(name, to)
+    say(f"{repo_id}: about {estimate['bytes'] / 1e9:,.1f} GB ({estimate['dtype']}); "
+        f"{estimate['free_bytes'] / 1e9:,.1f} GB free on {estimate['free_on']}")
+    present = sum(p.stat().st_size for p in to.rglob("*") if p.is_file()) if to.is_dir() else 0  # a resume
+    if estimate["free_bytes"] < estimate["bytes"] - present:
+        raise WeightsError(f"{repo_id} needs about {estimate['bytes'] / 1e9:,.1f} GB ({present / 1e9:,.1f} GB of it "
+                           f"already there) and {estimate['free_on']} has {estimate['free_bytes'] / 1e9:,.1f} GB "
+                           "free: choose another --to, or free space.")
 
 
 def fetch(repo: str, to, *, group: str | None = None, revision: str | None = None, token: str | None = None,
           endpoint: str | None = None, say=print) -> dict:
     """Download the files vLLM reads of ``repo`` (a Hugging Face id, or a shipped name) into ``to``.
 
-    Through ``huggingface_hub.snapshot_download(local_dir=to)``: an interrupted run resumes its partial files
-    (``to/.cache/huggingface`` keeps what it needs), a complete one returns at once.  Then the modes
-    (:func:`make_group_readable`) and :func:`verify`.  ``endpoint``: another hub (a mirror; tests use a local
-    one); ``token``: default HF_TOKEN or ``hf auth login``'s.
+    First what would stop it after hours, each in one sentence: the group (:func:`check_group`), the space, the
+    access (:func:`check_access`).  Then ``huggingface_hub.snapshot_download(local_dir=to)``: an interrupted run
+    resumes its partial files (``to/.cache/huggingface`` keeps what it needs), a complete one returns at once; a
+    listing that failed is an error (:func:`_download`).  Then the modes (:func:`make_group_readable`) and
+    :func:`verify`.  ``endpoint``: another hub (a mirror; tests use a local one); ``token``: default HF_TOKEN or
+    ``hf auth login``'s.
     """
-    from huggingface_hub import snapshot_download
-
     repo_id = memory.HF_IDS.get(repo, repo)
     to = Path(to)
-    name = _known(repo_id)
-    if name:
-        estimate = plan(name, to)
-        say(f"{repo_id}: about {estimate['bytes'] / 1e9:,.1f} GB ({estimate['dtype']}); "
-            f"{estimate['free_bytes'] / 1e9:,.1f} GB free on {estimate['free_on']}")
-        present = sum(p.stat().st_size for p in to.rglob("*") if p.is_file()) if to.is_dir() else 0  # a resume
-        if estimate["free_bytes"] < estimate["bytes"] - present:
-            raise WeightsError(f"{repo_id} needs about {estimate['bytes'] / 1e9:,.1f} GB "
-                               f"({present / 1e9:,.1f} GB of it "
-                               f"already there) and {estimate['free_on']} has {estimate['free_bytes'] / 1e9:,.1f} GB "
-                               "free: choose another --to, or free space.")
+    check_group(group)
+    _check_space(repo_id, to, say)
+    check_access(repo_id, token=token, endpoint=endpoint)
     started = time.monotonic()
-    try:
-        snapshot_download(repo_id, local_dir=to, revision=revision, token=token, endpoint=endpoint,
-                          allow_patterns=VLLM_FILES, ignore_patterns=IGNORED)
-    except Exception as e:
-        why = explain_hub_error(e, repo_id)
-        if why is None:
-            raise
-        raise WeightsError(why) from None
+    _download(repo_id, to, revision=revision, token=token, endpoint=endpoint)
     seconds = time.monotonic() - started
     (to / RECORD).write_text(json.dumps({"repo": repo_id, "revision": revision, "fetched": time.time()}) + "\n")
     modes = make_group_readable(to, group)

@@ -11,6 +11,7 @@ is not tested here.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -188,45 +189,138 @@ def test_make_group_readable_sets_2750_and_0640_on_a_real_tree(tree):
         weights.make_group_readable(tree, "no-such-group-xyz")
 
 
-class _GatedHub(http.server.BaseHTTPRequestHandler):
-    """Answers every request as the hub answers one for a gated repository without an accepted licence."""
+GATED_ANSWER = (401, {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to model someorg/gated is restricted."})
+EXPIRED = (401, {"X-Error-Message": "Invalid credentials in Authorization header"})  # the hub's, for a stale token
+ALLOWED = (200, {})  # auth-check's answer to an account that may read the repository
 
-    def do_GET(self):
-        self.send_response(401)
-        self.send_header("X-Error-Code", "GatedRepo")
-        self.send_header("X-Error-Message", "Access to model someorg/gated is restricted.")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
 
-    do_HEAD = do_GET
+@contextlib.contextmanager
+def local_hub(*answers):
+    """A local stand-in of the hub (no hub may be reached from a test): the n-th request gets ``answers[n]`` (the
+    last from then on) as (status, headers) with an empty body; yields its endpoint and the paths requested."""
+    seen: list[str] = []
 
-    def log_message(self, *args):
-        pass
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, headers = answers[min(len(seen), len(answers) - 1)]
+            seen.append(self.path)
+            self.send_response(status)
+            for key, value in {**headers, "Content-Length": "0"}.items():
+                self.send_header(key, value)
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", seen
+    finally:
+        server.shutdown()
 
 
 def test_fetch_of_a_gated_model_says_accept_the_licence_and_log_in(tmp_path, capsys):
-    """huggingface_hub's own snapshot_download against a local stand-in of the hub (no hub may be reached from a
-    test): its 401 with ``X-Error-Code: GatedRepo`` is what huggingface_hub turns into GatedRepoError."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GatedHub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with pytest.raises(weights.WeightsError) as e:
-            weights.fetch("someorg/gated", tmp_path / "gated", token=False,
-                          endpoint=f"http://127.0.0.1:{server.server_port}")
-    finally:
-        server.shutdown()
+    """huggingface_hub's own client against a local stand-in of the hub (no hub may be reached from a test): its 401
+    with ``X-Error-Code: GatedRepo`` is what huggingface_hub turns into GatedRepoError.  The access check is the
+    first request, and nothing is asked for after it."""
+    with local_hub(GATED_ANSWER) as (endpoint, seen), pytest.raises(weights.WeightsError) as e:
+        weights.fetch("someorg/gated", tmp_path / "gated", token=False, endpoint=endpoint)
     assert str(e.value) == weights.GATED.format(repo="someorg/gated")
     assert "accept its licence" in str(e.value) and "hf auth login" in str(e.value) and "HF_TOKEN" in str(e.value)
+    assert seen == ["/api/models/someorg/gated/auth-check"]
+
+
+def _partial(to: Path) -> Path:
+    """What an interrupted fetch leaves: some of the files, none of the shards."""
+    to.mkdir(parents=True)
+    shutil.copyfile(TINY / "config.json", to / "config.json")
+    return to
+
+
+@pytest.mark.parametrize("answer", [GATED_ANSWER, EXPIRED], ids=["licence not accepted", "token expired"])
+def test_a_resumed_fetch_the_hub_refuses_says_the_gated_sentence(tmp_path, answer):
+    """A resume into a folder that holds files: huggingface_hub's snapshot_download returned that folder with a
+    logged warning when the hub refused the listing, and fetch went on to verify it (the instructor was sent back
+    to fetch).  Now the access check refuses first."""
+    to = _partial(tmp_path / "gated")
+    with local_hub(answer) as (endpoint, _), pytest.raises(weights.WeightsError) as e:
+        weights.fetch("someorg/gated", to, token=False, endpoint=endpoint)
+    assert str(e.value) == weights.GATED.format(repo="someorg/gated")
+    assert not (to / weights.RECORD).exists()
+
+
+def test_a_token_expiring_after_the_access_check_is_no_silent_success(tmp_path):
+    """The access check passes, then the hub refuses the listing (the token expired in between): snapshot_download
+    returns the partial folder behind a warning; fetch catches the warning and says the gated sentence."""
+    to = _partial(tmp_path / "gated")
+    with local_hub(ALLOWED, EXPIRED) as (endpoint, seen), pytest.raises(weights.WeightsError) as e:
+        weights.fetch("someorg/gated", to, token=False, endpoint=endpoint)
+    assert str(e.value) == weights.GATED.format(repo="someorg/gated")
+    assert seen[0].endswith("/auth-check") and seen[-1].endswith("/auth-check") and len(seen) > 2
+
+
+def test_a_listing_the_hub_fails_after_the_access_check_is_said(tmp_path):
+    """The access check passes, the listing gets a 500 (the hub down): no success, the hub's own words."""
+    to = _partial(tmp_path / "m")
+    with local_hub(ALLOWED, (500, {}), ALLOWED) as (endpoint, _), pytest.raises(weights.WeightsError) as e:
+        weights.fetch("someorg/model", to, token=False, endpoint=endpoint)
+    assert str(e.value).startswith("the hub did not list the files of someorg/model (")
+    assert "run the same fetch again when the hub answers" in str(e.value)
+
+
+def test_fetch_checks_the_group_before_the_hub(tmp_path):
+    """A misspelt --group was found after the whole download (it was checked last); now before the hub is asked
+    (here no hub answers: the group's sentence comes first)."""
+    with pytest.raises(weights.WeightsError, match="there is no UNIX group 'no-such-group-xyz' here"):
+        weights.fetch("someorg/model", tmp_path / "m", group="no-such-group-xyz", token=False,
+                      endpoint=f"http://127.0.0.1:{closed_port()}")
+
+
+def as_nobody(call) -> str:
+    """``call()`` in a child process that runs as user and group nobody (65534): what it raised, or ''."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(read)
+        said = ""
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            call()
+        except BaseException as e:  # noqa: BLE001 -- reported to the parent
+            said = f"{type(e).__name__}: {e}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        said = f.read()
+    os.waitpid(pid, 0)
+    return said
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as another user needs root (CI runs as root)")
+def test_fetch_by_a_user_outside_the_group_is_refused_before_the_hub(tmp_path):
+    said = as_nobody(lambda: weights.fetch("someorg/model", tmp_path / "m", group="root", token=False,
+                                           endpoint=f"http://127.0.0.1:{closed_port()}"))
+    assert said.startswith("WeightsError: you are not in the UNIX group 'root' (`id -Gn` lists yours)"), said
 
 
 def test_fetch_without_network_says_where_to_fetch_from(tmp_path):
     """No network: a closed local port as the hub's endpoint, so huggingface_hub meets a refused connection itself
     (no hub may be reached from a test)."""
+    with pytest.raises(weights.WeightsError, match="the hub cannot be reached from here"):
+        weights.fetch("someorg/model", tmp_path / "m", token=False, endpoint=f"http://127.0.0.1:{closed_port()}")
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then closed again)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
-    with pytest.raises(weights.WeightsError, match="the hub cannot be reached from here"):
-        weights.fetch("someorg/model", tmp_path / "m", token=False, endpoint=f"http://127.0.0.1:{port}")
+        return s.getsockname()[1]
 
 
 def test_a_gated_error_raised_by_huggingface_hub_reads_as_one_sentence():

@@ -37,6 +37,7 @@ def _print_plan(p: dict) -> None:
         verdict = "fits" if p["fits"] else f"does NOT fit: {_gb(p['bytes'] - p['free_bytes'])} short"
         lines.append(f"disk         {_gb(p['bytes'])} needed in {p['to']}; {_gb(p['free_bytes'])} free on "
                      f"{p['free_on']}: {verdict}")
+        lines.append(f"quota        the free bytes are the file system's; yours may be less: {p['quota_command']}")
     else:
         lines.append(f"disk         {_gb(p['bytes'])} needed (--to DIR says whether it fits there)")
     print("\n".join(lines))

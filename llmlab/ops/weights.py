@@ -305,6 +305,48 @@ def _free_bytes(path: Path) -> tuple[Path, int]:
     return p, shutil.disk_usage(p).free
 
 
+# shutil.disk_usage gives the file system's free bytes; on a shared file system the user's or project's quota is
+# usually the real limit (141 GB passed with 500 TB free, then EDQUOT mid-download), and no portable call reads it:
+# the sentences name the command that shows it, by the file system's type in /proc/mounts.
+ANY_QUOTA = "`lfs quota -u $USER DIR` on Lustre, `mmlsquota` on GPFS, `quota -s` elsewhere"
+
+
+def _mount_of(path, mounts: str = "/proc/mounts") -> tuple[str, str] | None:
+    """(mount point, file system type) of the mount that holds ``path`` (the longest mount point above it), or
+    None where the mount table cannot be read."""
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return None
+    real, best = os.path.realpath(path), None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and (best is None or len(point) >= len(best[0])):
+            best = (point, fields[2])
+    return best
+
+
+def quota_command(path, mounts: str = "/proc/mounts") -> str:
+    """The command that shows your quota on the file system of ``path``: Lustre's ``lfs quota``, GPFS's
+    ``mmlsquota``, else ``quota -s``; all three where the mount table cannot be read."""
+    found = _mount_of(path, mounts)
+    if found is None:
+        return ANY_QUOTA
+    point, kind = found
+    if kind == "lustre":
+        return f"`lfs quota -u $USER {point}` (`lfs quota -p PROJECT {point}` for a project's)"
+    return "`mmlsquota`" if kind == "gpfs" else "`quota -s`"
+
+
+def _free(where: Path, free: int) -> str:
+    """The free bytes, said as what they are: the file system's, not your quota."""
+    return (f"{free / 1e9:,.1f} GB free on {where} (the file system's free bytes; your quota may be less: "
+            f"{quota_command(where)} shows it)")
+
+
 def _known(model: str) -> str | None:
     """A model llmlab knows: a shipped name, or the Hugging Face id behind one."""
     if model in memory.shipped_models():
@@ -349,7 +391,8 @@ def plan(model, to=None) -> dict:
                architecture=spec.architecture)
     if to is not None:
         where, free = _free_bytes(Path(to))
-        out.update(to=str(to), free_bytes=free, free_on=str(where), fits=free >= out["bytes"])
+        out.update(to=str(to), free_bytes=free, free_on=str(where), fits=free >= out["bytes"],
+                   quota_command=quota_command(where))
     return out
 
 
@@ -496,21 +539,35 @@ def _check_space(repo_id: str, to: Path, say) -> None:
     if not name:
         return
     estimate = plan(name, to)
-    say(f"{repo_id}: about {estimate['bytes'] / 1e9:,.1f} GB ({estimate['dtype']}); "
-        f"{estimate['free_bytes'] / 1e9:,.1f} GB free on {estimate['free_on']}")
+    where, free = Path(estimate["free_on"]), estimate["free_bytes"]
+    say(f"{repo_id}: about {estimate['bytes'] / 1e9:,.1f} GB ({estimate['dtype']}); {_free(where, free)}")
     present = sum(p.stat().st_size for p in to.rglob("*") if p.is_file()) if to.is_dir() else 0  # a resume
-    if estimate["free_bytes"] < estimate["bytes"] - present:
+    if free < estimate["bytes"] - present:
         raise WeightsError(f"{repo_id} needs about {estimate['bytes'] / 1e9:,.1f} GB ({present / 1e9:,.1f} GB of it "
-                           f"already there) and {estimate['free_on']} has {estimate['free_bytes'] / 1e9:,.1f} GB "
-                           "free: choose another --to, or free space.")
+                           f"already there) and {where} has {free / 1e9:,.1f} GB free: choose another --to, or free "
+                           f"space (and your quota may be less than the free bytes: {quota_command(where)} shows it).")
+
+
+def hf_home() -> str:
+    """Where the hub's client keeps your token and its Xet cache, and the fix where that is a small home: its own
+    HF_HOME (``huggingface_hub.constants``), said before a download that fills it."""
+    from huggingface_hub import constants
+
+    home = Path(constants.HF_HOME)
+    said = f"the hub's client keeps your token and its Xet cache in HF_HOME={home}, {_free(*_free_bytes(home))}"
+    if home.absolute().is_relative_to(Path.home()):
+        said += ("; on a small home quota, export HF_HOME=/scratch/$USER/hf before fetching (and log in there again "
+                 "with `hf auth login`, or export HF_TOKEN)")
+    return said
 
 
 def fetch(repo: str, to, *, group: str | None = None, revision: str | None = None, token: str | None = None,
           endpoint: str | None = None, say=print) -> dict:
     """Download the files vLLM reads of ``repo`` (a Hugging Face id, or a shipped name) into ``to``.
 
-    First what would stop it after hours, each in one sentence: the group (:func:`check_group`), the space, the
-    access (:func:`check_access`).  Then ``huggingface_hub.snapshot_download(local_dir=to)``: an interrupted run
+    First what would stop it after hours, each in one sentence: the group (:func:`check_group`), where the hub's
+    client caches (:func:`hf_home`), the space (with the command that shows the quota), the access
+    (:func:`check_access`).  Then ``huggingface_hub.snapshot_download(local_dir=to)``: an interrupted run
     resumes its partial files (``to/.cache/huggingface`` keeps what it needs), a complete one returns at once; a
     listing that failed is an error (:func:`_download`).  Then the modes (:func:`make_group_readable`) and
     :func:`verify`.  ``endpoint``: another hub (a mirror; tests use a local one); ``token``: default HF_TOKEN or
@@ -519,6 +576,7 @@ def fetch(repo: str, to, *, group: str | None = None, revision: str | None = Non
     repo_id = memory.HF_IDS.get(repo, repo)
     to = Path(to)
     check_group(group)
+    say(hf_home())
     _check_space(repo_id, to, say)
     check_access(repo_id, token=token, endpoint=endpoint)
     started = time.monotonic()

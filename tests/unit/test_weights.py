@@ -279,6 +279,42 @@ def test_fetch_checks_the_group_before_the_hub(tmp_path):
                       endpoint=f"http://127.0.0.1:{closed_port()}")
 
 
+MOUNTS = """sysfs /sys sysfs rw 0 0
+/dev/sda1 / ext4 rw 0 0
+10.0.0.1@tcp:/lustre /scratch lustre rw,flock 0 0
+gpfs0 /gpfs/projects gpfs rw 0 0
+server:/home /home nfs4 rw 0 0
+"""
+
+
+def test_the_quota_command_follows_the_file_system_of_the_folder(tmp_path):
+    """Free bytes are the file system's; the command that shows the user's quota is the file system's own."""
+    mounts = tmp_path / "mounts"
+    mounts.write_text(MOUNTS)
+    assert weights.quota_command("/scratch/me/models", mounts).startswith("`lfs quota -u $USER /scratch`")
+    assert weights.quota_command("/gpfs/projects/ws", mounts) == "`mmlsquota`"
+    assert weights.quota_command("/home/me", mounts) == weights.quota_command("/opt", mounts) == "`quota -s`"
+    assert weights.quota_command("/scratch", tmp_path / "no-mount-table") == weights.ANY_QUOTA
+
+
+def test_plan_and_fetch_say_the_quota_command_and_where_hf_home_caches(tmp_path, capsys):
+    """plan and fetch said only the free bytes (a 100 GB quota on a 500 TB file system passed, then EDQUOT mid-
+    download) and nothing of HF_HOME (the token and the Xet cache, in a small home by default)."""
+    from huggingface_hub import constants
+
+    here = weights.quota_command(tmp_path)
+    assert weights.plan("llama3.1-70b", to=tmp_path)["quota_command"] == here
+    cli.main(["weights", "plan", "llama3.1-70b", "--to", str(tmp_path)])
+    assert f"the free bytes are the file system's; yours may be less: {here}" in capsys.readouterr().out
+    said = []
+    with pytest.raises(weights.WeightsError) as e:  # no space here, or else no hub: both after what is said
+        weights.fetch("llama3.1-70b", tmp_path / "w70", token=False, endpoint=f"http://127.0.0.1:{closed_port()}",
+                      say=said.append)
+    assert said[0].startswith(f"the hub's client keeps your token and its Xet cache in HF_HOME={constants.HF_HOME}")
+    assert f"your quota may be less: {here} shows it" in said[1]
+    assert "cannot be reached" in str(e.value) or f"{here} shows it" in str(e.value)
+
+
 def as_nobody(call) -> str:
     """``call()`` in a child process that runs as user and group nobody (65534): what it raised, or ''."""
     read, write = os.pipe()

@@ -23,6 +23,11 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
+# A replay's report and records go here unless --out says otherwise: never into the traces' folder (issue 47), which
+# may be a committed result or the instructor's only copy of a room's recording.
+REPLAY_OUT = "build/room-replay"
+
+
 def cmd_room(args) -> int:
     from llmlab.ops import room, roomreport
 
@@ -30,7 +35,7 @@ def cmd_room(args) -> int:
     try:
         if args.replay:
             report = roomreport.replay(args.replay, counts, stagger=args.stagger if args.stagger is not None else 1.0,
-                                       out=args.out or args.replay, progress=lambda s: print(s, flush=True))
+                                       out=args.out or REPLAY_OUT, progress=lambda s: print(s, flush=True))
         else:
             if len(counts) != 1:
                 raise room.RoomError("a rehearsed room has one size (--learners 3); lists are for --replay.")
@@ -76,7 +81,7 @@ def add_commands(sub) -> None:
     p = sub.add_parser("room", help="rehearse a workshop room here (root, SLURM): N learners run the path on one "
                                     "shared server; or --replay its traces for K learners")
     p.add_argument("--learners", default="3", help="how many learners (default 3); with --replay a list, 30,100,300")
-    p.add_argument("--out", help="report folder (default build/room; with --replay, the trace folder)")
+    p.add_argument("--out", help=f"report folder (default build/room; with --replay, {REPLAY_OUT})")
     p.add_argument("--stagger", type=float, help="seconds between two learners sitting down (default 4; replay 1)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds the learners may take in all")
     p.add_argument("--no-revoke", action="store_true", help="do not revoke the last learner mid-run")

@@ -43,10 +43,13 @@ class FakeServer(http.server.BaseHTTPRequestHandler):
         self.wfile.write(answer)
 
     def do_GET(self):  # noqa: N802
+        answer = (json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "created": 0,
+                                                          "owned_by": "x"}]}).encode()
+                  if self.path.endswith("/v1/models") else b"ok")  # what connect() asks first
         self.send_response(200)
-        self.send_header("Content-Length", "2")
+        self.send_header("Content-Length", str(len(answer)))
         self.end_headers()
-        self.wfile.write(b"ok")
+        self.wfile.write(answer)
 
     def log_message(self, *args):
         pass
@@ -154,6 +157,22 @@ def test_replay_sends_the_traces_for_each_room_size(fake_url, tmp_path):
         assert len(records) == n and {r["status"] for r in records} == {"ok"}
         assert sorted(r["id"] for r in records) == sorted(f"{i}-{j}" for i in range(k) for j in range(2))
         assert "text" not in records[0] and all(round(r["ttft"], 6) == r["ttft"] for r in records)
+
+
+def test_a_replay_without_out_writes_under_build_never_into_the_traces_folder(fake_url, tmp_path, monkeypatch):
+    """Issue 47: the default was the traces' folder, which may be a committed result or the only recording."""
+    from llmlab.ops.cli import main
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    line = {"start": 1.0, "method": "POST", "path": "/v1/completions", "prompt": "a", "completion_tokens": 2}
+    (traces / "x.trace.jsonl").write_text(json.dumps(line) + "\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LLMLAB_BASE_URL", fake_url)
+    monkeypatch.setenv("LLMLAB_API_KEY", "k")
+    assert main(["room", "--replay", str(traces), "--learners", "1", "--stagger", "0"]) == 0
+    assert sorted(p.name for p in traces.iterdir()) == ["x.trace.jsonl"]
+    assert (tmp_path / "build" / "room-replay" / "replay.json").is_file()
 
 
 def test_the_committed_gpu_replays_are_the_workshop_guides_sizing_table():

@@ -40,6 +40,8 @@ def cmd_launch(a) -> int:
     if not a.dry_run:
         jobs.require_slurm("sbatch")  # before the plan: on a laptop, say so first
     check_weights(a, [plan])
+    if not a.dry_run and not plan.rehearse:
+        check_compute_node(plan)
     if plan.job.engine == "gpu" and (untested := vllm_outside_range(installed_vllm())):
         print(f"warning: {untested}", file=sys.stderr)
     dry = jobs.dry_run_lines(plan)
@@ -76,6 +78,16 @@ def check_weights(a, plans) -> None:
             raise jobs.JobError(problem)
         if problem:
             print(f"warning: the submission would be refused: {problem}", file=sys.stderr)
+
+
+def check_compute_node(plan) -> None:
+    """preflight.compute_node_problem: a refusal stops the submission; otherwise what was found is printed."""
+    from llmlab.ops import preflight
+
+    problem, found = preflight.compute_node_problem(plan)
+    if problem:
+        raise jobs.JobError(problem)
+    print(f"pre-flight: {found}", file=sys.stderr)
 
 
 def cmd_launch_set(a, overrides: dict) -> int:

@@ -1,4 +1,4 @@
-"""What ``llmlab launch`` checks on the login node before ``sbatch``: the served weights.
+"""What ``llmlab launch`` checks before ``sbatch``: the served weights, and that a compute node sees the files.
 
 Why here and not in the job: a GPU job waits in the queue, then loads for minutes, before a missing folder or a
 truncated shard shows in its log, on the morning of a workshop.  And a GPU job whose launch shell lacked
@@ -11,10 +11,12 @@ for a 70B, never the tensors.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from llmlab import memory
-from llmlab.cluster.layouts import JobSettings
+from llmlab.cluster.layouts import JobSettings, slurm_dir
 from llmlab.cluster.render import model_path
 from llmlab.ops import weights
 
@@ -65,3 +67,45 @@ def _split(line: str) -> list[str]:
         return split_args(line)
     except ValueError:  # render() refuses it with its own sentence
         return []
+
+
+SRUN_WAIT = 30  # seconds srun may wait for a node before the check says it could not run (--immediate)
+
+
+def needed_paths(plan, env: dict | None = None) -> list[str]:
+    """What the job reads on its nodes, by absolute path: the checkout's slurm/ folder, the job's Python, the share
+    folder, and the weights folder (when it is one)."""
+    env = dict(os.environ if env is None else env)
+    paths = [str(slurm_dir()), env.get("LLMLAB_PYTHON") or sys.executable]
+    if plan.share:
+        paths.append(str(plan.share[1]))
+    if plan.job.engine == "gpu" and Path(weights_path := model_path(plan.job, env)).is_absolute():
+        paths.append(weights_path)
+    return paths
+
+
+def compute_node_problem(plan, env: dict | None = None) -> tuple[str | None, str]:
+    """(a refusal, or None; what was found) from a one-second ``srun`` on a node of the job's partition that looks
+    for :func:`needed_paths`.  Why: the job script names them by absolute path, so they must be on a file system the
+    compute nodes mount; a home or /tmp of the login node is not, and the job would fail after its wait in the
+    queue.  A partition with no node free within SRUN_WAIT seconds (or one that refuses a job without GPUs) cannot
+    be checked: that is said, not refused."""
+    paths = needed_paths(plan, env)
+    options = [f"--{k}={v}" for k, v in plan.sbatch_options.items() if k in ("account", "partition")]
+    cmd = ["srun", f"--immediate={SRUN_WAIT}", "--nodes=1", "--ntasks=1", "--time=1", "--quiet", *options,
+           "sh", "-c", 'for p; do [ -e "$p" ] || echo "$p"; done', "sh", *paths]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=SRUN_WAIT + 30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"not checked from a compute node ({e})"
+    if res.returncode:
+        why = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
+        return None, (f"not checked from a compute node ({why}): make sure {', '.join(paths)} are on a file "
+                      "system the compute nodes mount")
+    missing = res.stdout.split()
+    if missing:
+        return (f"A compute node of this job's partition does not see {', '.join(missing)}: the job names them by "
+                "absolute path, so put them (the checkout, its environments, the share and weights folders) on a "
+                "file system every login and compute node mounts, and launch again."), ""
+    return None, f"a compute node sees {', '.join(paths)}"
+

@@ -426,3 +426,21 @@ def test_a_refused_front_names_the_models_jobs_left_running_and_keeps_its_script
     finally:
         subprocess.run(["scancel", *held], check=False)
 
+
+
+def test_the_launch_checks_from_a_compute_node_that_the_jobs_files_are_there(slurm_env, monkeypatch, tmp_path):
+    """Issue 47, pre-flight: the job script names the checkout, its Python and the share and weights folders by
+    absolute path; a one-second srun on a node of the partition looks for them before sbatch."""
+    from llmlab.ops import preflight
+
+    use_testbed(monkeypatch, slurm_env)
+    plan = jobs.prepare(CPU_JOB, nodes=1)
+    problem, found = preflight.compute_node_problem(plan)
+    assert problem is None and found.startswith("a compute node sees ") and str(cluster.slurm_dir()) in found
+    monkeypatch.setenv("LLMLAB_PYTHON", str(tmp_path / "login-node-only" / "python3"))
+    problem, _ = preflight.compute_node_problem(plan)
+    assert f"does not see {tmp_path / 'login-node-only' / 'python3'}" in problem
+    assert "a file system every login and compute node mounts" in problem
+    plan.sbatch_options["partition"] = "no-such-partition"  # srun refuses: said, not refused
+    problem, found = preflight.compute_node_problem(plan)
+    assert problem is None and found.startswith("not checked from a compute node (")

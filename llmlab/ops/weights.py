@@ -130,6 +130,27 @@ def _group_readable(path: Path) -> bool:
     return mode & need == need
 
 
+def _closed_parents(root: Path) -> list[Path]:
+    """The folders above ``root`` that a member of the tree's group (not their owner) cannot pass through: neither
+    o+x, nor of the tree's group with g+x.  A learner's or co-instructor's job meets them as a permission error at
+    load time; the tree's own modes do not help."""
+    gid = root.stat().st_gid
+    closed = []
+    for part in root.absolute().parents:
+        st = part.stat()
+        if not (st.st_mode & stat.S_IXOTH or (st.st_gid == gid and st.st_mode & stat.S_IXGRP)):
+            closed.append(part)
+    return closed
+
+
+def _group_name(path: Path) -> str:
+    gid = path.stat().st_gid
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
 @dataclass
 class Verdict:
     """What :func:`verify` found: ``problems`` (one sentence each; none means the tree is good) and the facts."""
@@ -205,6 +226,12 @@ def verify(root, spec=None, *, group: bool = True) -> Verdict:
     if len(unreadable) > 5:
         v.problems.append(f"... and {len(unreadable) - 5} more files or folders not readable by the group: "
                           f"{fix_modes}.")
+    if group and (closed := _closed_parents(root)):
+        name = _group_name(root)
+        shown = _names([f"{p} ({stat.filemode(p.stat().st_mode)})" for p in closed])
+        v.notes.append(f"the group {name} may not reach this tree: the folder(s) above it {shown} let no member of "
+                       f"{name} through; if a co-instructor's or a learner's job reads these weights, "
+                       f"`chmod o+x {closed[0]}` (or give it group {name} and g+x); your own jobs do not need it")
     try:
         shards, weight_map = shard_names(root)
     except WeightsError as e:
@@ -548,6 +575,18 @@ def _check_space(repo_id: str, to: Path, say) -> None:
                            f"space (and your quota may be less than the free bytes: {quota_command(where)} shows it).")
 
 
+def _check_writable(to: Path) -> None:
+    """A fetch adds to ``to`` and the hub's resume metadata in ``to/.cache/huggingface``: refused in one sentence
+    when someone else's (a co-instructor resuming): the tree stays 2750, writable by its owner only, because the
+    learners are in its group and could otherwise change the weights the room is served."""
+    for p in (to, to / ".cache" / "huggingface"):
+        if p.is_dir() and not os.access(p, os.W_OK | os.X_OK):
+            owner = _owner(p.stat().st_uid)
+            raise WeightsError(f"{p} belongs to {owner} and you cannot write in it "
+                               f"({stat.filemode(p.stat().st_mode)}), so this fetch cannot resume or add to it: ask "
+                               f"{owner} to run the same fetch, or fetch into a folder of your own.")
+
+
 def hf_home() -> str:
     """Where the hub's client keeps your token and its Xet cache, and the fix where that is a small home: its own
     HF_HOME (``huggingface_hub.constants``), said before a download that fills it."""
@@ -565,10 +604,11 @@ def fetch(repo: str, to, *, group: str | None = None, revision: str | None = Non
           endpoint: str | None = None, say=print) -> dict:
     """Download the files vLLM reads of ``repo`` (a Hugging Face id, or a shipped name) into ``to``.
 
-    First what would stop it after hours, each in one sentence: the group (:func:`check_group`), where the hub's
-    client caches (:func:`hf_home`), the space (with the command that shows the quota), the access
-    (:func:`check_access`).  Then ``huggingface_hub.snapshot_download(local_dir=to)``: an interrupted run
-    resumes its partial files (``to/.cache/huggingface`` keeps what it needs), a complete one returns at once; a
+    First what would stop it after hours, each in one sentence: the group (:func:`check_group`), a folder that is
+    another user's (:func:`_check_writable`), where the hub's client caches (:func:`hf_home`), the space (with the
+    command that shows the quota), the access (:func:`check_access`).  Then
+    ``huggingface_hub.snapshot_download(local_dir=to)``: an interrupted run resumes its partial files
+    (``to/.cache/huggingface`` keeps what it needs), a complete one returns at once; a
     listing that failed is an error (:func:`_download`).  Then the modes (:func:`make_group_readable`) and
     :func:`verify`.  ``endpoint``: another hub (a mirror; tests use a local one); ``token``: default HF_TOKEN or
     ``hf auth login``'s.
@@ -576,6 +616,7 @@ def fetch(repo: str, to, *, group: str | None = None, revision: str | None = Non
     repo_id = memory.HF_IDS.get(repo, repo)
     to = Path(to)
     check_group(group)
+    _check_writable(to)
     say(hf_home())
     _check_space(repo_id, to, say)
     check_access(repo_id, token=token, endpoint=endpoint)

@@ -18,6 +18,7 @@ import os
 import shutil
 import socket
 import stat
+import tempfile
 import threading
 from pathlib import Path
 
@@ -189,6 +190,21 @@ def test_make_group_readable_sets_2750_and_0640_on_a_real_tree(tree):
         weights.make_group_readable(tree, "no-such-group-xyz")
 
 
+def test_verify_notes_a_folder_above_the_tree_that_the_group_cannot_pass(tmp_path):
+    """The tree's own modes were all verify read: a 0700 folder above it (a home, a private scratch folder) stops
+    a co-instructor's or a learner's job at load time all the same."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    tree = copy_tiny(private / "llmlab-tiny")
+    v = weights.verify(tree)
+    assert v.ok  # the instructor's own jobs read it: a note with the fix, not a problem
+    note = next(n for n in v.notes if n.startswith("the group "))
+    assert f"{private} (drwx------)" in note and f"`chmod o+x {private}`" in note
+    private.chmod(0o711)
+    assert str(private) not in " ".join(weights.verify(tree).notes)
+    assert not any(n.startswith("the group ") for n in weights.verify(tree, group=False).notes)
+
+
 GATED_ANSWER = (401, {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to model someorg/gated is restricted."})
 EXPIRED = (401, {"X-Error-Message": "Invalid credentials in Authorization header"})  # the hub's, for a stale token
 ALLOWED = (200, {})  # auth-check's answer to an account that may read the repository
@@ -277,6 +293,27 @@ def test_fetch_checks_the_group_before_the_hub(tmp_path):
     with pytest.raises(weights.WeightsError, match="there is no UNIX group 'no-such-group-xyz' here"):
         weights.fetch("someorg/model", tmp_path / "m", group="no-such-group-xyz", token=False,
                       endpoint=f"http://127.0.0.1:{closed_port()}")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as another user needs root (CI runs as root)")
+def test_a_co_instructor_resuming_anothers_fetch_is_told_whose_it_is(tmp_path):
+    """A second instructor, in the tree's group but not its owner, resumes a fetch: the folders are 2750 (the
+    learners are in the group), so the hub's client failed with a traceback writing its metadata; now one sentence
+    before the hub is asked, naming the owner."""
+    top = Path(tempfile.mkdtemp(prefix="llmlab-coinstructor-"))  # reachable by another user, unlike pytest's folder
+    try:
+        top.chmod(0o755)
+        to = _partial(top / "m")
+        (to / ".cache" / "huggingface").mkdir(parents=True)
+        for p in (to, *to.rglob("*")):
+            os.chown(p, 0, 65534)  # root's, of nobody's group
+        weights.make_group_readable(to)
+        said = as_nobody(lambda: weights.fetch("someorg/model", to, token=False,
+                                               endpoint=f"http://127.0.0.1:{closed_port()}"))
+    finally:
+        shutil.rmtree(top)
+    assert said.startswith(f"WeightsError: {to} belongs to user root and you cannot write in it (drwxr-s---)"), said
+    assert "ask user root to run the same fetch, or fetch into a folder of your own" in said
 
 
 MOUNTS = """sysfs /sys sysfs rw 0 0

@@ -1,4 +1,4 @@
-"""``llmlab weights plan / fetch / verify / stage``: a thin shell over :mod:`llmlab.ops.weights`.
+"""``llmlab weights plan / fetch / verify / stage / unstage``: a thin shell over :mod:`llmlab.ops.weights`.
 
 Arguments and printing here, the logic there.  Exit codes: 0 done (or nothing wrong), 1 ``verify`` found a
 problem, 2 an expected failure (gated model, no network, no space, not a model folder) said in one sentence.
@@ -78,8 +78,11 @@ def cmd_weights(args) -> int:
                       f"{report['modes']}")
                 _print_verdict(report["verify"])
             return 0 if report["verify"]["ok"] else 1
-        report = weights.stage(args.model, args.to, progress=not args.json,
-                               say=(lambda *a, **k: None) if args.json else print)
+        quiet = (lambda *a, **k: None) if args.json else print
+        if args.action == "unstage":
+            report = weights.unstage(args.model, say=quiet)
+        else:
+            report = weights.stage(args.model, args.to, progress=not args.json, say=quiet)
         if args.json:
             print(json.dumps(report, indent=2))
         return 0
@@ -89,10 +92,10 @@ def cmd_weights(args) -> int:
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("weights", help="plan, fetch, verify and stage a model's weights (the day before)",
+    p = sub.add_parser("weights", help="plan, fetch, verify, stage and unstage a model's weights",
                        description="A model's weights before the room needs them: plan (files, bytes, disk), fetch "
                        "(huggingface_hub, resumable, group-readable), verify (shards, headers, sizes, parameter "
-                       "count, modes), stage (a timed copy to node-local disk).")
+                       "count, modes), stage (a timed copy to node-local disk), unstage (remove such a copy).")
     acts = p.add_subparsers(dest="action", required=True)
     a = acts.add_parser("plan", help="files, bytes and dtype; with --to, whether it fits there")
     a.add_argument("model", help="a model folder, a shipped name (llama3.1-70b, ...) or its Hugging Face id")
@@ -112,5 +115,10 @@ def add_commands(sub) -> None:
     a = acts.add_parser("stage", help="copy a model folder to node-local disk (timed; skipped if already there)")
     a.add_argument("model", metavar="DIR", help="the model folder on the shared file system")
     a.add_argument("--to", metavar="LOCAL", required=True, help="node-local folder; the copy is LOCAL/<DIR's name>")
+    a.add_argument("--json", action="store_true")
+    a = acts.add_parser("unstage", help="remove a copy that stage made (its private manifest proves it), and "
+                        "nothing else")
+    a.add_argument("model", metavar="COPY", help="the staged copy, LOCAL/<name> (e.g. /local/scratch/$USER/weights/"
+                   "Llama-3.1-70B-Instruct)")
     a.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_weights)

@@ -11,7 +11,8 @@ read, a large job reading a network file system for its first minutes.  Each is 
   names and shapes those of the config (the parameter count equals ``llmlab.memory.param_count``), in the config's
   dtype, readable by the group -- one sentence per problem, naming the file and the fix;
 - :func:`stage`: a copy to node-local disk, timed, atomic (a temporary name, then one rename), into a folder only
-  the caller can write, skipped only when the copy there is the one a stage made (its private manifest matches).
+  the caller can write, skipped only when the copy there is the one a stage made (its private manifest matches);
+  :func:`unstage` removes such a copy, and only such a copy, after the workshop.
 
 The arithmetic (parameters, bytes per dtype) is ``llmlab.memory``'s; this module only reads files and the hub.
 """
@@ -864,6 +865,50 @@ def _staged_by_another(src: Path, dest: Path, tmp: Path) -> bool:
         shutil.rmtree(tmp)
         return True
     return False
+
+
+def unstage(dest, *, say=print) -> dict:
+    """Remove a copy that :func:`stage` made, and nothing else: a 141 GB copy stays on a node's own disk after the
+    workshop otherwise, and an ``rm -rf`` typed on each node is one slip from the shared tree.  ``dest`` (the copy,
+    ``LOCAL/NAME``) must be the caller's, with the stage's private manifest in it, and hold no file the manifest
+    does not list (a copy damaged since is still the stage's; a file added is not).  What a killed stage left beside
+    it goes too.  No copy there: nothing to do (a teardown runs it on every node)."""
+    dest = Path(os.path.abspath(Path(dest).expanduser()))
+    if not os.path.lexists(dest):
+        say(f"{dest}: no staged copy here, nothing to remove")
+        return {"dest": str(dest), "removed": False, "bytes": 0}
+    if why := _not_staged(dest):
+        raise WeightsError(f"{dest} {why}, so it is not a copy `llmlab weights stage` made and nothing is removed: "
+                           f"give the copy's own folder (LOCAL/NAME){_copies_in(dest)}, or remove it yourself.")
+    size = sum(p.stat().st_size for p in _files(dest))
+    shutil.rmtree(dest)
+    _remove_stale(dest.parent, dest.name)
+    say(f"removed the staged copy {dest}: {size / 1e9:,.2f} GB freed")
+    return {"dest": str(dest), "removed": True, "bytes": size}
+
+
+def _not_staged(dest: Path) -> str | None:
+    """Why ``dest`` is not a copy of the caller's stage (see :func:`unstage`), or None."""
+    st = os.lstat(dest)
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder (a file or a symbolic link)"
+    if st.st_uid != os.geteuid():
+        return f"belongs to {_owner(st.st_uid)}"
+    try:
+        mst = os.lstat(_manifest_path(dest))
+        recorded = json.loads(_manifest_path(dest).read_text())
+    except (OSError, ValueError):
+        return f"holds no stage manifest ({MANIFEST})"
+    if not stat.S_ISREG(mst.st_mode) or mst.st_uid != os.geteuid() or stat.S_IMODE(mst.st_mode) != 0o600:
+        return f"holds a {MANIFEST} that is not your private (0600) file"
+    added = sorted(set(_listing(dest)) - set(recorded))
+    return f"holds files the stage did not copy ({_names(added)})" if added else None
+
+
+def _copies_in(folder: Path) -> str:
+    """The stage's copies inside ``folder`` (a stage folder given instead of a copy), for the sentence."""
+    copies = sorted(str(p) for p in folder.iterdir() if (p / MANIFEST).is_file()) if folder.is_dir() else []
+    return f"; it holds {_names(copies)}" if copies else ""
 
 
 # --------------------------------------------------------------------------------------------------

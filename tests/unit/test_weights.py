@@ -595,3 +595,36 @@ def test_a_stage_folder_planted_by_another_user_is_refused(sharded, tmp_path, pl
         os.lchown(local, 65534, 65534)
     with pytest.raises(weights.WeightsError, match=r"(belongs to|symbolic link made by) (user nobody|uid 65534)"):
         weights.stage(sharded, local, progress=False)
+
+
+def test_unstage_removes_a_copy_stage_made_and_what_a_killed_stage_left(sharded, tmp_path, capsys):
+    """After the workshop the 141 GB copies stayed on the nodes' disks (no clean-up step): unstage removes the
+    copy, and a second run (a teardown on every node) has nothing to do."""
+    local = tmp_path / "local"
+    weights.stage(sharded, local, progress=False)
+    (local / ".llmlab-tiny.staging-999999999").mkdir()  # a killed stage's leftover
+    assert cli.main(["weights", "unstage", str(local / "llmlab-tiny")]) == 0
+    assert f"removed the staged copy {local / 'llmlab-tiny'}: 0.01 GB freed" in capsys.readouterr().out
+    assert list(local.iterdir()) == [] and weights.verify(sharded).ok
+    assert cli.main(["weights", "unstage", str(local / "llmlab-tiny")]) == 0
+    assert "no staged copy here, nothing to remove" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", ["no manifest", "a file added", "the stage folder"])
+def test_unstage_removes_nothing_stage_did_not_make(sharded, tmp_path, capsys, case):
+    """Only a copy whose private manifest proves it is the stage's: the shared tree itself, a copy someone added
+    a file to, or the stage folder given by mistake stay, with the sentence saying why and what to give."""
+    local = tmp_path / "local"
+    weights.stage(sharded, local, progress=False)
+    target = {"no manifest": sharded, "a file added": local / "llmlab-tiny", "the stage folder": local}[case]
+    if case == "a file added":
+        (target / "notes.txt").write_text("mine")
+    before = sorted(p for p in target.rglob("*"))
+    assert cli.main(["weights", "unstage", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "so it is not a copy `llmlab weights stage` made and nothing is removed" in err
+    assert sorted(p for p in target.rglob("*")) == before
+    why = {"no manifest": f"holds no stage manifest ({weights.MANIFEST})",
+           "a file added": "holds files the stage did not copy (notes.txt)",
+           "the stage folder": f"; it holds {local / 'llmlab-tiny'}, or remove it yourself"}[case]
+    assert why in err

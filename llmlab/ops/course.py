@@ -80,11 +80,19 @@ class Step:
 
     def section_numbers(self) -> list[int]:
         """``"1-4, 7"`` -> ``[1, 2, 3, 4, 7]``."""
-        out = []
-        for part in filter(None, (p.strip() for p in self.sections.split(","))):
-            lo, _, hi = part.partition("-")
-            out += range(int(lo), int(hi or lo) + 1)
-        return out
+        return _numbers(self.sections)
+
+    def exercise_numbers(self) -> list[int]:
+        """``"Exercises 1-2"`` -> ``[1, 2]``; ``"--"`` -> ``[]``."""
+        return _numbers(re.sub(r"^\s*Exercises?\s*|^\s*-+\s*$", "", self.exercises))
+
+
+def _numbers(text: str) -> list[int]:
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
 
 
 @dataclass(frozen=True)
@@ -334,6 +342,15 @@ def problems(course: Course, root: Path = ROOT) -> list[str]:
                     if (m := re.match(r"## (\d+)\.", h))}
             out += [f"the workshop step at {st.at}: lesson {st.lesson} has no section {n} (its '## {n}.' heading)."
                     for n in st.section_numbers() if n not in have]
+            solution = root / course.lesson(st.lesson).solution
+            if solution.is_file():
+                have = paths.exercise_numbers(json.loads(solution.read_text()))
+                out += [f"the workshop step at {st.at}: {course.lesson(st.lesson).solution} has no Exercise {n} (its "
+                        f"'### Exercise {n}' heading)." for n in st.exercise_numbers() if n not in have]
+                cells = paths.exercises_notebook(solution, st.exercise_numbers())["cells"]
+                out += [f"the workshop step at {st.at}: lesson {st.lesson}'s {st.exercises} use {name!r} (cell {i + 1} "
+                        "of the exercises a room runs) but never define it: define it in the solution's setup cells."
+                        for i, name in paths.undefined_names(cells)]
             cells = paths.path_notebook(root / course.lesson(st.lesson).notebook, st.section_numbers())["cells"]
             out += [f"the workshop step at {st.at}: lesson {st.lesson}'s sections {st.sections} use {name!r} (cell "
                     f"{i + 1} of the path) but never define it, so a learner meets a NameError: add the section that "
@@ -342,18 +359,26 @@ def problems(course: Course, root: Path = ROOT) -> list[str]:
     return out
 
 
-def write_path(course: Course, out: Path, root: Path = ROOT) -> list[Path]:
-    """The workshop path's notebooks, one per lesson step, under ``out`` (what each learner of a room runs)."""
+def write_path(course: Course, out: Path, root: Path = ROOT, exercises: bool = False) -> list[Path]:
+    """The workshop path's notebooks, one per lesson step, under ``out`` (what each learner of a room runs).
+    ``exercises``: after each lesson, its path exercises as the worked solutions do them (``NN_slug.exercises``):
+    a rehearsed room then shows what the room's progress view shows on the day, exercises passed."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for st in course.workshop:
         if st.lesson:
             ls = course.lesson(st.lesson)
-            file = out / Path(ls.notebook).name
-            nb = paths.path_notebook(root / ls.notebook, st.section_numbers())
-            file.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-            written.append(file)
+            written.append(_write(out / Path(ls.notebook).name,
+                                  paths.path_notebook(root / ls.notebook, st.section_numbers())))
+            if exercises and st.exercise_numbers():
+                written.append(_write(out / f"{Path(ls.notebook).stem}.exercises.ipynb",
+                                      paths.exercises_notebook(root / ls.solution, st.exercise_numbers())))
     return written
+
+
+def _write(file: Path, nb: dict) -> Path:
+    file.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    return file
 
 
 def sync(root: Path = ROOT, check: bool = False, manifest: Path = MANIFEST) -> list[str]:

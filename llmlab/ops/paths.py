@@ -35,25 +35,62 @@ def _section(cell: dict) -> int | None | bool:
     return False
 
 
-def path_cells(nb: dict, sections: list[int]) -> list[dict]:
-    """The setup cells (before the first ``## `` heading) and the cells of each listed section, in the notebook's
-    order."""
+def _cut(nb: dict, heading, wanted: list[int]) -> list[dict]:
+    """The setup cells (before the first heading that ``heading`` sees) and the cells under each wanted one, in the
+    notebook's order."""
     out, current = [], "setup"
     for cell in nb["cells"]:
-        heading = _section(cell)
-        if heading is not False:
-            current = heading
-        if current == "setup" or current in sections:
+        found = heading(cell)
+        if found is not False:
+            current = found
+        if current == "setup" or current in wanted:
             out.append(cell)
     return out
+
+
+def _copy_with(nb: dict, cells: list[dict]) -> dict:
+    cut = copy.deepcopy(nb)
+    cut["cells"] = copy.deepcopy(cells)
+    return cut
+
+
+def path_cells(nb: dict, sections: list[int]) -> list[dict]:
+    """The setup cells (before the first ``## `` heading) and the cells of each listed section."""
+    return _cut(nb, _section, sections)
 
 
 def path_notebook(nb_path: Path, sections: list[int]) -> dict:
     """A copy of the lesson holding only the path's cells (outputs as the lesson has them: stripped in git)."""
     nb = json.loads(Path(nb_path).read_text())
-    cut = copy.deepcopy(nb)
-    cut["cells"] = copy.deepcopy(path_cells(nb, sections))
-    return cut
+    return _copy_with(nb, path_cells(nb, sections))
+
+
+def _exercise(cell: dict) -> int | None | bool:
+    """A markdown cell's ``### Exercise N`` heading: N; None for a heading that ends an exercise (a ``## `` one, or
+    the course's links at the end); False for a cell that opens nothing."""
+    if cell["cell_type"] != "markdown":
+        return False
+    text = source_text(cell)
+    if "llmlab: course links" in text:
+        return None
+    for line in text.splitlines():
+        if m := re.match(r"### Exercise (\d+)", line):
+            return int(m[1])
+        if line.startswith("## "):
+            return None
+    return False
+
+
+def exercise_numbers(nb: dict) -> set[int]:
+    """The exercises a solutions notebook holds (its ``### Exercise N`` headings)."""
+    return {n for c in nb["cells"] if type(n := _exercise(c)) is int}
+
+
+def exercises_notebook(nb_path: Path, numbers: list[int]) -> dict:
+    """A copy of a solutions notebook holding its setup cells (before the first heading) and the listed exercises:
+    what a learner on the path runs after the lesson's sections, as the worked solutions do it."""
+    nb = json.loads(Path(nb_path).read_text())
+    return _copy_with(nb, _cut(nb, _exercise, numbers))
 
 
 def _python(cell: dict) -> str:

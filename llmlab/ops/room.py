@@ -8,7 +8,8 @@ plays the room on this machine, under SLURM (the test bed: ``python tests/slurm_
 1. the instructor's job: ``llmlab launch llmlab-tiny-cpu --share GROUP`` (the launcher's CPU job, its key-checking
    proxy, a share directory with a key per learner), followed to READY;
 2. N UNIX accounts in a group made for the run, each with a home of its own;
-3. each learner, as their own user (``setpriv``), runs the path's notebooks (``llmlab course --path``) in kernels
+3. each learner, as their own user (``setpriv``), runs the path's notebooks (``llmlab course --path``), each
+   lesson followed by its path exercises as solved (``write_path(exercises=True)``: the view has passes), in kernels
    of their own (``llmlab.ops.roomlearner``), a few seconds after the previous one sat down, with their own key
    from ``llmlab.connect()``, and hands their progress in (``llmlab progress --hand-in``);
 4. meanwhile the instructor scrapes ``/metrics`` every half second, revokes the last learner when they open a given
@@ -533,8 +534,9 @@ def rehearse(learners: int = 3, out: str | Path = "build/room", *, stagger: floa
     check_machine()
     out = prepare_out(Path(out).resolve())
     room = new_room(learners, out)
-    course.write_path(course.load(), out / "path")  # the record of what was run
-    notebooks = course.write_path(course.load(), room.work / "path")  # what the learners open: a folder they reach
+    course.write_path(course.load(), out / "path", exercises=True)  # the record of what was run
+    # what the learners open (a folder they reach): each lesson's sections, then its path exercises as solved
+    notebooks = course.write_path(course.load(), room.work / "path", exercises=True)
     for nb in notebooks:
         os.chmod(nb, 0o644)
     os.chmod(room.work / "path", 0o755)

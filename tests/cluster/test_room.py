@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -64,6 +65,17 @@ def test_room_everyone_handed_in_and_the_room_lists_them(report):
     r, _ = report
     assert sorted(r["handed_in"]) == sorted(r["names"])
     assert all(name in r["progress_room"] for name in r["names"])
+
+
+def test_room_learners_pass_the_paths_exercises_and_the_room_view_shows_it(report):
+    """Issue 47: the room ran the lessons' sections only, and its progress view said 0 passed; now each lesson is
+    followed by its path exercises as solved, and the first learner (neither revoked nor restarted) passed every
+    check they call."""
+    r, out = report
+    checks = sum(len(set(re.findall(r"llmlab\.check\.(\w+)\(", p.read_text())))
+                 for p in (out / "path").glob("*.exercises.ipynb"))
+    first = next(line for line in r["progress_room"].splitlines() if line.startswith(r["names"][0]))
+    assert checks >= 6 and int(first.split()[1]) == checks, r["progress_room"]
 
 
 def test_room_revoked_learner_gets_one_sentence_and_nobody_else_notices(report):

@@ -119,6 +119,22 @@ def test_the_path_notebooks_hold_the_setup_cells_and_the_listed_sections_only(tm
     assert setup >= 2 and nb["cells"][:setup] == lesson[:setup]  # the title and the set-up cells come first
 
 
+def test_a_rehearsed_room_runs_each_lessons_path_exercises_after_it_as_solved(tmp_path):
+    """Issue 47: the room rehearsal ran the lessons' sections only, so its progress report said 0 passed; with
+    exercises=True each lesson of the path is followed by its path exercises, cut from the worked solutions."""
+    c = course.load()
+    written = [p.name for p in course.write_path(c, tmp_path, exercises=True)]
+    assert written[written.index("02_kv_caching.ipynb") + 1] == "02_kv_caching.exercises.ipynb"
+    assert "05_logprobs.exercises.ipynb" not in written  # the path gives lesson 05 no exercise ("--")
+    nb = json.loads((tmp_path / "01_memory_arithmetic.exercises.ipynb").read_text())
+    headings = [line for cell in nb["cells"] for line in course.source_text(cell).splitlines()
+                if line.startswith("### Exercise")]
+    assert [h.split(":")[0] for h in headings] == ["### Exercise 1", "### Exercise 2"]  # "Exercises 1-2"
+    code = "\n".join(course.source_text(cell) for cell in nb["cells"] if cell["cell_type"] == "code")
+    assert "llmlab.check.weights_405b_fp16(" in code and "llmlab.check.h100s_for_405b(" in code
+    assert [st.exercise_numbers() for st in c.workshop if st.lesson][:3] == [[], [1, 2], [4]]
+
+
 def test_undefined_names_reads_magics_and_knows_what_a_kernel_defines():
     from llmlab.ops.paths import undefined_names
 

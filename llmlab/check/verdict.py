@@ -10,6 +10,13 @@ from __future__ import annotations
 class NotYet(AssertionError):
     """The answer is not right yet; the message says why."""
 
+    def _render_traceback_(self) -> list[str]:
+        """What Jupyter shows for a wrong answer: the hint, one line.  IPython calls this in place of printing the
+        traceback, which ran through the course's internals for some 25 lines and printed the check's source around
+        the failure -- lines that compute the answer (learner-review-1).  The cell still fails, so an automated
+        run (nbval) sees the error as before."""
+        return [str(self)]
+
 
 def require(condition: bool, hint: str) -> None:
     """Raise :class:`NotYet` with ``hint`` (what is still wrong, and why) unless ``condition`` holds."""
@@ -26,7 +33,7 @@ def _whole(value, what: str) -> int:
     """``value`` as an int, if it is a whole number (GPUs, bytes and tokens are counted, not measured)."""
     require(isinstance(value, int | float) and not isinstance(value, bool), f"{what} should be a number.")
     require(float(value).is_integer(), f"{what} should be a whole number: GPUs, bytes and tokens come whole "
-            "(round GPUs up with math.ceil).")
+            "(a GPU count rounds up, math.ceil; bytes and tokens that fit round down, //).")
     return int(value)
 
 

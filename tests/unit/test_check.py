@@ -42,7 +42,7 @@ def test_h100s_and_a100s_for_405b(capsys):
     not_yet(check.h100s_for_405b, 16, hint="16 is what a layout on whole nodes of 8 needs")
     not_yet(check.h100s_for_405b, h100 - 1, hint=f"{h100 - 1} H100s do not hold the weights")
     not_yet(check.h100s_for_405b, h100 + 1, hint=f"{h100 + 1} H100s hold them, but fewer do")
-    not_yet(check.h100s_for_405b, 11.07, hint="round GPUs up with math.ceil")
+    not_yet(check.h100s_for_405b, 11.07, hint="a GPU count rounds up, math.ceil")
     right(capsys, check.h100s_for_405b, h100)
 
     a100 = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="A100-40").weights_whole
@@ -767,3 +767,17 @@ def test_in_a_room_each_check_hands_the_table_in_by_itself(tmp_path, monkeypatch
     (share / "progress").chmod(0o777)  # not sticky: the hand-in refuses it, the check still answers
     right(capsys, check.knee, 64, sweep)
 
+
+
+def test_a_wrong_answer_in_jupyter_shows_one_line_and_never_the_checks_source(capsys):
+    """Issue 51: IPython printed a ~25-line traceback through the course's internals before the hint, with the
+    check's source around the failure -- lines that compute the answer (01 Ex 2's memory.gpus_needed(...)).  The
+    cell still fails (an error, as nbval sees it); what it shows is the hint alone."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    result = shell.run_cell("import llmlab.check\nllmlab.check.h100s_for_405b(11)")
+    shown = capsys.readouterr().out.strip().splitlines()
+    assert not result.success and isinstance(result.error_in_exec, check.NotYet)
+    assert len(shown) == 1 and shown[0].startswith("Not yet:"), shown
+    assert "gpus_needed" not in "\n".join(shown) and "Traceback" not in shown[0]

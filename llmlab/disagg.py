@@ -9,11 +9,16 @@ own and moves the prompt's KV cache from the prefill engine to the decode engine
 a link, which :func:`kv_bytes` and :func:`transfer_table` put against the prefill's own time.
 
 Live here with vLLM's ``ExampleConnector`` (``vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py``),
-which runs on the CPU build: a ``kv_producer`` engine writes each prompt's KV cache, one safetensors file per layer,
-into a shared folder; a ``kv_consumer`` engine finds the folder by a hash of the prompt's tokens and loads it
-instead of computing those tokens.  A cluster uses a connector that moves GPU memory over the network instead
-(``NixlConnector``: NVLink or RDMA over InfiniBand; ``LMCacheConnectorV1``; ``P2pNcclConnector``), with a proxy
-that sends each request to a prefill engine first; the engines' side is the same.
+which runs on the CPU build: an engine writes each new prompt's KV cache, one safetensors file per layer, into a
+shared folder, and finds a prompt's folder by a hash of its tokens and loads it instead of computing those tokens.
+It does both on either engine (it never reads ``kv_role``); the roles here say which engine a client sends what.
+A cluster uses a connector that moves GPU memory over the network instead, with a proxy that sends each request to
+a prefill engine first; the engines' side is the same.  vLLM 0.32 registers (``kv_connector/factory.py:153-248``)
+ExampleConnector, ExampleHiddenStatesConnector, LMCacheConnectorV1, LMCacheMPConnector, NixlConnector (and its
+NixlPullConnector and NixlPushConnector modes), MultiConnector, HiSparseConnector, MoRIIOConnector,
+OffloadingConnector, DecodeBenchConnector, MooncakeConnector, MooncakeStoreConnector, FlexKVConnectorV1,
+SimpleCPUOffloadConnector and HF3FSKVConnector; older releases' ``P2pNcclConnector`` is not among them.
+:data:`WHEN_MOVED` says when the ones that move a prefill's cache to a decode engine send it.
 
     with disagg.Pair() as pair:                  # two engines of the tiny model, a core each, one folder
         first = pair.prefill(prompt)              # on the producer: max_tokens=1, its KV cache written
@@ -44,25 +49,42 @@ from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.metrics import fetch_metrics, histogram
 from llmlab.serve.vllm import log_messages
 
-__all__ = ["LINKS", "MATMUL_FLOPS", "ROLES", "connector_args", "Pair", "kept_tokens", "stored", "by_source",
-           "decoder_counts", "decode_beside_prefills", "beside_table", "kv_bytes", "prefill_flops",
-           "transfer_table", "break_even_bytes_per_s"]
+__all__ = ["LINKS", "MATMUL_FLOPS", "ROLES", "WHEN_MOVED", "connector_args", "Pair", "kept_tokens", "stored",
+           "by_source", "decoder_counts", "decode_beside_prefills", "beside_table", "kv_bytes", "prefill_flops",
+           "transfer_table", "break_even_bytes_per_s", "ttft_apart", "pd_ratio"]
 
 # Per direction, nominal (bytes/s).  NVLink and one InfiniBand NDR port as lesson 08 counts them
 # (llmlab.cluster.layouts); Ethernet at its line rate (100 and 25 Gb/s), which TCP reaches only in part.
 LINKS = {"NVLink 4 (inside a node)": NVLINK_GBPS * 1e9, "InfiniBand NDR (one port)": IB_GBPS * 1e9,
          "Ethernet 100 Gb/s": 100e9 / 8, "Ethernet 25 Gb/s": 25e9 / 8}
-# An 8192 x 8192 x 8192 bf16 matrix product on the course's lent H100 (798 TFLOP/s on random data, 2026-11-13; the
-# datasheet says 989): the most a prefill's matrix products can reach, so prefill times from it are lower bounds.
-MATMUL_FLOPS = 798e12
+# An H100 SXM's dense bf16 Tensor Core rate, a spec, not a measurement: NVIDIA's H100 datasheet gives 1,979 TFLOP/s
+# "with sparsity", half of it dense (https://www.nvidia.com/en-us/data-center/h100/).  A prefill's matrix products
+# reach less, so prefill times from it are lower bounds.
+MATMUL_FLOPS = 989e12
+# When a connector sends a prefill's KV cache to the decode engine, in vLLM 0.32 (files under
+# vllm/distributed/kv_transfer/kv_connector/v1/).  "layer by layer": during the prefill's forward pass, each layer's
+# share once that layer is computed (its save_kv_layer does the work), so the move overlaps the prefill.  "after the
+# prefill": once the prefill request has finished, so the whole move adds to that request's time to first token.
+WHEN_MOVED = {
+    "ExampleConnector": "layer by layer",  # example_connector.py:212-259: a file per layer in save_kv_layer
+    "LMCacheConnectorV1": "layer by layer in LMCache's use_layerwise mode, after the forward pass otherwise",
+    # lmcache_integration/vllm_v1_adapter.py:948-967 (save_kv_layer returns unless use_layerwise) and 1050-1066
+    "MoRIIOConnector": "layer by layer in its WRITE mode, after the prefill in READ mode",
+    # moriio/moriio_connector.py:2871-2882: the producer writes each layer's blocks, unless mode is READ
+    "NixlConnector": "after the prefill",  # nixl/connector.py:294-306: wait_for_layer_load and save_kv_layer do
+    # nothing ("does not do layerwise saving"); nixl/pull_scheduler.py:34-65, the decode side reads every prompt
+    # block once the prefill is done; nixl/push_scheduler.py:12-16, the prefill side writes on request_finished
+    "MooncakeConnector": "after the prefill",  # mooncake/mooncake_connector.py:831-843: the same two no-ops
+}
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vllm:prompt_tokens_by_source
 ROLES = ("kv_producer", "kv_consumer")  # the prefill engine, the decode engine
 ITL = "vllm:inter_token_latency_seconds"  # one observation per gap between two tokens of a request
 
 
 def connector_args(role: str, folder: Path | str) -> list[str]:
-    """The ``vllm serve`` flag that makes an engine an ExampleConnector ``kv_producer`` (it writes every prompt's
-    KV cache into ``folder``), ``kv_consumer`` (it loads what it finds there) or ``kv_both``."""
+    """The ``vllm serve`` flag that gives an engine the ExampleConnector on ``folder`` with role ``kv_producer``,
+    ``kv_consumer`` or ``kv_both``.  The ExampleConnector never reads the role: any engine with it writes every new
+    prompt's KV cache into ``folder`` and loads what it finds there (other connectors do read it)."""
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
         raise ValueError(f"role={role!r}: vLLM's roles are kv_producer, kv_consumer and kv_both.")
     return ["--kv-transfer-config", json.dumps({"kv_connector": "ExampleConnector", "kv_role": role,
@@ -70,10 +92,13 @@ def connector_args(role: str, folder: Path | str) -> list[str]:
 
 
 def kept_tokens(prompt_tokens: int, block_size: int = memory.CPU_BLOCK_SIZE) -> int:
-    """The prompt tokens whose KV cache the ExampleConnector moves: the whole blocks of the prompt's first
-    ``prompt_tokens - 2`` tokens (the connector's ``align_to_block_size(len(prompt) - 1)`` rounds ``len - 2`` down).
-    So never the last token, which the decode engine computes itself (its logits give the first answer token): a
-    prompt of 130 tokens moves 128, one of 129 moves none."""
+    """The prompt tokens whose KV cache the ExampleConnector moves (the demo connector's rule, not every one's): the
+    whole blocks of the prompt's first ``prompt_tokens - 2`` tokens (the connector's
+    ``align_to_block_size(len(prompt) - 1)`` rounds ``len - 2`` down).  So never the last token, which the decode
+    engine computes itself (its logits give the first answer token): a prompt of 130 tokens moves 128, one of 129
+    moves none.  NixlConnector moves every prompt token's KV, the last
+    block's part included (``nixl/base_scheduler.py:396-403``), and the decode engine recomputes the last token
+    only (``v1/core/sched/scheduler.py:3171-3172``)."""
     return max(prompt_tokens - 2, 0) // block_size * block_size
 
 
@@ -294,7 +319,35 @@ def transfer_table(models: dict[str, int], links: dict[str, float] = LINKS, flop
 
 
 def break_even_bytes_per_s(model, prompt_tokens: int, flops: float = MATMUL_FLOPS, kv_dtype: str = "auto") -> float:
-    """The link rate at which moving a prompt's KV takes exactly as long as computing it at ``flops``: slower links
-    cost more than the prefill they spare the decode engine (unless the transfer overlaps the prefill, layer by
-    layer, as NIXL's does)."""
+    """The link rate at which moving a prompt's KV takes exactly as long as computing it at ``flops``: the rate a
+    prefill GPU that computes such prompts back to back sends KV at.  With a transfer after the prefill
+    (NixlConnector, :data:`WHEN_MOVED`) a link at this rate doubles the prefill's part of the time to first token;
+    with a layer-by-layer connector it is the slowest link the prefill still hides."""
     return kv_bytes(model, prompt_tokens, kv_dtype) / (prefill_flops(model, prompt_tokens) / flops)
+
+
+def ttft_apart(model, prompt_tokens: int, link_bytes_per_s: float, first_step_s: float, *, queue_s: float = 0.0,
+               tp: int = 1, layer_by_layer: bool = False, flops: float = MATMUL_FLOPS) -> dict[str, float]:
+    """A request's time to first token in a disaggregated service, in seconds, part by part: its wait in the
+    prefill engine's queue, the prefill (at ``flops`` per GPU over ``tp`` GPUs, a lower bound), the KV transfer
+    that the prefill does not hide (each GPU's share over its own link), and the decode engine's first step (which
+    computes the last prompt token and samples the first answer token), and their ``total``.
+
+    After the prefill (NixlConnector, MooncakeConnector) the whole transfer adds.  Layer by layer, a layer's share
+    leaves once the layer is computed: the last layer's share never hides, and neither does what the link cannot
+    move while the prefill runs, so what adds is ``max(t / layers, t - prefill x (layers - 1) / layers)``."""
+    prefill = prefill_flops(model, prompt_tokens) / (flops * tp)
+    t = kv_bytes(model, prompt_tokens, tp=tp) / link_bytes_per_s
+    if layer_by_layer:
+        layers = memory.model_spec(model).num_layers
+        t = max(t / layers, t - prefill * (layers - 1) / layers)
+    parts = {"queue": queue_s, "prefill": prefill, "transfer": t, "first step": first_step_s}
+    return {**parts, "total": sum(parts.values())}
+
+
+def pd_ratio(model, prompt_tokens: int, answer_tokens: int, step_s: float, running: int,
+             flops: float = MATMUL_FLOPS) -> float:
+    """Prefill GPUs per decode GPU (pools of the same TP) that keep both pools as busy as each other: one request's
+    prefill seconds at ``flops`` against its share of the decode engine's time, ``answer_tokens`` steps of
+    ``step_s`` each shared by ``running`` answers.  ``flops`` is an upper bound, so this is a lower bound."""
+    return prefill_flops(model, prompt_tokens) / flops / (answer_tokens * step_s / running)

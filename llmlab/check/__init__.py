@@ -24,7 +24,7 @@ from llmlab.check.batching import (  # noqa: F401
 )
 from llmlab.check.cluster import load_eta_minutes, pp_boundary, tp8_allreduce_bytes, tp_link_times  # noqa: F401
 from llmlab.check.determinism import first_varying_batch, seeded_choice  # noqa: F401
-from llmlab.check.disagg import break_even_gbs, kv_moved_70b, transfer_ms_ib  # noqa: F401
+from llmlab.check.disagg import kv_per_gpu_405b, prefill_gpu_link_gbs, ttft_apart_ms  # noqa: F401
 from llmlab.check.kvcache import (  # noqa: F401
     cache_matches_arithmetic,
     prefix_hits,

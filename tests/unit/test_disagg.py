@@ -1,11 +1,15 @@
 """llmlab.disagg without an engine: the connector's flag, the tokens it moves, the bytes of a stored prompt, the
 engine's histograms read as ranges, and the arithmetic of section 4 (KV bytes, prefill FLOPs, link times, the break-even
-rate) against hand computations.  Notebook 18 runs the two engines (the prefill, the decode, the counters by source);
-tests/unit/test_disagg_checks.py tests its exercise checks."""
+rate, a request's time to first token, the P:D ratio) against hand computations; the connectors it names against the
+installed vLLM's registry and source.  Notebook 18 runs the two engines (the prefill, the decode, the counters by
+source); tests/unit/test_disagg_checks.py tests its exercise checks."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -73,12 +77,53 @@ def test_a_transfer_is_bytes_over_the_rate_and_breaks_even_with_the_prefill():
     assert row["KV MiB"] == 512
     assert row["InfiniBand NDR (one port) ms"] == pytest.approx(536_870_912 / 50e9 * 1000)
     assert row["Ethernet 100 Gb/s ms"] == pytest.approx(536_870_912 / 12.5e9 * 1000)
-    assert row["prefill ms (at best)"] == pytest.approx(disagg.prefill_flops("llama3.1-8b", 4096) / 798e12 * 1000)
+    assert disagg.MATMUL_FLOPS == 989e12  # the H100 datasheet's dense bf16, a spec: prefill times are lower bounds
+    assert row["prefill ms (at best)"] == pytest.approx(disagg.prefill_flops("llama3.1-8b", 4096) / 989e12 * 1000)
     rate = disagg.break_even_bytes_per_s("llama3.1-8b", 4096)
     at_break_even = disagg.transfer_table({"llama3.1-8b": 4096}, links={"x": rate})
     assert at_break_even.iloc[0]["x ms"] == pytest.approx(at_break_even.iloc[0]["prefill ms (at best)"])
     # the 70B computes ~9x more per token for 2.5x the KV: it breaks even on a link ~4x slower
     assert 3.5 < rate / disagg.break_even_bytes_per_s("llama3.1-70b", 4096) < 4.0
+
+
+def _vllm_source(relative: str) -> str:
+    """A file of the installed vLLM, read as text (importing the connectors would start CUDA's and NIXL's imports)."""
+    return (Path(importlib.util.find_spec("vllm").origin).parent / relative).read_text()
+
+
+def test_the_connectors_the_lesson_names_are_vllms_and_nixl_moves_after_the_prefill():
+    factory = _vllm_source("distributed/kv_transfer/kv_connector/factory.py")
+    registered = set(re.findall(r'register_connector\(\s*"(\w+)"', factory))
+    assert set(disagg.WHEN_MOVED) <= registered and "P2pNcclConnector" not in registered
+    for name in ("NixlPullConnector", "NixlPushConnector", "OffloadingConnector", "MooncakeStoreConnector"):
+        assert name in registered  # the lesson names them too
+    nixl = _vllm_source("distributed/kv_transfer/kv_connector/v1/nixl/connector.py")
+    assert "NixlConnector does not do layerwise saving." in nixl and "NixlConnector does not save explicitly." in nixl
+    assert disagg.WHEN_MOVED["NixlConnector"] == disagg.WHEN_MOVED["MooncakeConnector"] == "after the prefill"
+    example = _vllm_source("distributed/kv_transfer/kv_connector/v1/example_connector.py")
+    assert "kv_role" not in example and "is_producer" not in example  # the demo connector never reads the role
+
+
+def test_a_ttft_apart_adds_the_transfer_after_the_prefill_and_hides_it_layer_by_layer():
+    rate, step = disagg.LINKS["Ethernet 100 Gb/s"], 0.007728
+    serial = disagg.ttft_apart("llama3.1-8b", 4096, rate, step, queue_s=0.02)
+    prefill = disagg.prefill_flops("llama3.1-8b", 4096) / 989e12
+    assert serial["prefill"] == pytest.approx(prefill) and serial["transfer"] == pytest.approx(536_870_912 / 12.5e9)
+    assert serial["total"] == pytest.approx(0.02 + prefill + 536_870_912 / 12.5e9 + step)
+    fast = disagg.ttft_apart("llama3.1-8b", 4096, rate, step, layer_by_layer=True)
+    assert fast["transfer"] == pytest.approx(serial["transfer"] / 32)  # the link keeps up: the last layer's share
+    slow = disagg.ttft_apart("llama3.1-8b", 4096, disagg.LINKS["Ethernet 25 Gb/s"], step, layer_by_layer=True)
+    assert slow["transfer"] == pytest.approx(536_870_912 / 3.125e9 - prefill * 31 / 32)  # it does not
+    tp8 = disagg.ttft_apart("llama3.1-70b", 8192, 50e9, 0.0, tp=8)
+    one = disagg.ttft_apart("llama3.1-70b", 8192, 50e9, 0.0)
+    assert tp8["prefill"] == pytest.approx(one["prefill"] / 8) and tp8["transfer"] == pytest.approx(one["transfer"] / 8)
+
+
+def test_the_pd_ratio_is_a_prefill_against_its_share_of_the_decode_steps():
+    prefill = disagg.prefill_flops("llama3.1-8b", 4096) / 989e12
+    assert disagg.pd_ratio("llama3.1-8b", 4096, 300, 0.007728, 64) == pytest.approx(prefill / (300 * 0.007728 / 64))
+    assert 1.6 < disagg.pd_ratio("llama3.1-8b", 4096, 300, 0.007728, 64) < 1.8
+    assert disagg.pd_ratio("llama3.1-8b", 1000, 300, 0.007728, 64) < 0.5  # short prompts: more decode GPUs
 
 
 def test_log_messages_drop_colour_and_prefix_and_keep_one_source():

@@ -409,14 +409,15 @@ def room(folder: Path) -> list[dict]:
     return read_room(folder)[0]
 
 
-def show_room(folder: Path) -> str:
-    """The room as text, a learner a line, then what was skipped and why (``llmlab progress --room DIR``).  Every
+def show_room(folder: Path, path: list[str]) -> str:
+    """The room as text, a learner a line, then what was skipped and why (``llmlab progress --room DIR``): ``path``,
+    the workshop path's lessons in order (``llmlab.ops.course.path_lessons``), a column each -- a room is taught the
+    path, so the view leads with its exercises, not the whole course's (58 over 19 lessons, issue 47).  Every
     string a learner's file brings is :func:`printable` by now: no escape sequence reaches the instructor's
     terminal."""
     rows, notes = read_room(folder)
     if not rows:
         return "\n".join([f"nobody has handed in yet: learners run `llmlab progress --hand-in {folder}`.", *notes])
-    path = path_lessons()
     lines = [f"{'user':<16} {'the path':>9} {'all':>9}  {'handed in':<16}  " + " ".join(k[:2].rjust(5) for k in path)]
     for r in rows:
         done, total = _sums([r.get(k, "0/0") for k in path])
@@ -425,15 +426,6 @@ def show_room(folder: Path) -> str:
     lines.append(f"(the path: the lessons of the workshop's path, {', '.join(k[:2] for k in path)}, each "
                  "column a lesson's exercises passed / all of them; all: the course's every lesson)")
     return "\n".join(lines + notes)
-
-
-def path_lessons() -> list[str]:
-    """The workshop path's lessons (llmlab/course.toml), in its order: a room is taught the path, so the
-    instructor's view leads with its exercises, not the whole course's (58 over 19 lessons, issue 47)."""
-    from llmlab.ops import course
-
-    c = course.load()
-    return list(dict.fromkeys(Path(c.lesson(st.lesson).notebook).stem for st in c.workshop if st.lesson))
 
 
 def _sums(cells: list[str]) -> tuple[int, int]:

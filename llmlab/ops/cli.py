@@ -175,7 +175,7 @@ def cmd_progress(args) -> int:
         for note in notes:  # what was skipped and why: for the instructor, not for the script reading stdout
             print(note, file=sys.stderr)
     elif args.room:
-        print(progress.show_room(Path(args.room)))
+        print(progress.show_room(Path(args.room), course.path_lessons()))
     else:
         print(json.dumps(progress.table(), indent=2) if args.json else progress.show())
     return 0

@@ -48,8 +48,9 @@ def server(job: str | None) -> top.Target:
 def room_lines(folder: str) -> list[str]:
     """``llmlab progress --room DIR`` as lines, under a title (its strings are already made printable there)."""
     from llmlab.check import progress
+    from llmlab.ops import course
 
-    return [f"the room ({folder}):", *progress.show_room(Path(folder)).splitlines()]
+    return [f"the room ({folder}):", *progress.show_room(Path(folder), course.path_lessons()).splitlines()]
 
 
 def beside(left: list[str], right: list[str], columns: int, gap: int = 4) -> list[str]:

@@ -376,6 +376,12 @@ def write_path(course: Course, out: Path, root: Path = ROOT, exercises: bool = F
     return written
 
 
+def path_lessons(course: Course | None = None) -> list[str]:
+    """The workshop path's lessons (notebook stems), in its order: the columns of the room's progress view."""
+    course = course or load()
+    return list(dict.fromkeys(Path(course.lesson(st.lesson).notebook).stem for st in course.workshop if st.lesson))
+
+
 def _write(file: Path, nb: dict) -> Path:
     file.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
     return file

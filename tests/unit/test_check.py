@@ -20,6 +20,7 @@ from check_helpers import not_yet, right
 
 from llmlab import check, cluster, memory, offline, quantization, rehearse
 
+from llmlab.ops import course
 SPEC_405B = memory.model_spec("llama3.1-405b")
 MESSAGE_405B = SPEC_405B.hidden_size * 2  # one token's hidden state in bf16
 
@@ -457,8 +458,8 @@ def test_a_room_collects_only_the_tables_its_learners_hand_in(tmp_path, monkeypa
     assert out[0].split()[:4] == ["user", "the", "path", "all"] and out[1].startswith(me)
     # the path's lessons only (issue 47: the whole course's 19 columns buried the 8 a room is taught): 06's 1 of 5
     # counts toward the path's and the course's totals alike
-    assert out[0].split()[6:] == [k[:2] for k in progress.path_lessons()] and "06" in out[0] and "07" not in out[0]
-    path_total = sum(r["total"] for r in progress.table() if r["lesson"] in progress.path_lessons())
+    assert out[0].split()[6:] == [k[:2] for k in course.path_lessons()] and "06" in out[0] and "07" not in out[0]
+    path_total = sum(r["total"] for r in progress.table() if r["lesson"] in course.path_lessons())
     assert out[1].split()[1:7] == ["1", "/", str(path_total), "1", "/", str(rows[0]["total"])]
     assert out[2].startswith("(the path: the lessons of the workshop's path")
     assert out[3] == f"skipped someone-else.json: it belongs to {me}, and only {me}.json can be theirs"
@@ -467,7 +468,7 @@ def test_a_room_collects_only_the_tables_its_learners_hand_in(tmp_path, monkeypa
     assert [r["user"] for r in json.loads(out)] == [me] and "skipped someone-else.json" in err
     assert main(["progress", "--hand-in", str(tmp_path / "nowhere")]) == 2
     assert "ask your instructor for the room's progress folder" in capsys.readouterr().err
-    assert progress.show_room(tmp_path / "bob").startswith("nobody has handed in yet")
+    assert progress.show_room(tmp_path / "bob", []).startswith("nobody has handed in yet")
 
 
 def test_a_hand_in_folder_others_can_write_but_not_sticky_is_refused(tmp_path, monkeypatch, capsys):
@@ -512,7 +513,7 @@ def test_the_room_trusts_no_file_in_its_folder(tmp_path):
             mine.unlink(missing_ok=True)
             mine.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
         found = []
-        reader = threading.Thread(target=lambda: found.append((progress.room(folder), progress.show_room(folder))),
+        reader = threading.Thread(target=lambda: found.append((progress.room(folder), progress.show_room(folder, []))),
                                   daemon=True)
         reader.start()
         reader.join(20)

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
-from llmlab.check.verdict import _number, _whole, require, right
+from llmlab.check.verdict import _is_number, _number, _whole, require, right
 
 
 def tp8_allreduce_bytes(nbytes) -> None:
-    """08: bytes one GPU sends in the TP all-reduces of one decode step (one token) of 405B at TP=8, bf16."""
+    """08: bytes one GPU sends in the TP all-reduces of one decode step (one token) of 405B at TP=8 x PP=1 (every
+    GPU holds all 126 layers), bf16."""
     from llmlab import cluster
 
     expected = cluster.tp_vs_pp("llama3.1-405b", [(8, 1)])[0]["tp_bytes_per_gpu"]
-    n = _whole(nbytes, "the bytes per GPU")
+    if _is_number(nbytes) and nbytes < 1000:  # far too few bytes: a size in MiB or MB?
+        require(abs(nbytes - expected / 2**20) > 0.5 and abs(nbytes - expected / 1e6) > 0.5,
+                "that is MiB (or MB); the question asks for bytes, a whole number.")
+    n = _whole(nbytes, "the bytes per GPU", "bytes come whole; leave the size in bytes, not MiB.")
     message = 16384 * 2
+    require(n != expected // 2, "that is one stage of TP=8 x PP=2 (the lesson's table: 63 layers per GPU); here "
+            "TP=8 x PP=1, every GPU holds all 126 layers, each all-reducing twice.")
     require(n != 252 * message, "that is the message size times the all-reduces: in a ring all-reduce each GPU "
             "sends 2 x (TP-1)/TP of the message (half to reduce, half to share the result).")
-    require(n != 126 * 2 * (7 / 8) * message, "each layer all-reduces twice: after attention and after the MLP.")
     require(n != 2 * expected, "the hidden state travels in bf16: 2 bytes per value, not 4.")
-    require(n == expected, "use 2 all-reduces x 126 layers x 2 x (8-1)/8 x hidden_size 16,384 x 2 bytes.")
+    require(n != expected * 80 // 126, "that is 70B's 80 layers; 405B has 126.")
+    require(n == expected, "per GPU it is all-reduces per layer x layers x the ring's share of the message "
+            "x the message (hidden_size values, 2 bytes each); check each factor against the task.")
     right(f"{n:,} bytes per GPU per token: {n / 2**20:.1f} MiB each decode step, in 252 small messages.")
 
 

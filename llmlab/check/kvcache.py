@@ -66,7 +66,8 @@ def prefix_hits(gpu_hit, cpu_hit) -> None:
     """02: tokens the prefix cache serves for the second of two requests sharing a 300-token prefix (320 in all)."""
     from llmlab import kvcache, memory
 
-    g, c = _whole(gpu_hit, "gpu_hit"), _whole(cpu_hit, "cpu_hit")
+    tokens = "tokens come whole: count the whole blocks that fit with // (it rounds down), then times the block size."
+    g, c = _whole(gpu_hit, "gpu_hit", tokens), _whole(cpu_hit, "cpu_hit", tokens)
     require(g != 300 and c != 300, "the cache stores whole blocks only: round the shared 300 tokens down to a "
             "multiple of the block size.")
     require(g == kvcache.prefix_cache_hit_tokens(320, 300, memory.GPU_BLOCK_SIZE),

@@ -4,7 +4,7 @@ a resumed run.
 
 from __future__ import annotations
 
-from llmlab.check.verdict import _number, require, right
+from llmlab.check.verdict import _is_number, _number, require, right
 
 
 def job_queue(send_all, workers: int = 4) -> None:
@@ -16,6 +16,7 @@ def job_queue(send_all, workers: int = 4) -> None:
     import random
     import threading
     import time
+    from concurrent.futures import Future
 
     lock, state = threading.Lock(), {"now": 0, "max": 0, "calls": 0}
 
@@ -32,7 +33,14 @@ def job_queue(send_all, workers: int = 4) -> None:
     prompts = [f"prompt {i}" for i in range(6 * workers)]
     answers = send_all(ask, prompts, workers)
     require(answers is not None, "send_all returned None: return the list of answers.")
+    require(not isinstance(answers, dict), "send_all returned a dict: return a list of answers, one per prompt, in "
+            "the order of the prompts.")
+    require(not isinstance(answers, str), "send_all returned one string: return a list of answers, one per prompt.")
     answers = list(answers)
+    require(not any(isinstance(a, Future) for a in answers), "send_all returned futures: return a list of answers, "
+            "each future's .result(), in the order of the prompts.")
+    require(all(isinstance(a, str) for a in answers), "send_all should return a list of answers: what ask(prompt) "
+            "returned (a string), one per prompt.")
     require(state["calls"] == len(prompts), f"ask was called {state['calls']} times for {len(prompts)} prompts: "
             "call it exactly once per prompt.")
     require(sorted(answers) == sorted(p.upper() for p in prompts), "return what ask(prompt) returned, one answer "
@@ -50,7 +58,7 @@ def job_queue(send_all, workers: int = 4) -> None:
 
 def tpot_by_hand(tpot, record) -> None:
     """06: the time per output token of one record, from its TTFT, latency and output tokens."""
-    require(isinstance(tpot, int | float) and not isinstance(tpot, bool), "tpot should be a number of seconds.")
+    require(_is_number(tpot), "tpot should be a number of seconds.")
     n, ttft, latency = record.output_tokens, record.ttft, record.latency
     expected = (latency - ttft) / (n - 1)
     require(abs(tpot - latency / n) > 1e-12, "latency / tokens counts the wait for the first token too: TPOT "

@@ -25,10 +25,17 @@ def first_completion(response, expected_tokens: int = 5) -> None:
 
 def ended_by_model(response, at_least: int) -> None:
     """03: the model ended the text itself (EOS, not a stop string), after at least ``at_least`` tokens."""
+    require(not isinstance(response, str), "that is the text; pass the whole response that "
+            "client.completions.create(...) returned: the check reads its finish_reason and usage.")
+    require(not hasattr(response, "finish_reason"), "that is one choice (response.choices[0]); pass the whole "
+            "response: the token count is in response.usage.")
+    require(hasattr(response, "choices") and hasattr(response, "usage"), "pass the response that "
+            "client.completions.create(...) returned: the check reads its finish_reason and usage.")
     choice = response.choices[0]
     n = response.usage.completion_tokens
     require(choice.finish_reason == "stop", f"finish_reason is {choice.finish_reason!r}: give the model room "
-            "(a larger max_tokens), and sample (temperature > 0) so it does not loop.")
+            "(a larger max_tokens), and sample (temperature > 0) so it does not loop -- or, if it already samples "
+            "and still loops, try another seed.")
     require(choice.stop_reason is None, f"it stopped at your stop string {choice.stop_reason!r}, not at the model's "
             "own end-of-text token; leave `stop` out.")
     require(n >= at_least, f"only {n} tokens: ask the server to mask the end-of-text token until {at_least} "

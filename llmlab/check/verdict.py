@@ -6,6 +6,8 @@ here, not from the package, so that the package can re-export the topic modules 
 
 from __future__ import annotations
 
+from numbers import Integral, Real
+
 
 class NotYet(AssertionError):
     """The answer is not right yet; the message says why."""
@@ -29,15 +31,24 @@ def right(message: str) -> None:
     print(f"Right: {message}")
 
 
-def _whole(value, what: str) -> int:
-    """``value`` as an int, if it is a whole number (GPUs, bytes and tokens are counted, not measured)."""
-    require(isinstance(value, int | float) and not isinstance(value, bool), f"{what} should be a number.")
-    require(float(value).is_integer(), f"{what} should be a whole number: GPUs, bytes and tokens come whole "
-            "(a GPU count rounds up, math.ceil; bytes and tokens that fit round down, //).")
+def _is_number(value) -> bool:
+    """A real number, numpy's included (``numpy.int64``, ``numpy.float32``), but not a bool."""
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _whole(value, what: str, rounding: str = "") -> int:
+    """``value`` as an int, if it is a whole number (GPUs, bytes and tokens are counted, not measured).
+
+    ``rounding`` says how this quantity rounds (tokens down, GPUs up); without it the hint names both.
+    """
+    require(_is_number(value), f"{what} should be a number.")
+    require(isinstance(value, Integral) or float(value).is_integer(), f"{what} should be a whole number: " + (
+        rounding or "GPUs, bytes and tokens come whole (a GPU count rounds up, math.ceil; bytes and tokens that "
+        "fit round down, //)."))
     return int(value)
 
 
 def _number(value, what: str) -> float:
     """``value`` as a float, if it is a number (not a bool, not a string)."""
-    require(isinstance(value, int | float) and not isinstance(value, bool), f"{what} should be a number.")
+    require(_is_number(value), f"{what} should be a number.")
     return float(value)

@@ -27,15 +27,20 @@ from pathlib import Path
 import pandas as pd
 
 from llmlab import batching, loadtest
+from llmlab.memory import lora as mlora
+from llmlab.serve.metrics import fetch_metrics
 from llmlab.serve.paths import TINY_MODEL
 
 ADAPTERS_DIR = TINY_MODEL.parent / "adapters"
+# A gauge per state of the slots (its labels: the adapters with requests running, those with requests waiting, and
+# --max-loras), set to the time the engine last reported that state (vllm/v1/metrics/loggers.py).
+LORA_INFO = "vllm:lora_requests_info"
 # Words that mark a voice: the King James' pronouns and verb endings; the commonest short Spanish words.
 MARKERS = {"kjv": frozenset("thee thou thy thine ye hath doth saith unto shalt art hast didst".split()),
            "rv1909": frozenset("el la los las de del que y en su por á fué para con se".split())}
 
 __all__ = ["AdapterError", "Adapter", "read", "shipped", "serve_args", "merge", "voice", "side_by_side",
-           "first_token_choices", "send_mixed"]
+           "first_token_choices", "send_mixed", "slot_states"]
 
 
 class AdapterError(ValueError):
@@ -110,7 +115,8 @@ def shipped() -> dict[str, Path]:
 def serve_args(adapters: dict | None = None, max_loras: int = 2, max_rank: int | None = None) -> list[str]:
     """The ``vllm serve`` flags that serve ``adapters`` (``{name: folder}``; default: the shipped ones) beside the
     base model: one ``--lora-modules`` per adapter, ``--max-loras`` slots of ``--max-lora-rank`` (default: the
-    largest rank among them; vLLM's own default, 16, would reserve twice the memory of rank-8 adapters)."""
+    largest rank among them, rounded up to a value vLLM accepts, :data:`llmlab.memory.lora.MAX_LORA_RANKS`; vLLM's
+    own default, 16, would reserve twice the memory of rank-8 adapters)."""
     if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
         raise AdapterError(f"max_loras={max_loras!r}: the engine needs at least 1 adapter slot (--max-loras), "
                            "a whole number.")
@@ -118,11 +124,14 @@ def serve_args(adapters: dict | None = None, max_loras: int = 2, max_rank: int |
     if not adapters:
         raise AdapterError("No adapter to serve: pass {name: folder}, or reinstall llmlab for the shipped ones.")
     read_ = [read(p, n) for n, p in adapters.items()]
-    rank = max_rank or max(a.rank for a in read_)
+    rank = max_rank or mlora.allowed_rank(max(a.rank for a in read_))
+    if rank not in mlora.MAX_LORA_RANKS:
+        raise AdapterError(f"max_rank={rank}: vLLM's --max-lora-rank takes only "
+                           f"{', '.join(map(str, mlora.MAX_LORA_RANKS))}; pass {mlora.allowed_rank(rank)}.")
     too_big = [a.name for a in read_ if a.rank > rank]
     if too_big:
         raise AdapterError(f"{', '.join(too_big)}: rank above max_rank={rank}; vLLM refuses to load them. Pass "
-                           f"max_rank={max(a.rank for a in read_)}.")
+                           f"max_rank={mlora.allowed_rank(max(a.rank for a in read_))}.")
     return ["--enable-lora", "--lora-modules", *(f"{a.name}={a.path}" for a in read_),
             "--max-loras", str(max_loras), "--max-lora-rank", str(rank)]
 
@@ -204,3 +213,18 @@ def send_mixed(client, counts: dict[str, int], max_tokens: int = 64, prompt: str
         records += run.records
     return batching.one_session(records, sum(counts.values()), " + ".join(f"{n} {m}" for m, n in counts.items())) \
         .raise_on_failure()
+
+
+def slot_states(client) -> pd.DataFrame:
+    """Every state of the adapter slots the server has reported since it started (:data:`LORA_INFO`), the latest
+    last: the adapters with requests ``running``, those with requests ``waiting`` (each list sorted), and
+    ``max_lora``.  A request counts as waiting from its arrival until the step that admits it."""
+    def names(text: str) -> str:
+        return ", ".join(sorted(n for n in text.split(",") if n))
+
+    m = fetch_metrics(str(client.base_url), client.api_key)
+    rows = sorted(m[LORA_INFO], key=lambda s: s.value)  # none from a server started without --enable-lora
+    return pd.DataFrame([{"running": names(s.labels.get("running_lora_adapters", "")),
+                          "waiting": names(s.labels.get("waiting_lora_adapters", "")),
+                          "max_lora": int(s.labels.get("max_lora", 0))} for s in rows],
+                        columns=["running", "waiting", "max_lora"])

@@ -5,7 +5,9 @@ thin ones, ``A`` (``rank x in``) and ``B`` (``out x rank``), and the layer compu
 So an adapter costs ``rank x (in + out)`` parameters per adapted matrix -- a fraction of a percent of the model
 at the ranks people use -- and many adapters fit beside one copy of the base weights.  The engine, for its part,
 keeps ``--max-loras`` slots of ``--max-lora-rank`` on the device for every adaptable layer, whichever adapters
-fill them: that reservation, not the adapters on disk, is what comes out of the KV cache's budget.
+fill them: that reservation, not the adapters on disk, is what comes out of the KV cache's budget.  For a Llama-family
+model "every adaptable layer" is the seven linear ones of each block *and* the embedding and the LM head
+(:data:`VOCABULARY`), whose slots are as long as the vocabulary.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from llmlab.memory.weights import param_count, tensors
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = ATTENTION + MLP
+# The two layers as wide as the vocabulary that vLLM also gives slots: LlamaForCausalLM.embedding_modules names them
+# (vllm/model_executor/models/llama.py); get_supported_lora_modules adds them to the linear ones (vllm/lora/utils.py).
+VOCABULARY = ("embed_tokens", "lm_head")
+# The only values --max-lora-rank accepts (MaxLoRARanks in vllm/config/lora.py): a rank-12 adapter needs 16.
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def adapted_matrices(model, targets=ALL_LINEAR) -> list[tuple[str, int, int, str]]:
@@ -60,14 +67,46 @@ def lora_bytes(model, rank: int, targets=ALL_LINEAR, dtype: str | None = None, t
     return int(lora_params(model, rank, targets, tp) * bytes_per_param(serve_dtype(model, dtype)))
 
 
-def lora_slots_bytes(model, max_loras: int, max_rank: int, targets=ALL_LINEAR, dtype: str | None = None,
+def vocabulary_slot_params(model, rank: int, targets=VOCABULARY) -> int:
+    """Parameters of one slot of ``rank`` in the embedding and the LM head (those of :data:`VOCABULARY` that
+    ``targets`` names): ``rank x (vocab + hidden)`` each, whole on every GPU whatever the tensor parallelism.
+
+    The embedding's slot (``VocabParallelEmbeddingWithLoRA``, ``vllm/lora/layers/vocab_parallel_embedding.py``) is
+    ``A`` of ``vocab x rank`` and ``B`` of ``hidden x rank``; the LM head's (``LogitsProcessorWithLoRA``, which vLLM
+    puts in place of the logits processor, ``vllm/lora/layers/logits_processor.py``) is ``A`` of ``rank x hidden``
+    and ``B`` of ``vocab x rank``.  Tied embeddings change nothing: the LM head stays a module of its own."""
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank={rank!r}: a LoRA rank is a whole number of at least 1 (8 and 16 are common).")
+    spec = model_spec(model)
+    return sum(rank * (spec.vocab_size + spec.hidden_size) for t in VOCABULARY if t in tuple(targets))
+
+
+def lora_slots_bytes(model, max_loras: int, max_rank: int, targets=None, dtype: str | None = None,
                      tp: int = 1) -> int:
     """What the engine reserves on each GPU for ``--max-loras`` adapters of up to ``--max-lora-rank``: a slot of the
-    full rank for every adapted matrix, ``max_loras`` times, whether or not an adapter fills it (with ``tp``, each
-    GPU's share of a slot is :func:`lora_params`'s)."""
+    full rank for every adaptable layer, ``max_loras`` times, whether or not an adapter fills it.
+
+    ``targets`` is what ``--lora-target-modules`` names; ``None``, vLLM's default, is every layer it can adapt: the
+    seven linear ones of each block (with ``tp``, each GPU's share is :func:`lora_params`'s) and the embedding and
+    LM head (:func:`vocabulary_slot_params`)."""
     if not isinstance(max_loras, int) or max_loras < 1:
         raise ValueError(f"max_loras={max_loras!r}: the engine holds at least 1 adapter slot (--max-loras).")
-    return max_loras * lora_bytes(model, max_rank, targets, dtype, tp)
+    if max_rank not in MAX_LORA_RANKS:
+        raise ValueError(f"max_rank={max_rank!r}: --max-lora-rank takes only {', '.join(map(str, MAX_LORA_RANKS))}; "
+                         f"pass the next one up from the adapters' largest rank (memory.lora.allowed_rank).")
+    targets = ALL_LINEAR + VOCABULARY if targets is None else tuple(targets)
+    linear = tuple(t for t in targets if t not in VOCABULARY)
+    vocabulary = vocabulary_slot_params(model, max_rank, targets)
+    params = vocabulary + (lora_params(model, max_rank, linear, tp) if linear or not vocabulary else 0)
+    return max_loras * int(params * bytes_per_param(serve_dtype(model, dtype)))
+
+
+def allowed_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds adapters of ``rank`` (:data:`MAX_LORA_RANKS`)."""
+    fits = [r for r in MAX_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"rank={rank!r}: vLLM serves adapters of rank {MAX_LORA_RANKS[-1]} at most.")
+    return fits[0]
 
 
 def lora_share(model, rank: int, targets=ALL_LINEAR) -> float:

@@ -26,7 +26,7 @@ def test_adapter_parameters_are_rank_times_in_plus_out_of_each_adapted_matrix():
     # Llama 3.1 8B at rank 16 on every linear layer: the 41.9 M of published adapter tables, 80 MiB in bfloat16
     assert mlora.lora_params("llama3.1-8b", 16) == 41_943_040
     assert mlora.lora_bytes("llama3.1-8b", 16) == 80 * 2**20
-    assert mlora.lora_slots_bytes("llama3.1-8b", 4, 16) == 4 * 80 * 2**20
+    assert mlora.lora_slots_bytes("llama3.1-8b", 4, 16, mlora.ALL_LINEAR) == 4 * 80 * 2**20
     assert mlora.lora_share("llama3.1-70b", 16) < 0.003 < mlora.lora_share("llmlab-tiny", 8)
 
 
@@ -39,6 +39,33 @@ def test_the_shipped_adapters_files_hold_what_the_arithmetic_says():
         assert a.params == mlora.lora_params(TINY_MODEL, a.rank, a.targets) == 139_264
         assert len(a.shapes) == 2 * 7 * 4  # A and B of 7 matrices in 4 layers
         assert a.training["val_loss"] < a.training["base_val_loss"]  # the adapter learnt its voice
+
+
+def test_slots_count_the_embedding_and_the_lm_head_as_vllm_makes_them():
+    """vLLM 0.32 gives a Llama its slots in the seven linear layers of each block and in embed_tokens and lm_head
+    (``LlamaForCausalLM.embedding_modules``, added by ``get_supported_lora_modules`` in ``vllm/lora/utils.py``).
+    Each slot of rank r: the embedding's A vocab x r and B hidden x r (``VocabParallelEmbeddingWithLoRA``), the LM
+    head's A r x hidden and B vocab x r (``LogitsProcessorWithLoRA``), whole on every GPU.  The tiny model's figure
+    was read off a real CPU engine (``--enable-lora --max-loras 2 --max-lora-rank 8`` in bfloat16: the
+    ``lora_a_stacked``/``lora_b_stacked`` tensors of its modules add up to 835,584 bytes)."""
+    vocab, hidden, linear = 128_256, 4_096, (4096 + 4096) * 2 + (4096 + 1024) * 2 + (4096 + 14336) * 3
+    embed_tokens = 64 * vocab + 64 * hidden    # A vocab x 64, B hidden x 64
+    lm_head = 64 * hidden + 64 * vocab         # A 64 x hidden, B vocab x 64
+    want = 4 * (32 * 64 * linear + embed_tokens + lm_head) * 2  # 4 slots of rank 64, bfloat16
+    assert want == mlora.lora_slots_bytes("llama3.1-8b", 4, 64) == 1_477_705_728  # not 1,342,177,280
+    assert 4 * (embed_tokens + lm_head) * 2 == 135_528_448
+    assert mlora.lora_slots_bytes("llama3.1-8b", 4, 64, mlora.ALL_LINEAR) == 1_342_177_280  # --lora-target-modules
+    assert mlora.lora_slots_bytes("llmlab-tiny", 2, 8) == 1_671_168  # float32, not 1,114,112
+    assert mlora.lora_slots_bytes("llmlab-tiny", 2, 8, dtype="bfloat16") == 835_584  # what the engine allocated
+    assert mlora.lora_slots_bytes("llmlab-tiny", 2, 8, mlora.VOCABULARY) == 2 * 2 * 8 * (4096 + 256) * 4
+
+
+def test_max_lora_rank_takes_only_vllms_values():
+    assert [mlora.allowed_rank(r) for r in (1, 2, 8, 12, 24, 300, 512)] == [1, 8, 8, 16, 32, 320, 512]
+    with pytest.raises(ValueError, match="rank 512 at most"):
+        mlora.allowed_rank(513)
+    with pytest.raises(ValueError, match="--max-lora-rank takes only 1, 8, 16"):
+        mlora.lora_slots_bytes("llama3.1-8b", 4, 12)
 
 
 @pytest.mark.parametrize("targets, says", [(("lm_head",), "lm_head"), ((), "(none)")])
@@ -86,8 +113,10 @@ def test_serve_args_name_each_adapter_and_the_largest_rank():
     assert args[:2] == ["--enable-lora", "--lora-modules"]
     assert [a.split("=")[0] for a in args[2:4]] == ["kjv", "rv1909"]
     assert args[4:] == ["--max-loras", "1", "--max-lora-rank", "8"]
-    with pytest.raises(lora.AdapterError, match="rank above max_rank=4.*max_rank=8"):
-        lora.serve_args(max_rank=4)
+    with pytest.raises(lora.AdapterError, match="rank above max_rank=1.*max_rank=8"):
+        lora.serve_args(max_rank=1)
+    with pytest.raises(lora.AdapterError, match="takes only 1, 8, 16.*pass 16"):
+        lora.serve_args(max_rank=12)
     with pytest.raises(lora.AdapterError, match="No adapter to serve"):
         lora.serve_args({})
     with pytest.raises(lora.AdapterError, match="at least 1 adapter slot"):
@@ -153,9 +182,26 @@ def test_with_tensor_parallelism_each_gpu_holds_more_than_its_share_of_the_slots
     whole_a = h * 5                              # the in-width of q, k, v, gate, up
     cut_b = (h + kv + kv + inter + inter) // 4
     cut_a, whole_b = (h + inter) // 4, h * 2      # o: in h, out h; down: in 28,672, out h
-    assert four == 8 * 16 * 80 * (whole_a + cut_b + cut_a + whole_b) * 2
+    vocabulary = 16 * 2 * (128_256 + h)          # the embedding's and the LM head's slots: whole on every GPU
+    assert four == 8 * (16 * 80 * (whole_a + cut_b + cut_a + whole_b) + vocabulary) * 2
     assert one / 4 < four < one
     assert mlora.lora_slots_bytes("llama3.1-70b", 8, 16, tp=1) == one
     with pytest.raises(ValueError, match="whole number of GPUs"):
         mlora.lora_slots_bytes("llama3.1-70b", 8, 16, tp=0)
     assert memory.lora is mlora  # reachable as llmlab.memory.lora after `from llmlab import memory`
+
+
+def test_slot_states_reads_each_state_of_vllms_lora_gauge_latest_last(monkeypatch):
+    from llmlab.serve.metrics import parse_prometheus
+
+    text = """# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="rv1909,kjv",waiting_lora_adapters=""} 1.7e9
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="kjv",waiting_lora_adapters="rv1909"} 1.6e9
+vllm:num_requests_running 0
+"""
+    monkeypatch.setattr(lora, "fetch_metrics", lambda url, key: parse_prometheus(text))
+    client = type("Client", (), {"base_url": "http://x/v1", "api_key": "k"})()
+    assert lora.slot_states(client).to_dict("records") == [{"running": "kjv", "waiting": "rv1909", "max_lora": 2},
+                                                           {"running": "kjv, rv1909", "waiting": "", "max_lora": 2}]
+    monkeypatch.setattr(lora, "fetch_metrics", lambda url, key: parse_prometheus("vllm:num_requests_running 0\n"))
+    assert lora.slot_states(client).empty  # a server started without --enable-lora

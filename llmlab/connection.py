@@ -88,10 +88,13 @@ def resolve() -> Found:
 
 
 def connect(base_url: str | None = None, api_key: str | None = None, *, quiet: bool = False,
-            timeout: float = 10.0) -> Connection:
+            timeout: float = 30.0) -> Connection:
     """Find a server (see the module docstring), check that it answers, and return ``(client, model)``.
 
-    Raises ``ServerUnavailable`` or ``AuthenticationFailed`` with one sentence that says what to do.
+    Raises ``ServerUnavailable`` or ``AuthenticationFailed`` with one sentence that says what to do.  ``timeout``:
+    seconds the first request (the model list) may take.  A server that is down refuses at once; one that is up but
+    busy -- a 2-core machine's CPU server behind another engine's start -- once took more than 10 s to list its
+    model, and a working server was called down (make test, 2026-11-28).
     """
     import openai
 

@@ -1,9 +1,10 @@
 """The workshop guide's own commands, run (issue 47): each fenced block of docs/workshop.md marked
 ``<!-- guide:run -->`` is run in the guide's order under the SLURM test bed, as an instructor would type it, then
-the job it launched is stopped.  The few words a test bed cannot have are swapped by the table below (the 70B for
-the course's CPU job, the site's partition, group and folders for the test bed's); every flag and the order of the
-steps are the guide's, so a flag that drifts, a step that no longer works or a block that stops making sense fails
-CI.  tests/unit/test_guide.py parses every other command the guides name."""
+the job it launched is stopped.  The few words a test bed cannot have are swapped by the table below: the 70B for
+the course's CPU job on one node (no Ray: a second engine's start beside the other lane's is load enough), the
+site's partition, group and folders for the test bed's.  Every flag and the order of the steps are the guide's, so
+a flag that drifts, a step that no longer works or a block that stops making sense fails CI.
+tests/unit/test_guide.py parses every other command the guides name."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def marked_blocks(text: str) -> list[list[str]]:
 def for_the_test_bed(cmd: str, share_dir: Path) -> str:
     """The guide's command with a site's words made the test bed's (see the module docstring; the share group is
     the tester's own)."""
-    swaps = [(r"\bllama3\.1-70b\b", "llmlab-tiny-cpu"), (r"--max-model-len \d+ ?", ""), (r"--account \S+ ?", ""),
+    swaps = [(r"\bllama3\.1-70b\b", "llmlab-tiny-cpu --nodes 1"), (r"--max-model-len \d+ ?", ""),
+             (r"--account \S+ ?", ""),
              (r"\bGPU_PARTITION\b", "debug"), (r"--share \S+", f"--share {grp.getgrgid(os.getgid()).gr_name}"),
              (r"/scratch/course/ws", str(share_dir))]
     for pattern, new in swaps:

@@ -193,7 +193,9 @@ def _by_source(m) -> dict[str, int]:
 
 
 def decoder_counts(client) -> dict:
-    """One scrape of the counters :func:`decode_beside_prefills` compares: engine ``steps`` so far, ``mixed_steps``
+    """One scrape of the counters :func:`decode_beside_prefills` compares: engine ``steps`` so far (as vLLM counts
+    them, :data:`STEPS`: the steps that gave some request output, so a step that computed only a chunk of a prompt
+    is not one; these prompts fit one step each), ``mixed_steps``
     (those that computed more than one token: a decode step of one running answer computes 1, so a step above 1 on
     an engine that runs one answer carried prompt tokens beside it), the prompt tokens it ``computed``, the answer
     tokens it ``generated``, and ``gaps``, its histogram of the gaps between a request's tokens

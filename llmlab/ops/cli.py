@@ -148,6 +148,7 @@ def cmd_course(args) -> int:
         return 0
     try:
         found = course.sync(Path(args.root), check=args.check)
+        print(course.timing(course.load(), Path(args.root)))  # the path's minutes against its slots
     except course.ManifestError as e:
         print(e, file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from llmlab.ops import paths
-from llmlab.ops.exercises import source_text
+from llmlab.ops.exercises import BEGIN, END, source_text
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = Path(__file__).resolve().parents[1] / "course.toml"
@@ -72,15 +72,27 @@ class Lesson:
 
 @dataclass(frozen=True)
 class Step:
-    """One line of a workshop path: a lesson's sections at a time of day, or a break (no lesson)."""
-    at: str
+    """One step of a workshop path: the instructor's ``talk``, then a lesson's sections and exercises in ``slot``
+    minutes of the learners' own; a step with no lesson is a break (its slot is the break)."""
+    slot: int
     lesson: str = ""
     sections: str = ""
     exercises: str = ""
+    talk: int = 0
 
-    def section_numbers(self) -> list[int]:
-        """``"1-4, 7"`` -> ``[1, 2, 3, 4, 7]``."""
-        return _numbers(self.sections)
+    def section_list(self) -> list[paths.Section]:
+        """``"1-4, 7, On a real cluster"`` -> ``[1, 2, 3, 4, 7, "On a real cluster"]``: numbers for ``## N.``
+        sections, a heading's text for the others."""
+        out = []
+        for part in filter(None, (p.strip() for p in self.sections.split(","))):
+            out += _numbers(part) if re.fullmatch(r"\d+(\s*-\s*\d+)?", part) else [part]
+        return out
+
+    def sections_text(self) -> str:
+        """The sections as a learner reads them: ``1, 4, 5 and "On a real cluster"``."""
+        shown = [p if re.fullmatch(r"[\d\s-]+", p) else f'"{p}"'
+                 for p in (p.strip() for p in self.sections.split(",")) if p]
+        return ", ".join(shown[:-1]) + " and " + shown[-1] if len(shown) > 1 else shown[0]
 
     def exercise_numbers(self) -> list[int]:
         """``"Exercises 1-2"`` -> ``[1, 2]``; ``"--"`` -> ``[]``."""
@@ -96,11 +108,20 @@ def _numbers(text: str) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Pace:
+    """How the path's minutes are computed from its cells (the ``[workshop]`` table's figures; see its comment)."""
+    taught: int = 180                    # the class, talk and break included
+    words_per_minute: int = 130          # dense technical prose, read by a newcomer
+    code_cell_minutes: float = 0.75      # read a cell, run it, look at what it printed
+    written_line_minutes: float = 1.5    # a line of an exercise's answer: write it, run the check, read its hint
+
+
+@dataclass(frozen=True)
 class Course:
     lessons: list[Lesson]
     workshop_title: str
-    workshop_end: str
     workshop: list[Step]
+    pace: Pace = field(default_factory=Pace)
 
     def lesson(self, number: str) -> Lesson:
         for lesson in self.lessons:
@@ -134,12 +155,13 @@ def load(path: Path = MANIFEST) -> Course:
     numbers = [ls.number for ls in lessons]
     if numbers != sorted(numbers) or len(set(numbers)) != len(numbers):
         raise ManifestError(f"{path}: lesson numbers must be unique and in order; they are {', '.join(numbers)}.")
-    ws = data.get("workshop", {})
-    steps = [_row(Step, raw, f"{path}, workshop step {i + 1}") for i, raw in enumerate(ws.get("step", []))]
-    for st in steps:
+    ws = dict(data.get("workshop", {}))
+    steps = [_row(Step, raw, f"{path}, workshop step {i + 1}") for i, raw in enumerate(ws.pop("step", []))]
+    for i, st in enumerate(steps):
         if st.lesson and st.lesson not in numbers:
-            raise ManifestError(f"{path}: the workshop step at {st.at} names lesson {st.lesson}, which has no row.")
-    return Course(lessons, ws.get("title", "The workshop path"), ws.get("end", ""), steps)
+            raise ManifestError(f"{path}: workshop step {i + 1} names lesson {st.lesson}, which has no row.")
+    title = ws.pop("title", "The workshop path")
+    return Course(lessons, title, steps, _row(Pace, ws, f"{path}, [workshop]"))
 
 
 # --- what the manifest renders --------------------------------------------------------------------------------
@@ -166,53 +188,148 @@ def home_map(course: Course, root: Path = ROOT) -> str:
     return "\n".join(rows)
 
 
-def workshop_table(course: Course) -> str:
-    rows = [f"## {course.workshop_title}", "",
-            "For a workshop of three hours, follow these sections in this order; skip the others (they stay for "
-            "later).", "", "| time | lesson | sections | exercise |", "|---|---|---|---|"]
+def clock(minutes: float) -> str:
+    """Minutes from the class's start as a time of day on a clock that starts at 0:00."""
+    return f"{int(minutes) // 60}:{int(minutes) % 60:02d}"
+
+
+def schedule(course: Course) -> list[tuple[int, Step]]:
+    """Each step with its start, in minutes from the class's start: its talk, then its slot (times are computed,
+    so a longer slot moves every step after it)."""
+    out, at = [], 0
     for st in course.workshop:
+        out.append((at, st))
+        at += st.talk + st.slot
+    return out
+
+
+def taught_minutes(course: Course) -> int:
+    """The class as the manifest plans it: every step's talk and slot, and the breaks."""
+    return sum(st.talk + st.slot for st in course.workshop)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """What a path step asks of a learner, counted from its cells, and the minutes that makes at the manifest's pace
+    (the words folded into ``<details>`` asides are counted apart: they are not on the path's clock)."""
+    words: int
+    folded: int
+    code_cells: int
+    exercise_words: int
+    exercise_cells: int
+    written_lines: int
+    minutes: float
+
+
+def _written_lines(cell: dict) -> int:
+    """Lines of an answer the learner writes: code between the solution's markers (not blank, not a comment)."""
+    lines, inside = 0, False
+    for line in source_text(cell).splitlines():
+        s = line.strip()
+        if s in (BEGIN, END):
+            inside = s == BEGIN
+        elif inside and s and not s.startswith("#"):
+            lines += 1
+    return lines
+
+
+def step_time(course: Course, st: Step, root: Path = ROOT) -> StepTime:
+    """Count a lesson step's path cells (:func:`paths.path_notebook`) and its path exercises (as the solutions hold
+    them) and turn them into minutes: reading at ``words_per_minute``, every code cell at ``code_cell_minutes``,
+    every line of an answer at ``written_line_minutes``."""
+    ls, pace = course.lesson(st.lesson), course.pace
+    lesson = paths.path_notebook(root / ls.notebook, st.section_list())["cells"]
+    ex = (paths.exercises_notebook(root / ls.solution, st.exercise_numbers())["cells"]
+          if st.exercise_numbers() and (root / ls.solution).is_file() else [])
+    words = [paths.reading_words(c) for c in lesson]
+    ex_words = sum(paths.reading_words(c)[0] for c in ex)
+    code = sum(c["cell_type"] == "code" for c in lesson)
+    ex_code = sum(c["cell_type"] == "code" for c in ex)
+    written = sum(_written_lines(c) for c in ex if c["cell_type"] == "code")
+    read = sum(w for w, _ in words)
+    minutes = ((read + ex_words) / pace.words_per_minute + (code + ex_code) * pace.code_cell_minutes
+               + written * pace.written_line_minutes)
+    return StepTime(read, sum(f for _, f in words), code, ex_words, ex_code, written, minutes)
+
+
+def _path_rows(course: Course, root: Path, notebooks: str) -> list[str]:
+    """The path's steps as table rows: start, lesson (a link, ``notebooks`` being the way from the page to the
+    lessons), sections, exercises (a link), slot; then the end and what the class and a learner alone take."""
+    rows = ["| time | lesson | sections | then | minutes |", "|---|---|---|---|---|"]
+    for at, st in schedule(course):
         if st.lesson:
             ls = course.lesson(st.lesson)
-            rows.append(f"| {st.at} | {ls.number} {ls.title} | {st.sections} | {st.exercises} |")
+            then = f"[{st.exercises}](../{ls.exercise})" if st.exercise_numbers() else ""
+            rows.append(f"| {clock(at)} | [{ls.number} {ls.title}]({notebooks}{ls.stem}.ipynb) | "
+                        f"{st.sections_text()} | {then} | {st.slot} |")
         else:
-            rows.append(f"| {st.at} | break | | |")
-    rows.append(f"| {course.workshop_end} | end | | |")
-    return "\n".join(rows)
+            rows.append(f"| {clock(at)} | break | | | {st.slot} |")
+    talk = sum(st.talk for st in course.workshop)
+    pause = sum(st.slot for st in course.workshop if not st.lesson)
+    own = sum(step_time(course, st, root).minutes for st in course.workshop if st.lesson)
+    pace = course.pace
+    return rows + [f"| {clock(taught_minutes(course))} | end | | | |", "",
+                   f"Taught, the path is a class of {clock(taught_minutes(course))} hours: {talk} minutes of the "
+                   f"instructor's talk between the steps, a {pause}-minute break, and each step's minutes of your "
+                   f"own. Alone, at your own pace, it takes about {5 * round(own / 5)} minutes (reading at "
+                   f"{pace.words_per_minute} words a minute, {pace.code_cell_minutes:g} min a code cell, "
+                   f"{pace.written_line_minutes:g} min a line of an answer)."]
 
 
-READING_WORDS_PER_MINUTE = 200  # an adult's reading of technical prose, about
-
-
-def path_load(course: Course, root: Path = ROOT) -> tuple[int, int]:
-    """Words of prose and code cells a learner meets on the workshop path (the lessons' sections as the room runs
-    them, :func:`write_path`; the exercises come on top): what a realistic timing is made from."""
-    words = cells = 0
-    for st in course.workshop:
-        if st.lesson:
-            nb = paths.path_notebook(root / course.lesson(st.lesson).notebook, st.section_numbers())
-            words += sum(len(source_text(c).split()) for c in nb["cells"] if c["cell_type"] == "markdown")
-            cells += sum(c["cell_type"] == "code" for c in nb["cells"])
-    return words, cells
+def workshop_table(course: Course, root: Path = ROOT) -> str:
+    """The home page's path: each step's lesson and exercises as links (they open in JupyterLab), its minutes."""
+    return "\n".join([f"## {course.workshop_title}", "",
+                      "For a workshop of three hours, open each step's lesson and run the sections named here, in "
+                      "this order (the lesson's first cell names them too); skip the others: they stay for later.",
+                      "", *_path_rows(course, root, "")])
 
 
 def handout(course: Course, root: Path = ROOT) -> str:
     """The learner's page (docs/handout.md): what to open when, and what the path asks of them in time."""
-    rows = ["| time | open | sections | then |", "|---|---|---|---|"]
-    for st in course.workshop:
-        if st.lesson:
-            ls = course.lesson(st.lesson)
-            rows.append(f"| {st.at} | [{ls.number} {ls.title}](../{ls.notebook}) | {st.sections} | "
-                        f"{st.exercises if st.exercises != '--' else ''} |")
-        else:
-            rows.append(f"| {st.at} | break | | |")
-    rows.append(f"| {course.workshop_end} | end | | |")
-    words, cells = path_load(course, root)
-    reading = words / READING_WORDS_PER_MINUTE
-    rows += ["", f"The path is {words:,} words to read and {cells} code cells to run, besides the exercises: about "
-             f"{reading:.0f} minutes of reading alone at {READING_WORDS_PER_MINUTE} words a minute. Taught, with "
-             "the instructor talking and questions asked, plan three and a half to four hours, or leave the "
-             "exercises for afterwards."]
+    return "\n".join(_path_rows(course, root, "../notebooks/"))
+
+
+def timing(course: Course, root: Path = ROOT) -> str:
+    """The path's table for the instructor (``llmlab course`` prints it): each step's counts, computed minutes and
+    slot, the class's total and the self-paced time."""
+    pace = course.pace
+    rows = [f"{course.workshop_title}: minutes computed at {pace.words_per_minute} words a minute, "
+            f"{pace.code_cell_minutes:g} min a code cell, {pace.written_line_minutes:g} min a line of an answer",
+            f"{'start':>5}  {'step':<28} {'words':>6} {'folded':>6} {'cells':>5} {'ex.words':>8} {'ex.cells':>8} "
+            f"{'lines':>5} {'computed':>8} {'slot':>4} {'talk':>4}"]
+    own = 0.0
+    for at, st in schedule(course):
+        if not st.lesson:
+            rows.append(f"{clock(at):>5}  {'break':<28} {'':>6} {'':>6} {'':>5} {'':>8} {'':>8} {'':>5} {'':>8} "
+                        f"{st.slot:>4} {st.talk:>4}")
+            continue
+        ls, tm = course.lesson(st.lesson), step_time(course, st, root)
+        own += tm.minutes
+        flag = "  OVER" if tm.minutes > st.slot else ""
+        rows.append(f"{clock(at):>5}  {(ls.number + ' ' + ls.title)[:28]:<28} {tm.words:>6,} {tm.folded:>6,} "
+                    f"{tm.code_cells:>5} {tm.exercise_words:>8} {tm.exercise_cells:>8} {tm.written_lines:>5} "
+                    f"{tm.minutes:>8.1f} {st.slot:>4} {st.talk:>4}{flag}")
+    slots = sum(st.slot for st in course.workshop if st.lesson)
+    talk = sum(st.talk for st in course.workshop)
+    rows.append(f"taught: {taught_minutes(course)} of {pace.taught} min ({talk} talk, "
+                f"{sum(st.slot for st in course.workshop if not st.lesson)} break, {slots} in the steps' slots); "
+                f"self-paced: {own:.0f} min of the learner's own (no talk, no break)")
     return "\n".join(rows)
+
+
+def banner(course: Course, lesson: Lesson) -> str | None:
+    """The line a path lesson's first cell carries (rendered, like the home page's table): which of its sections
+    and exercises are on the path; None for a lesson off the path."""
+    steps = [(at, st) for at, st in schedule(course) if st.lesson == lesson.number]
+    if not steps:
+        return None
+    at, st = steps[0]
+    lessons = [s for s in course.workshop if s.lesson]
+    then = f", then {st.exercises} in [its exercises](../{lesson.exercise})" if st.exercise_numbers() else ""
+    many = len(st.section_list()) > 1
+    return (f"> **On the 3-hour path** (step {lessons.index(st) + 1} of {len(lessons)}, at {clock(at)}, "
+            f"{st.slot} min): section{'s' if many else ''} {st.sections_text()}{then}. The other sections stay "
+            "for later.")
 
 
 def readme_outline(course: Course) -> str:
@@ -282,7 +399,7 @@ class Region:
 
 REGIONS = [
     Region(HOME, "map", lambda c, r: home_map(c, r)),
-    Region(HOME, "workshop", lambda c, r: workshop_table(c)),
+    Region(HOME, "workshop", lambda c, r: workshop_table(c, r)),
     Region("README.md", "outline", lambda c, r: readme_outline(c)),
     Region("docs/handout.md", "handout", lambda c, r: handout(c, r)),
     Region("docs/architecture.md", "topics", lambda c, r: architecture_rows(c, r)),
@@ -336,26 +453,56 @@ def problems(course: Course, root: Path = ROOT) -> list[str]:
         out += [f"lesson {ls.number}: check module llmlab/check/{c}.py does not exist." for c in ls.checks
                 if not (root / "llmlab" / "check" / f"{c}.py").is_file()]
         out += [f"lesson {ls.number}: test module {t}.py is not under tests/." for t in ls.tests if t not in tests]
-    for st in course.workshop:
+    for at, st in schedule(course):
         if st.lesson and (root / course.lesson(st.lesson).notebook).is_file():
-            have = {int(m[1]) for h in _headings(root / course.lesson(st.lesson).notebook, "##")
-                    if (m := re.match(r"## (\d+)\.", h))}
-            out += [f"the workshop step at {st.at}: lesson {st.lesson} has no section {n} (its '## {n}.' heading)."
-                    for n in st.section_numbers() if n not in have]
-            solution = root / course.lesson(st.lesson).solution
-            if solution.is_file():
-                have = paths.exercise_numbers(json.loads(solution.read_text()))
-                out += [f"the workshop step at {st.at}: {course.lesson(st.lesson).solution} has no Exercise {n} (its "
-                        f"'### Exercise {n}' heading)." for n in st.exercise_numbers() if n not in have]
-                cells = paths.exercises_notebook(solution, st.exercise_numbers())["cells"]
-                out += [f"the workshop step at {st.at}: lesson {st.lesson}'s {st.exercises} use {name!r} (cell {i + 1} "
-                        "of the exercises a room runs) but never define it: define it in the solution's setup cells."
-                        for i, name in paths.undefined_names(cells)]
-            cells = paths.path_notebook(root / course.lesson(st.lesson).notebook, st.section_numbers())["cells"]
-            out += [f"the workshop step at {st.at}: lesson {st.lesson}'s sections {st.sections} use {name!r} (cell "
-                    f"{i + 1} of the path) but never define it, so a learner meets a NameError: add the section that "
-                    "defines it to the path, or define it in the lesson's setup cells."
-                    for i, name in paths.undefined_names(cells)]
+            out += _step_problems(course, at, st, root)
+    for part in ("notebooks", "solutions"):
+        for nb in sorted((root / part).glob("*.ipynb")):
+            out += [f"{part}/{nb.name}, cell {i}: the heading {line!r} has text above it in its cell, so that text "
+                    "goes with the heading's section (and off a path that skips it): split the cell at the heading."
+                    for i, line in paths.buried_headings(json.loads(nb.read_text()))]
+    return out
+
+
+def _step_problems(course: Course, at: int, st: Step, root: Path) -> list[str]:
+    """A path step's sections and exercises that the lesson lacks, names they use but never define, and computed
+    minutes over the slot."""
+    ls = course.lesson(st.lesson)
+    name = f"the workshop step at {clock(at)} ({ls.number} {ls.title})"
+    have = paths.sections(json.loads((root / ls.notebook).read_text()))
+    out = [f"{name}: {ls.notebook} has no section {s!r} (its '## {s}.' heading)." if isinstance(s, int) else
+           f"{name}: {ls.notebook} has no section {s!r} (a '## {s}' heading)." for s in st.section_list()
+           if s not in have]
+    solution = root / ls.solution
+    if solution.is_file():
+        have = paths.exercise_numbers(json.loads(solution.read_text()))
+        out += [f"{name}: {ls.solution} has no Exercise {n} (its '### Exercise {n}' heading)."
+                for n in st.exercise_numbers() if n not in have]
+        cells = paths.exercises_notebook(solution, st.exercise_numbers())["cells"]
+        out += [f"{name}: lesson {st.lesson}'s {st.exercises} use {n!r} (cell {i + 1} of the exercises a room runs) "
+                "but never define it: define it in the solution's setup cells."
+                for i, n in paths.undefined_names(cells)]
+    cells = paths.path_notebook(root / ls.notebook, st.section_list())["cells"]
+    out += [f"{name}: lesson {st.lesson}'s sections {st.sections} use {n!r} (cell {i + 1} of the path) but never "
+            "define it, so a learner meets a NameError: add the section that defines it to the path, or define it "
+            "in the lesson's setup cells." for i, n in paths.undefined_names(cells)]
+    return out
+
+
+def overruns(course: Course, root: Path = ROOT) -> list[str]:
+    """The path's steps whose cells need more minutes than their slot, and talk, slots and breaks over the class."""
+    out = []
+    for at, st in schedule(course):
+        if st.lesson and (tm := step_time(course, st, root)).minutes > st.slot:
+            ls = course.lesson(st.lesson)
+            out.append(f"the workshop step at {clock(at)} ({ls.number} {ls.title}): its cells compute to "
+                       f"{tm.minutes:.1f} min ({tm.words:,} words, {tm.code_cells} code cells, then "
+                       f"{tm.exercise_words} words, {tm.exercise_cells} code cells and {tm.written_lines} lines to "
+                       f"write in {st.exercises}), {tm.minutes - st.slot:.1f} over its slot of {st.slot}: fold "
+                       "asides into <details>, move text off the path's sections, or give the step a longer slot.")
+    if taught_minutes(course) > course.pace.taught:
+        out.append(f"the workshop's talk, slots and breaks add up to {taught_minutes(course)} min, more than the "
+                   f"taught class of {course.pace.taught}: shorten a slot or a talk in llmlab/course.toml.")
     return out
 
 
@@ -369,7 +516,7 @@ def write_path(course: Course, out: Path, root: Path = ROOT, exercises: bool = F
         if st.lesson:
             ls = course.lesson(st.lesson)
             written.append(_write(out / Path(ls.notebook).name,
-                                  paths.path_notebook(root / ls.notebook, st.section_numbers())))
+                                  paths.path_notebook(root / ls.notebook, st.section_list())))
             if exercises and st.exercise_numbers():
                 written.append(_write(out / f"{Path(ls.notebook).stem}.exercises.ipynb",
                                       paths.exercises_notebook(root / ls.solution, st.exercise_numbers())))
@@ -387,14 +534,45 @@ def _write(file: Path, nb: dict) -> Path:
     return file
 
 
+BANNER = Region("", "path", lambda c, r: "")  # its markers; each lesson's body is :func:`banner`'s line
+
+
+def _with_banner(path: Path, line: str | None) -> str:
+    """A lesson's text with its path banner set to ``line`` in its first cell, under the title (the markers are put
+    there if missing), or taken out (``None``: a lesson off the path)."""
+    nb = json.loads(path.read_text())
+    first = nb["cells"][0]
+    text = source_text(first)
+    start, stop = text.find(BANNER.begin), text.find(BANNER.end)
+    if start < 0 and line is None:
+        return path.read_text()
+    if start >= 0 and stop > start:
+        text = text[:start] + text[stop + len(BANNER.end):].lstrip("\n")
+    if line is not None:
+        title, _, rest = text.partition("\n")
+        text = f"{title}\n\n{BANNER.begin}\n{line}\n{BANNER.end}\n\n{rest.lstrip(chr(10))}".rstrip("\n")
+    first["source"] = text.splitlines(True)
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+def rendered(course: Course, root: Path = ROOT) -> dict[str, str]:
+    """Every file the manifest renders into, with its new text: the regions' files, and each lesson's first cell
+    (its path banner, or none)."""
+    out = {path: _render_file(root / path, [r for r in REGIONS if r.path == path], course, root)
+           for path in dict.fromkeys(r.path for r in REGIONS)}
+    for ls in course.lessons:
+        if (root / ls.notebook).is_file():
+            out[ls.notebook] = _with_banner(root / ls.notebook, banner(course, ls))
+    return out
+
+
 def sync(root: Path = ROOT, check: bool = False, manifest: Path = MANIFEST) -> list[str]:
     """Render every region.  ``check``: write nothing, return one message per file that differs (with the first
     differing line) and per problem of :func:`problems`; otherwise write the files and return those problems."""
     course = load(manifest)
     out = problems(course, root)
-    for path in dict.fromkeys(r.path for r in REGIONS):
+    for path, new in rendered(course, root).items():
         file = root / path
-        new = _render_file(file, [r for r in REGIONS if r.path == path], course, root)
         old = file.read_text()
         if new == old:
             continue

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmlab.ops import course
+from llmlab.ops import course, paths
 from llmlab.ops.cli import main
 
 ROOT = course.ROOT
@@ -62,14 +62,16 @@ def test_a_notebook_without_a_row_and_a_missing_workshop_section_are_named(tree)
     (tree / "notebooks" / "04_sampling.ipynb").write_text(json.dumps(nb))
     found = course.problems(course.load(), tree)
     assert "notebooks/16_new_lesson.ipynb has no row in llmlab/course.toml: add one ([[lesson]])." in found
-    assert any("lesson 04 has no section 3" in p for p in found)
+    assert any("notebooks/04_sampling.ipynb has no section 3 (its '## 3.' heading)" in p for p in found)
 
 
 @pytest.mark.parametrize("edit,message", [
     (lambda t: t.replace('minutes = 15', 'minutes = 15\nminuets = 3', 1), "unknown field 'minuets'"),
     (lambda t: t.replace('title = "Setup"\n', '', 1), "field 'title' is missing"),
     (lambda t: t.replace('number = "01"', 'number = "00"', 1), "must be unique and in order"),
-    (lambda t: t.replace('lesson = "05"', 'lesson = "55"', 1), "names lesson 55, which has no row"),
+    (lambda t: t.replace('lesson = "06"', 'lesson = "55"', 1), "names lesson 55, which has no row"),
+    (lambda t: t.replace('talk = 5', 'talk = 5\nat = "0:00"', 1), "unknown field 'at'"),
+    (lambda t: t.replace('taught = 180', 'taught = 180\nreading = 200', 1), r"\[workshop\]: unknown field 'reading'"),
     (lambda t: t.replace('room = true', 'room = tru', 1), "is not valid TOML"),
 ])
 def test_a_malformed_manifest_names_the_row_and_the_field(tmp_path, edit, message):
@@ -79,10 +81,11 @@ def test_a_malformed_manifest_names_the_row_and_the_field(tmp_path, edit, messag
         course.load(bad)
 
 
-def test_workshop_sections_are_read_as_numbers_and_the_room_set_is_the_lessons_that_call_connect():
+def test_workshop_sections_are_read_as_numbers_and_headings_and_the_room_set_is_the_lessons_that_call_connect():
+    step = course.Step(slot=20, lesson="02", sections="1, 4-5, On a real cluster")
+    assert step.section_list() == [1, 4, 5, "On a real cluster"]
+    assert step.sections_text() == '1, 4-5 and "On a real cluster"'
     c = course.load()
-    first = c.workshop[1]
-    assert (first.lesson, first.section_numbers()) == ("01", [1, 2, 3, 4, 7])
     room = c.room_notebooks()
     assert course.HOME in room and "solutions/13_prefix_caching_at_scale.ipynb" in room
     finds = re.compile(r"llmlab\.connect\(\s*(\)|quiet=)")  # connect() with no URL: the server it finds
@@ -98,10 +101,13 @@ def test_a_path_that_skips_the_section_defining_a_name_is_a_nameerror_named_by_t
     """The review's finding: "04 sections 2-4" use ``top`` from section 1.  The check names the step, the name
     and the fix; the path as committed has no such name."""
     manifest = tmp_path / "course.toml"
-    manifest.write_text(course.MANIFEST.read_text().replace('lesson = "04"\nsections = "1-4"',
-                                                            'lesson = "04"\nsections = "2-4"', 1))
+    text = course.MANIFEST.read_text()
+    sections = re.search(r'lesson = "04"\nsections = "([^"]*)"', text)[1]
+    assert sections.startswith("1-")
+    manifest.write_text(text.replace(f'lesson = "04"\nsections = "{sections}"',
+                                     f'lesson = "04"\nsections = "2{sections[1:]}"', 1))
     found = course.problems(course.load(manifest))
-    assert [p for p in found if "lesson 04's sections 2-4 use 'top'" in p and "NameError" in p], found
+    assert [p for p in found if f"lesson 04's sections 2{sections[1:]} use 'top'" in p and "NameError" in p], found
     assert not [p for p in course.problems(course.load()) if "NameError" in p]
 
 
@@ -113,7 +119,7 @@ def test_the_path_notebooks_hold_the_setup_cells_and_the_listed_sections_only(tm
     nb = json.loads((tmp_path / "02_kv_caching.ipynb").read_text())
     headings = [line for cell in nb["cells"] if cell["cell_type"] == "markdown"
                 for line in course.source_text(cell).splitlines() if line.startswith("## ")]
-    assert [h.split(".")[0] for h in headings] == ["## 1", "## 4", "## 5"]  # "1, 4, 5"; not "On a real cluster"
+    assert [h.split(".")[0] for h in headings] == ["## 1", "## 4", "## 5", "## On a real cluster"]
     lesson = json.loads((ROOT / "notebooks" / "02_kv_caching.ipynb").read_text())["cells"]
     setup = next(i for i, cell in enumerate(lesson) if course.source_text(cell).startswith("## "))
     assert setup >= 2 and nb["cells"][:setup] == lesson[:setup]  # the title and the set-up cells come first
@@ -125,14 +131,14 @@ def test_a_rehearsed_room_runs_each_lessons_path_exercises_after_it_as_solved(tm
     c = course.load()
     written = [p.name for p in course.write_path(c, tmp_path, exercises=True)]
     assert written[written.index("02_kv_caching.ipynb") + 1] == "02_kv_caching.exercises.ipynb"
-    assert "05_logprobs.exercises.ipynb" not in written  # the path gives lesson 05 no exercise ("--")
+    assert "00_setup.exercises.ipynb" not in written  # the path gives lesson 00 no exercise ("--")
     nb = json.loads((tmp_path / "01_memory_arithmetic.exercises.ipynb").read_text())
     headings = [line for cell in nb["cells"] for line in course.source_text(cell).splitlines()
                 if line.startswith("### Exercise")]
     assert [h.split(":")[0] for h in headings] == ["### Exercise 1", "### Exercise 2"]  # "Exercises 1-2"
     code = "\n".join(course.source_text(cell) for cell in nb["cells"] if cell["cell_type"] == "code")
     assert "llmlab.check.weights_405b_fp16(" in code and "llmlab.check.h100s_for_405b(" in code
-    assert [st.exercise_numbers() for st in c.workshop if st.lesson][:3] == [[], [1, 2], [4]]
+    assert {st.lesson: st.exercise_numbers() for st in c.workshop if st.lesson}["01"] == [1, 2]
 
 
 def test_undefined_names_reads_magics_and_knows_what_a_kernel_defines():
@@ -143,15 +149,121 @@ def test_undefined_names_reads_magics_and_knows_what_a_kernel_defines():
     assert undefined_names(cells) == [(1, "g"), (1, "z")]
 
 
-def test_the_learners_handout_lists_the_paths_steps_and_a_timing_made_from_its_text():
-    """docs/handout.md (issue 47): each step's notebook as a link, its sections and exercise, and the path's words
-    and code cells counted from the notebooks, so that a lesson that grows changes the timing on paper too."""
+def test_the_learners_handout_and_the_home_page_link_each_step_and_state_the_taught_and_self_paced_time():
+    """docs/handout.md (issue 47) and the home page's path (issue 51): each step's lesson and exercises as links,
+    its sections and minutes, the class's time and the time alone, computed from the notebooks."""
     c = course.load()
-    page = course.handout(c)
-    for st in c.workshop:
-        if st.lesson:
-            ls = c.lesson(st.lesson)
-            assert f"| {st.at} | [{ls.number} {ls.title}](../{ls.notebook}) | {st.sections} |" in page
-    words, cells = course.path_load(c)
-    assert words > 1000 and cells > 10 and f"{words:,} words to read and {cells} code cells" in page
-    assert page in (ROOT / "docs" / "handout.md").read_text()  # rendered into the page (llmlab course --check)
+    own = sum(course.step_time(c, st).minutes for st in c.workshop if st.lesson)
+    for page, to_lessons in ((course.handout(c), "../notebooks/"), (course.workshop_table(c), "")):
+        for at, st in course.schedule(c):
+            if st.lesson:
+                ls = c.lesson(st.lesson)
+                assert f"| {course.clock(at)} | [{ls.number} {ls.title}]({to_lessons}{ls.stem}.ipynb) | " in page
+                assert (f"[{st.exercises}](../{ls.exercise})" in page) == bool(st.exercise_numbers())
+        assert f"a class of {course.clock(course.taught_minutes(c))} hours" in page
+        assert f"about {5 * round(own / 5)} minutes" in page  # rounded: a prose edit rarely changes it
+    assert course.handout(c) in (ROOT / "docs" / "handout.md").read_text()  # rendered (llmlab course --check)
+    home = "".join(course.source_text(cell) for cell in json.loads((ROOT / course.HOME).read_text())["cells"])
+    assert course.workshop_table(c) in home
+
+
+def test_the_paths_minutes_are_computed_from_its_cells_at_the_manifests_pace(tree):
+    """Issue 51: 130 more words on a path section cost a minute, a code cell 0.75, a line of an answer 1.5; words
+    folded into a <details> aside cost nothing; a section off the path costs nothing."""
+    c = course.load()
+    step = next(st for st in c.workshop if st.lesson == "03")
+    before = course.step_time(c, step, tree)
+    nb_path = tree / c.lesson("03").notebook
+    nb = json.loads(nb_path.read_text())
+    first = next(i for i, cell in enumerate(nb["cells"]) if course.source_text(cell).startswith("## 1."))
+    off = next(i for i, cell in enumerate(nb["cells"]) if course.source_text(cell).startswith("## 6."))
+    word = {"cell_type": "markdown", "metadata": {}, "source": "word " * 130}
+    aside = {"cell_type": "markdown", "metadata": {},
+             "source": "<details><summary>Why</summary>\n\n" + "aside " * 500 + "\n</details>"}
+    code = {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [], "source": "x = 1"}
+    nb["cells"][off + 1:off + 1] = [word, code]  # in section 6: off the path
+    nb["cells"][first + 1:first + 1] = [word, aside, code]
+    nb_path.write_text(json.dumps(nb))
+    after = course.step_time(c, step, tree)
+    assert (after.words, after.folded, after.code_cells) == (before.words + 131, before.folded + 500,
+                                                              before.code_cells + 1)
+    assert after.minutes - before.minutes == pytest.approx(131 / 130 + 0.75)
+    assert before.written_lines >= 1 and before.minutes == pytest.approx(
+        (before.words + before.exercise_words) / 130 + (before.code_cells + before.exercise_cells) * 0.75
+        + before.written_lines * 1.5)
+
+
+def test_a_step_over_its_slot_and_slots_over_the_class_fail_the_check(tmp_path):
+    text = course.MANIFEST.read_text()
+    slot = re.search(r'lesson = "00"\nsections = "[^"]*"\nexercises = "[^"]*"\ntalk = \d+\nslot = (\d+)', text)
+    manifest = tmp_path / "course.toml"
+    manifest.write_text(text[:slot.start(1)] + "1" + text[slot.end(1):])
+    found = course.overruns(course.load(manifest))
+    over = [p for p in found if "(00 Setup)" in p]
+    assert len(over) == 1 and "over its slot of 1" in over[0] and "<details>" in over[0], found
+    manifest.write_text(text[:slot.start(1)] + "60" + text[slot.end(1):])
+    found = course.overruns(course.load(manifest))
+    assert [p for p in found if "more than the taught class of 180" in p], found
+    assert course.timing(course.load()).splitlines()[-1].startswith("taught: ")
+
+
+def test_a_path_can_name_an_unnumbered_section_and_its_names_are_checked():
+    """Issue 51: "On a real cluster" sections were dropped from the path; the manifest names them by heading, the
+    path notebook holds them, and a name they take from a section off the path is found."""
+    md = lambda s: {"cell_type": "markdown", "metadata": {}, "source": s}  # noqa: E731
+    py = lambda s: {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [], "source": s}  # noqa: E731
+    nb = {"cells": [md("# Title"), py("import math"), md("## 1. One"), py("x = math.pi"), md("## 2. Two"),
+                    py("y = 2"), md("## On a real cluster"), py("print(x * 70)")]}
+    assert paths.sections(nb) == [1, 2, "On a real cluster"]
+    cut = paths.path_cells(nb, [2, "On a real cluster"])
+    assert [course.source_text(c) for c in cut][-2:] == ["## On a real cluster", "print(x * 70)"]
+    assert paths.undefined_names(cut) == [(5, "x")]
+    assert paths.undefined_names(paths.path_cells(nb, [1, "On a real cluster"])) == []
+
+
+def test_a_named_section_the_lesson_lacks_is_named(tmp_path):
+    manifest = tmp_path / "course.toml"
+    text = course.MANIFEST.read_text()
+    sections = re.search(r'lesson = "02"\nsections = "([^"]*)"', text)[1]
+    manifest.write_text(text.replace(f'sections = "{sections}"', f'sections = "{sections}, On a big cluster"', 1))
+    assert [p for p in course.problems(course.load(manifest))
+            if "02_kv_caching.ipynb has no section 'On a big cluster' (a '## On a big cluster' heading)" in p]
+
+
+def test_a_heading_below_text_in_its_cell_fails_the_check(tree, capsys):
+    """Issue 51 (F4): text above a '## ' heading in one cell went with the heading's section and off the path."""
+    assert not [p for p in course.problems(course.load(), tree) if "text above it" in p]
+    nb_path = tree / "notebooks" / "04_sampling.ipynb"
+    nb = json.loads(nb_path.read_text())
+    i = next(i for i, cell in enumerate(nb["cells"]) if course.source_text(cell).startswith("## 2."))
+    nb["cells"][i]["source"] = "The takeaway of section 1.\n\n" + course.source_text(nb["cells"][i])
+    nb_path.write_text(json.dumps(nb))
+    assert paths.buried_headings(nb) == [(i, course.source_text(nb["cells"][i]).splitlines()[2])]
+    assert main(["course", "--check", "--root", str(tree)]) == 1
+    assert f"notebooks/04_sampling.ipynb, cell {i}: the heading '## 2." in capsys.readouterr().err
+    hidden = {"cell_type": "markdown", "metadata": {}, "source": "<!-- a marker -->\n\n## 9. Fine"}
+    assert paths.buried_headings({"cells": [hidden]}) == []
+
+
+def test_each_path_lesson_carries_its_banner_in_its_first_cell_and_a_lesson_off_the_path_none(tree, tmp_path, capsys):
+    """Issue 51 (F2): the path is marked where learners work.  The banner is rendered from the manifest: a hand
+    edit fails the check, `llmlab course` writes it back, and a lesson taken off the path loses it."""
+    c = course.load()
+    for ls in c.lessons:
+        first = course.source_text(json.loads((ROOT / ls.notebook).read_text())["cells"][0])
+        line = course.banner(c, ls)
+        assert (line is not None) == any(st.lesson == ls.number for st in c.workshop)
+        assert (line in first) if line else course.BANNER.begin not in first
+    b02 = course.banner(c, c.lesson("02"))
+    assert b02.startswith("> **On the 3-hour path** (step ") and '"On a real cluster"' in b02 and "Exercise 4" in b02
+    nb_path = tree / c.lesson("02").notebook
+    nb_path.write_text(nb_path.read_text().replace("On the 3-hour path", "On the path", 1))
+    assert main(["course", "--check", "--root", str(tree)]) == 1
+    assert "notebooks/02_kv_caching.ipynb differs from llmlab/course.toml" in capsys.readouterr().err
+    text = course.MANIFEST.read_text()
+    manifest = tmp_path / "course.toml"
+    manifest.write_text(re.sub(r'lesson = "04"\n', 'lesson = "05"\n', text, count=1))
+    course.sync(tree, manifest=manifest)
+    first = lambda n: course.source_text(json.loads((tree / n).read_text())["cells"][0])  # noqa: E731
+    assert "On the 3-hour path" not in first(c.lesson("04").notebook)
+    assert "On the 3-hour path" in first(c.lesson("05").notebook) and b02 in first(c.lesson("02").notebook)

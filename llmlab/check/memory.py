@@ -5,7 +5,7 @@ Every expected figure comes from ``llmlab.memory``, which derives it from the mo
 
 from __future__ import annotations
 
-from llmlab.check.verdict import _is_number, _whole, require, right
+from llmlab.check.verdict import _is_number, _number, _whole, require, right
 
 
 def weights_405b_fp16(nbytes) -> None:
@@ -38,21 +38,45 @@ def weights_405b_fp16(nbytes) -> None:
     right(f"{n:,} bytes = {n / 1e9:.1f} GB = {n / 2**30:.1f} GiB.")
 
 
-def h100s_for_405b(count) -> None:
-    """01: H100s whose usable memory holds 405B's fp16 weights (no layout constraints yet)."""
+def h100s_for_405b(cards, count) -> None:
+    """01: H100s whose usable memory holds 405B's fp16 weights: the cards' worth before rounding, then the whole count.
+
+    Why both: a GB taken for a GiB (the weights in GB over GiB per card, or the 80 on the card's label) lands on the
+    same whole count here, so only the unrounded figure shows the slip that the lesson warns about
+    (learner-review-1)."""
     from llmlab import memory
 
+    need = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="H100-80")
+    worth = _number(cards, "cards (the cards' worth before rounding)")
+    weights_gb = memory.weight_bytes("llama3.1-405b", "float16") / 1e9  # 811.7
+    weights_gib = memory.weight_bytes("llama3.1-405b", "float16") / 2**30  # 756.0
+    reported = memory.GPUS["H100-80"].memory_gib  # 79.18
+    slips = {  # the same division with a GB where a GiB belongs: each rounds up to the right count
+        weights_gb / (0.9 * reported - 3): "that divides the weights in GB by a card in GiB: put both in bytes "
+        "(a GB is 10**9 bytes, a GiB 2**30).",
+        weights_gb / (0.9 * 80 - 3): "that uses the 80 GB on the card's label: vLLM sees the 79.18 GiB the card "
+        "reports; put the weights and the card in bytes.",
+        weights_gb / (0.9 * 80): "that uses the 80 GB on the label and leaves out the 3 GiB allowance: put the "
+        "weights and 0.9 x 79.18 GiB - 3 GiB in bytes.",
+        weights_gib / (0.9 * reported): "that leaves out the 3 GiB allowance (activations, CUDA graphs) per card.",
+        weights_gib / reported: "that uses the whole card: vLLM takes gpu_memory_utilization = 0.9 of it, less the "
+        "3 GiB allowance.",
+    }
+    for slip, hint in slips.items():
+        require(abs(worth - slip) > 0.01, hint)
+    require(1 < worth < 100, "cards is the weights divided by one card's usable memory: a number of cards (about "
+            "ten), not a size.")
+    direction = "many" if worth > need.weights else "few"
+    require(abs(worth - need.weights) <= 0.01, f"{worth:.2f} cards' worth is too {direction}: divide the weights in "
+            "bytes by 0.9 x 79.18 GiB - 3 GiB per card, in bytes.")
     n = _whole(count, "the number of H100s", "a GPU count rounds up (math.ceil): a part of a card is a whole card.")
-    expected = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="H100-80").weights_whole
     require(n != 16, "16 is what a layout on whole nodes of 8 needs (notebook 01, section 7); this question asks only "
-            "for the memory: usable bytes per GPU, divided into the weights, rounded up.")
-    require(n >= expected, f"{n} H100s do not hold the weights: use 0.9 x 79.18 GiB - 3 GiB per card, and round up.")
-    require(n == expected, f"{n} H100s hold them, but fewer do: divide the weights by 0.9 x 79.18 GiB - 3 GiB "
-            "(in bytes), then round up.")
-    # GB for GiB (80 GB label, or GB everywhere) also rounds up to this count: the check cannot see the slip, so the
-    # right answer names it (learner-review-1)
-    right(f"{n} H100s: the weights fill {memory.gpus_needed('llama3.1-405b', 'float16').weights:.2f} cards' worth "
-          "in GiB. If yours came to 11.3-11.9 before rounding, a GB crept in for a GiB (same count here, not always).")
+            "for the memory: your cards' worth, rounded up.")
+    require(n >= need.weights_whole, f"{n} H100s do not hold the weights: round your cards' worth up (math.ceil).")
+    require(n == need.weights_whole, f"{n} H100s hold them, but fewer do: round your cards' worth up to the next "
+            "whole card, no further.")
+    right(f"{worth:.2f} cards' worth, so {n} H100s, with every size in bytes (the GB/GiB slip would have given "
+          "11.3-11.9 here).")
 
 
 def a100s_for_405b(count) -> None:

@@ -55,16 +55,27 @@ def test_weights_405b_fp16(capsys):
 
 
 def test_h100s_and_a100s_for_405b(capsys):
-    h100 = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="H100-80").weights_whole
-    assert h100 == 12
-    not_yet(check.h100s_for_405b, 16, hint="16 is what a layout on whole nodes of 8 needs")
-    not_yet(check.h100s_for_405b, h100 - 1, hint=f"{h100 - 1} H100s do not hold the weights")
-    not_yet(check.h100s_for_405b, h100 + 1, hint=f"{h100 + 1} H100s hold them, but fewer do")
-    not_yet(check.h100s_for_405b, 11.07, hint="a GPU count rounds up (math.ceil)")
-    right(capsys, check.h100s_for_405b, np.int64(h100))
-    # GB for GiB (11.89 in GB everywhere, 11.76 with the 80 GB label, 11.27 without the allowance) rounds to the
-    # same count: the check cannot tell from the count the question asks for, so the right answer names the slip
-    assert "a GB crept in" in right(capsys, check.h100s_for_405b, h100)
+    found = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="H100-80")
+    h100, cards = found.weights_whole, found.weights
+    assert h100 == 12 and round(cards, 2) == 11.07
+    # learner-review-1: a GB for a GiB reaches the same 12 three ways; the unrounded cards' worth shows each slip
+    weights_gb = memory.weight_bytes("llama3.1-405b") / 1e9
+    not_yet(check.h100s_for_405b, weights_gb / (0.9 * 79.18 - 3), 12, hint="the weights in GB by a card in GiB")
+    not_yet(check.h100s_for_405b, weights_gb / (0.9 * 80 - 3), 12, hint="uses the 80 GB on the card's label")
+    not_yet(check.h100s_for_405b, weights_gb / (0.9 * 80), 12, hint="80 GB on the label and leaves out the 3 GiB")
+    weights_gib = memory.weight_bytes("llama3.1-405b") / 2**30
+    not_yet(check.h100s_for_405b, weights_gib / (0.9 * 79.18), 11, hint="leaves out the 3 GiB allowance")
+    not_yet(check.h100s_for_405b, weights_gib / 79.18, 10, hint="uses the whole card")
+    not_yet(check.h100s_for_405b, weights_gib / (0.9 * 80 - 3), 11, hint="10.96 cards' worth is too few")
+    not_yet(check.h100s_for_405b, 12, 12, hint="12.00 cards' worth is too many")
+    not_yet(check.h100s_for_405b, weights_gib, 12, hint="a number of cards (about ten), not a size")
+    not_yet(check.h100s_for_405b, "11.07", 12, hint="should be a number")
+    not_yet(check.h100s_for_405b, cards, 16, hint="16 is what a layout on whole nodes of 8 needs")
+    not_yet(check.h100s_for_405b, cards, h100 - 1, hint=f"{h100 - 1} H100s do not hold the weights")
+    not_yet(check.h100s_for_405b, cards, h100 + 1, hint=f"{h100 + 1} H100s hold them, but fewer do")
+    not_yet(check.h100s_for_405b, cards, 11.07, hint="a GPU count rounds up (math.ceil)")
+    right(capsys, check.h100s_for_405b, np.float64(cards), np.int64(h100))
+    assert "11.07 cards' worth, so 12 H100s" in right(capsys, check.h100s_for_405b, round(cards, 2), h100)
 
     a100 = memory.gpus_needed("llama3.1-405b", "float16", gpu_name="A100-40").weights_whole
     not_yet(check.a100s_for_405b, 21, hint="21 divides by the datasheet 40 GB")
@@ -861,7 +872,7 @@ def test_a_wrong_answer_in_jupyter_shows_one_line_and_never_the_checks_source(ca
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
-    result = shell.run_cell("import llmlab.check\nllmlab.check.h100s_for_405b(11)")
+    result = shell.run_cell("import llmlab.check\nllmlab.check.h100s_for_405b(11.07, 11)")
     shown = capsys.readouterr().out.strip().splitlines()
     assert not result.success and isinstance(result.error_in_exec, check.NotYet)
     assert len(shown) == 1 and shown[0].startswith("Not yet:"), shown

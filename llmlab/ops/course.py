@@ -327,9 +327,9 @@ def banner(course: Course, lesson: Lesson) -> str | None:
     lessons = [s for s in course.workshop if s.lesson]
     then = f", then {st.exercises} in [its exercises](../{lesson.exercise})" if st.exercise_numbers() else ""
     many = len(st.section_list()) > 1
-    return (f"> **On the 3-hour path** (step {lessons.index(st) + 1} of {len(lessons)}, at {clock(at)}, "
-            f"{st.slot} min): section{'s' if many else ''} {st.sections_text()}{then}. The other sections stay "
-            "for later.")
+    return (f"> **On the 3-hour path** (step {lessons.index(st) + 1} of {len(lessons)}, "
+            f"{clock(at)}-{clock(at + st.talk + st.slot)}, {st.slot} minutes of your own): section"
+            f"{'s' if many else ''} {st.sections_text()}{then}. The other sections stay for later.")
 
 
 def readme_outline(course: Course) -> str:

@@ -8,6 +8,11 @@ test``) fails when one was edited by hand, and names the file and the line.  The
 cells use a name they never define (``llmlab.ops.paths``), and ``--path DIR`` writes the path's notebooks, which a
 room's learners run.
 
+The path's times are computed, not typed (issue 51: a path typed as fitting three hours took 3 h 30 to 4 h 10 once
+a newcomer read it): each step's minutes come from its cells at the manifest's pace (words read, code cells run,
+lines of an answer written), ``llmlab course`` prints them against each step's slot, and each path lesson's first
+cell carries a banner rendered from its step (what of it is on the path), checked like the other lists.
+
 Adding a lesson: its notebook, solution, module, check module and tests, one ``[[lesson]]`` row, ``llmlab course``.
 """
 

@@ -26,7 +26,7 @@ import time
 
 import pandas as pd
 
-from llmlab import kvcache, loadtest
+from llmlab import kvcache, loadtest, memory
 from llmlab.kvcache import (
     GENERATED,
     RUNNING,
@@ -36,6 +36,7 @@ from llmlab.kvcache import (
     prefix_cache_hit_tokens,
     wait_for_request,
 )
+from llmlab.memory import GPU_BLOCK_SIZE
 from llmlab.serve.metrics import fetch_metrics
 
 # The workshop's system prompt: 384 tokens of the tiny model's tokenizer, so with its start token three whole CPU
@@ -366,3 +367,34 @@ def itl_table(runs: dict[str, dict]) -> pd.DataFrame:
                       "gap p99": np.percentile(run["during"] + run["other"], 99) * 1e3,
                       "long prompt TTFT p50": np.median(ttft) * 1e3}
     return pd.DataFrame(rows).T.round(1)
+
+
+# --- KV offloading: a second tier for the prefix cache (on paper: the CPU build refuses it) --------------------
+
+PAGE_BYTES = 4096  # mmap.PAGESIZE on x86-64 Linux: vLLM rounds each offloaded chunk up to it
+
+
+def offload_tier(model, offload_gib: float, tp: int = 1, block_size: int = GPU_BLOCK_SIZE) -> dict:
+    """What ``vllm serve --kv-offloading-size GiB`` buys a TP=``tp`` server of ``model``: the blocks and tokens
+    of host memory vLLM's ``OffloadingConnector`` keeps next to the GPUs' KV pool.
+
+    Why this arithmetic and not the GiB alone: the size is the whole server's, summed over the TP ranks, and vLLM
+    cuts it into chunks of one block of every rank (each rank's block rounded to the page size), the way
+    ``CPUOffloadingSpec.__init__`` does (``vllm/v1/kv_offload/cpu/spec.py``).  A block of 16 tokens of Llama 3.1
+    70B is 16 x 327,680 bytes = 5 MiB over the server, so each GiB holds 204 blocks, 3,264 prefix tokens.
+
+    Returns ``{"bytes_per_block": one chunk (all ranks), "blocks": chunks the tier holds, "tokens": blocks x
+    block_size}``.  Only the prompt's blocks go there by default (``offload_prompt_only``), so these are prefix
+    tokens, never answers."""
+    s = memory.model_spec(model)
+    _count(tp, "tp")
+    _count(block_size, "block_size")
+    if s.is_mla and tp > 1:
+        raise ValueError(f"{s.name} caches one latent that every GPU holds whole, and vLLM may keep one copy of it "
+                         "for all ranks: give tp=1 for such a model.")
+    if isinstance(offload_gib, bool) or not isinstance(offload_gib, int | float) or offload_gib <= 0:
+        raise ValueError(f"offload_gib={offload_gib!r}: give the --kv-offloading-size in GiB, a number above 0.")
+    per_rank = block_size * memory.kv_bytes_per_token(s, tp=tp)
+    chunk = -(-per_rank * tp // PAGE_BYTES) * PAGE_BYTES
+    blocks = int(offload_gib * (1 << 30)) // chunk
+    return {"bytes_per_block": chunk, "blocks": blocks, "tokens": blocks * block_size}

@@ -54,3 +54,19 @@ def test_a_salt_is_a_wall_between_learners(embedded):
     assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0  # the same prompt: found under its salt only
     with pytest.raises(openai.BadRequestError, match="cache_salt"):  # vLLM refuses a salt with a '/'
         client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "a/b"})
+
+
+def test_the_cpu_build_refuses_kv_offloading_as_lesson_13_says(tmp_path):
+    """Lesson 13's section 6 puts KV offloading on paper because vLLM 0.32's CPU build refuses it: the flag is
+    taken (it becomes the OffloadingConnector with cpu_bytes_to_use), and the engine stops when the connector's
+    worker registers the KV caches (vllm/v1/kv_offload/cpu/spec.py, get_worker).  If a release makes it run here,
+    this test fails and the section should become a live one."""
+    from llmlab import engines
+    from llmlab.serve.info import ServerError
+
+    log = tmp_path / "vllm.log"
+    with pytest.raises(ServerError, match="exited"):
+        engines.start(["--kv-offloading-size", "0.05"], log_path=log, progress=False).stop()
+    text = log.read_text()
+    assert "Creating v1 connector with name: OffloadingConnector" in text
+    assert "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs" in text

@@ -60,3 +60,52 @@ def test_a_scrape_with_more_requests_running_than_the_room_had_in_flight_means_s
     # a gauge the engine set just before the room's last requests ended, scraped just after: still the room's
     assert not _others_ran([(12.2, 12.3, 4, 3)], room)
     assert not _others_ran([(9.8, 10.1, 4, 3)], room)  # the scrape was answered once the room had sent
+
+
+def _vllms_tier(worker_bytes_per_block: int, tp: int, gib: float, block_size: int) -> tuple[int, int]:
+    """vLLM's own sizing of the offload tier: its CPUOffloadingSpec built as the OffloadingConnector builds it for
+    ``--kv-offloading-size GiB`` (cpu_bytes_to_use = GiB x 2**30; one block per chunk by default)."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=block_size, layer_names=("layer",), group_id=0),),
+        worker_kv_bytes_per_block=worker_bytes_per_block, enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": gib * (1 << 30)}, engine_id="test",
+        model=OffloadingModelConfig(name="model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=block_size, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                                          is_parallelism_agnostic=False))
+    spec = CPUOffloadingSpec(config)
+    return spec.num_chunks, spec.kv_bytes_per_chunk
+
+
+@pytest.mark.parametrize(("model", "tp", "gib", "block_size"), [
+    ("llama3.1-70b", 4, 256, 16), ("llama3.1-70b", 8, 100, 16), ("llama3.1-8b", 1, 0.5, 16),
+    ("llama3.1-405b", 8, 1000, 16), ("qwen3-8b", 2, 3, 16), ("llmlab-tiny", 1, 1, 128), ("llmlab-tiny", 1, 0.3, 16)])
+def test_offload_tier_sizes_the_host_tier_as_vllms_own_spec_does(model, tp, gib, block_size):
+    """Lesson 13, section 6 (KV offloading, on paper: the CPU build refuses the connector): the tier's blocks are
+    what vLLM's CPUOffloadingSpec computes for the same --kv-offloading-size, rounding and all."""
+    from llmlab import memory
+
+    tier = prefixcache.offload_tier(model, gib, tp=tp, block_size=block_size)
+    worker = block_size * memory.kv_bytes_per_token(model, tp=tp)
+    assert (tier["blocks"], tier["bytes_per_block"]) == _vllms_tier(worker, tp, gib, block_size)
+    assert tier["tokens"] == tier["blocks"] * block_size > 0
+
+
+def test_offload_tier_of_a_70b_on_four_gpus_and_bad_input():
+    tier = prefixcache.offload_tier("llama3.1-70b", 256, tp=4)
+    assert tier == {"bytes_per_block": 16 * 327_680, "blocks": 52_428, "tokens": 838_848}  # 5 MiB per 16 tokens
+    for bad in (0, -1, "256", True):
+        with pytest.raises(ValueError, match="kv-offloading-size in GiB"):
+            prefixcache.offload_tier("llama3.1-70b", bad, tp=4)
+    with pytest.raises(ValueError, match="give a whole number"):
+        prefixcache.offload_tier("llama3.1-70b", 8, tp=0)

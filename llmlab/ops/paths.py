@@ -77,9 +77,14 @@ def reading_words(cell: dict) -> tuple[int, int]:
     folded = 0
     for m in _DETAILS.finditer(text):
         summary = _SUMMARY.search(m[1])
-        folded += len(m[1].split()) - (len(summary[1].split()) if summary else 0)
+        folded += _words(m[1]) - (_words(summary[1]) if summary else 0)
     shown = _DETAILS.sub(lambda m: s[1] if (s := _SUMMARY.search(m[1])) else "", text)
-    return len(shown.split()), folded
+    return _words(shown), folded
+
+
+def _words(text: str) -> int:
+    """Words, not a table's pipes and rules: tokens with a letter or a digit."""
+    return sum(1 for w in text.split() if re.search(r"\w", w))
 
 
 def _cut(nb: dict, heading, wanted: list) -> list[dict]:

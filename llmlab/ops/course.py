@@ -442,7 +442,8 @@ def _render_file(path: Path, regions: list[Region], course: Course, root: Path) 
 
 def problems(course: Course, root: Path = ROOT) -> list[str]:
     """What in the tree disagrees with the manifest: a file a row names that is missing, a lesson without a row,
-    a workshop section the lesson does not have."""
+    a workshop section the lesson does not have, a path step whose cells need more minutes than its slot, a
+    heading with text above it in its cell."""
     out = []
     listed = {ls.notebook for ls in course.lessons} | {HOME}
     for nb in sorted((root / "notebooks").glob("*.ipynb")):
@@ -461,6 +462,7 @@ def problems(course: Course, root: Path = ROOT) -> list[str]:
     for at, st in schedule(course):
         if st.lesson and (root / course.lesson(st.lesson).notebook).is_file():
             out += _step_problems(course, at, st, root)
+    out += overruns(course, root)
     for part in ("notebooks", "solutions"):
         for nb in sorted((root / part).glob("*.ipynb")):
             out += [f"{part}/{nb.name}, cell {i}: the heading {line!r} has text above it in its cell, so that text "

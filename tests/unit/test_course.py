@@ -193,16 +193,17 @@ def test_the_paths_minutes_are_computed_from_its_cells_at_the_manifests_pace(tre
         + before.written_lines * 1.5)
 
 
-def test_a_step_over_its_slot_and_slots_over_the_class_fail_the_check(tmp_path):
+def test_a_step_over_its_slot_and_slots_over_the_class_fail_the_check(tmp_path, capsys):
     text = course.MANIFEST.read_text()
     slot = re.search(r'lesson = "00"\nsections = "[^"]*"\nexercises = "[^"]*"\ntalk = \d+\nslot = (\d+)', text)
     manifest = tmp_path / "course.toml"
     manifest.write_text(text[:slot.start(1)] + "1" + text[slot.end(1):])
-    found = course.overruns(course.load(manifest))
+    found = course.problems(course.load(manifest))
     over = [p for p in found if "(00 Setup)" in p]
     assert len(over) == 1 and "over its slot of 1" in over[0] and "<details>" in over[0], found
+    assert main(["course", "--check"]) == 0  # the path as committed fits
     manifest.write_text(text[:slot.start(1)] + "60" + text[slot.end(1):])
-    found = course.overruns(course.load(manifest))
+    found = course.problems(course.load(manifest))
     assert [p for p in found if "more than the taught class of 180" in p], found
     assert course.timing(course.load()).splitlines()[-1].startswith("taught: ")
 

@@ -549,6 +549,9 @@ def _with_banner(path: Path, line: str | None) -> str:
     there if missing), or taken out (``None``: a lesson off the path)."""
     nb = json.loads(path.read_text())
     first = nb["cells"][0]
+    if first["cell_type"] != "markdown":
+        raise ManifestError(f"{path.name}'s first cell is code: a lesson opens with its title, a markdown cell that "
+                            "also carries its path banner; put the title back first.")
     text = source_text(first)
     start, stop = text.find(BANNER.begin), text.find(BANNER.end)
     if start < 0 and line is None:

@@ -260,7 +260,7 @@ def step_time(course: Course, st: Step, root: Path = ROOT) -> StepTime:
 def _path_rows(course: Course, root: Path, notebooks: str) -> list[str]:
     """The path's steps as table rows: start, lesson (a link, ``notebooks`` being the way from the page to the
     lessons), sections, exercises (a link), slot; then the end and what the class and a learner alone take."""
-    rows = ["| time | lesson | sections | then | minutes |", "|---|---|---|---|---|"]
+    rows = ["| time | lesson | sections | then | your minutes |", "|---|---|---|---|---|"]
     for at, st in schedule(course):
         if st.lesson:
             ls = course.lesson(st.lesson)
@@ -274,7 +274,7 @@ def _path_rows(course: Course, root: Path, notebooks: str) -> list[str]:
     own = sum(step_time(course, st, root).minutes for st in course.workshop if st.lesson)
     pace = course.pace
     return rows + [f"| {clock(taught_minutes(course))} | end | | | |", "",
-                   f"Taught, the path is a class of {clock(taught_minutes(course))} hours: {talk} minutes of the "
+                   f"Taught, the path is a class of {taught_minutes(course) / 60:g} hours: {talk} minutes of the "
                    f"instructor's talk between the steps, a {pause}-minute break, and each step's minutes of your "
                    f"own. Alone, at your own pace, it takes about {5 * round(own / 5)} minutes (reading at "
                    f"{pace.words_per_minute} words a minute, {pace.code_cell_minutes:g} min a code cell, "

@@ -160,7 +160,7 @@ def test_the_learners_handout_and_the_home_page_link_each_step_and_state_the_tau
                 ls = c.lesson(st.lesson)
                 assert f"| {course.clock(at)} | [{ls.number} {ls.title}]({to_lessons}{ls.stem}.ipynb) | " in page
                 assert (f"[{st.exercises}](../{ls.exercise})" in page) == bool(st.exercise_numbers())
-        assert f"a class of {course.clock(course.taught_minutes(c))} hours" in page
+        assert f"a class of {course.taught_minutes(c) / 60:g} hours" in page
         assert f"about {5 * round(own / 5)} minutes" in page  # rounded: a prose edit rarely changes it
     assert course.handout(c) in (ROOT / "docs" / "handout.md").read_text()  # rendered (llmlab course --check)
     home = "".join(course.source_text(cell) for cell in json.loads((ROOT / course.HOME).read_text())["cells"])

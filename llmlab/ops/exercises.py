@@ -9,6 +9,7 @@ written to ``exercises/``.  CI regenerates and fails if the committed exercises 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -101,7 +102,13 @@ def check_calls(nb: dict) -> int:
 # --- leaks: an exercise's answer printed by its lesson -----------------------------------------------------------
 # ``llmlab exercises --leaks build/executed`` (make test, after the lanes) reads the executed copies of every lesson
 # and solution, and fails when a number an answer cell (one holding ``# BEGIN SOLUTION``) prints also appears in
-# what the same lesson's cells print: then the lesson gave the answer away.
+# what the same lesson's cells print, or the solution's cells outside that exercise: then the learner has it
+# before working it out.  Three ways to print it: the same digits (4 significant or more); the same quantity in
+# another unit of its family within ``TOLERANCE``, the most any check accepts (llmlab/check/disagg.py's 1 %):
+# 2,684,354,560 B printed as "2,560.0 MiB" or "2.5 GiB", 0.0537 s as "54 ms", 6.96 GB/s as "7.0 GB/s"; or, without
+# a unit, rounded to 3 significant digits or more ("53.7" for 53.687).  A check that accepts the figure the lesson
+# printed has been answered by the lesson (issue 48: lesson 18's three exercises).  Without a unit only an exact
+# rounding counts: lessons print timings that move from run to run, and one near an answer by chance is no leak.
 
 NOT_NUMBERS = re.compile(
     r"\w+://\S+"                                  # URLs: http://127.0.0.1:59301/v1
@@ -116,6 +123,23 @@ NUMBER = re.compile(r"(?<![\w.,])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d,])|(?<![\w.,
 MIN_SIGNIFICANT = 4
 EXERCISE = re.compile(r"^#+\s*(Exercise\s+[\w.]+)", re.M)
 
+TOLERANCE = 0.01        # the widest tolerance of a check (check/disagg.py's _near): a figure this close is accepted
+MIN_ROUNDED = 4         # an answer printed with fewer digits (60.5, 0.5) is too common a number to match loosely
+# Each unit's size in its family's base; a figure printed with one may be the answer in any other of the family.
+UNITS = {"bytes": {"B": 1, "bytes": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+                   "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40},
+         "seconds": {"s": 1, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9, "min": 60},
+         "bytes/s": {"B/s": 1, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12, "MiB/s": 2**20, "GiB/s": 2**30,
+                     "Gbit/s": 1.25e8, "Gb/s": 1.25e8},
+         "FLOP": {"FLOP": 1, "GFLOP": 1e9, "TFLOP": 1e12, "PFLOP": 1e15},
+         "FLOP/s": {"FLOP/s": 1, "GFLOP/s": 1e9, "TFLOP/s": 1e12, "TFLOPS": 1e12, "PFLOP/s": 1e15},
+         "share": {"%": 0.01}}
+UNIT_OF = {u: family for family, units in UNITS.items() for u in units}
+SLASH = "\u2044"  # a rate's "/" while paths are dropped (NOT_NUMBERS would take "GB/s" for one)
+WITH_UNIT = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d,])|\d+(?:_\d+)*(?:\.\d+)?)[ \u202f]?("
+                       + "|".join(re.escape(u.replace("/", SLASH)) for u in sorted(UNIT_OF, key=len, reverse=True))
+                       + r")(?![\w/\u2044])")
+
 
 def printed(cell: dict) -> str:
     """What a code cell printed: its stdout streams and its results' text/plain (never stderr: engine logs and
@@ -129,17 +153,65 @@ def printed(cell: dict) -> str:
     return "\n".join(out)
 
 
+def _clean(text: str) -> str:
+    return NOT_NUMBERS.sub(" ", LOG_RECORD.sub("", ANSI.sub("", text)))
+
+
 def numbers(text: str) -> set[str]:
     """The numbers in a text, log records, URLs and paths left out, thousands separators (``,`` and ``_``)
     removed."""
-    text = NOT_NUMBERS.sub(" ", LOG_RECORD.sub("", ANSI.sub("", text)))
-    return {n.replace(",", "").replace("_", "") for n in NUMBER.findall(text)}
+    return {n.replace(",", "").replace("_", "") for n in NUMBER.findall(_clean(text))}
+
+
+def figures(text: str) -> set[tuple[str, str | None]]:
+    """The numbers of :func:`numbers` with the unit printed after each, if it is one of :data:`UNITS`
+    (``("2560.0", "MiB")``), else ``None``."""
+    for unit in UNIT_OF:
+        if "/" in unit:
+            text = re.sub(rf"(?<=[\d ]){re.escape(unit)}(?![\w/])", unit.replace("/", SLASH), text)
+    text = _clean(text)
+    with_unit = {(m.group(1).replace(",", "").replace("_", ""), m.group(2).replace(SLASH, "/"))
+                 for m in WITH_UNIT.finditer(text)}
+    bare = {(n.replace(",", "").replace("_", ""), None) for n in NUMBER.findall(text)}
+    return with_unit | {f for f in bare if f[0] not in {n for n, _ in with_unit}}
 
 
 def significant(number: str) -> int:
     """Its significant digits: 1,024,000 has 4, 63.00 has 4, 0.66 has 2."""
     digits = number.replace(".", "").lstrip("0")
     return len(digits if "." in number else digits.rstrip("0"))
+
+
+def _rounded(value: float, digits: int) -> float:
+    """``value`` rounded to ``digits`` significant digits (53.687, 3 -> 53.7)."""
+    return float(f"{value:.{digits}g}") if value else 0.0
+
+
+def _gives(figure: tuple[str, str | None], answer: str) -> bool:
+    """Whether a printed figure gives ``answer`` away, as a check would accept it:
+
+    - the same digits, at least :data:`MIN_SIGNIFICANT` of them;
+    - the same quantity in a unit of its family ("2.5 GiB", "53.7 ms", "7.0 GB/s": 2 significant digits or more),
+      within :data:`TOLERANCE`, or exactly for a whole-number answer (bytes and tokens are checked to the unit);
+    - without a unit, the answer rounded to the figure's 3 or more significant digits ("53.7" for 53.687).  A figure
+      with no fraction ("296", "296.0") is a count (steps, gaps), and a whole-number answer is never accepted
+      rounded, so neither counts here.
+
+    Only an answer printed with :data:`MIN_ROUNDED` significant digits or more can be matched by a rounding."""
+    number, unit = figure
+    if number == answer:
+        return significant(answer) >= MIN_SIGNIFICANT
+    digits, value, want, whole = significant(number), float(number), float(answer), "." not in answer
+    if significant(answer) < MIN_ROUNDED or want == 0:
+        return False
+    if unit is not None:
+        family = UNITS[UNIT_OF[unit]]
+        return digits >= 2 and any(abs(value * family[unit] / size - want) < 0.5 if whole
+                                   else math.isclose(value * family[unit] / size, want, rel_tol=TOLERANCE)
+                                   for size in family.values())
+    fraction = number.partition(".")[2].strip("0")
+    return (not whole and bool(fraction) and 3 <= digits < significant(answer)
+            and math.isclose(value, _rounded(want, digits), rel_tol=1e-9))
 
 
 def exercise_sections(nb: dict) -> list[tuple[str, list[dict]]]:
@@ -154,18 +226,25 @@ def exercise_sections(nb: dict) -> list[tuple[str, list[dict]]]:
     return sections
 
 
-def leaks(lesson: dict, solution: dict) -> list[tuple[str, str, int]]:
-    """(exercise, number, lesson cell) for every number of >= 4 significant digits that an answer cell prints and a
-    cell of the lesson prints too, unless the exercise's own text (markdown and sources: the givens) holds it."""
-    lesson_cells = [(i, numbers(printed(c))) for i, c in enumerate(lesson["cells"]) if c["cell_type"] == "code"]
+def leaks(lesson: dict, solution: dict) -> list[tuple[str, str, int | str, str]]:
+    """(exercise, answer, where, shown) for every number an answer cell prints that a cell of the lesson
+    (``where``: its index) or of the solution outside that exercise (``where``: ``"solution cell N"``) gives away
+    (:func:`_gives`; ``shown``: the figure it printed, "2.5 GiB"), unless the exercise's own text (markdown and
+    sources: the givens) holds it."""
+    elsewhere = [(i, figures(printed(c))) for i, c in enumerate(lesson["cells"]) if c["cell_type"] == "code"]
     found = []
     for title, cells in exercise_sections(solution):
         givens = set().union(*(numbers(source_text(c)) for c in cells))
         answers = set().union(*(numbers(printed(c)) for c in cells
                                 if c["cell_type"] == "code" and BEGIN in source_text(c)))
+        own = {id(c) for c in cells}
+        others = [(f"solution cell {i}", figures(printed(c))) for i, c in enumerate(solution["cells"])
+                  if c["cell_type"] == "code" and id(c) not in own]
         for n in sorted(answers - givens):
-            if significant(n) >= MIN_SIGNIFICANT:
-                found += [(title, n, i) for i, nums in lesson_cells if n in nums]
+            for where, printed_there in elsewhere + others:
+                shown = sorted(" ".join(filter(None, f)) for f in printed_there if _gives(f, n))
+                if shown:
+                    found.append((title, n, where, shown[0]))
     return found
 
 
@@ -178,6 +257,7 @@ def find_leaks(executed: Path) -> tuple[int, list[str]]:
         if not les.exists():
             continue
         pairs += 1
-        for title, n, cell in leaks(json.loads(les.read_text()), json.loads(sol.read_text())):
-            lines.append(f"notebooks/{sol.name} cell {cell} prints {n}, the answer of solutions/{sol.name} {title}")
+        for title, n, cell, shown in leaks(json.loads(les.read_text()), json.loads(sol.read_text())):
+            where = f"solutions/{sol.name} {cell}" if isinstance(cell, str) else f"notebooks/{sol.name} cell {cell}"
+            lines.append(f"{where} prints {shown}, the answer of solutions/{sol.name} {title} ({n})")
     return pairs, lines

@@ -565,14 +565,53 @@ def _with_banner(path: Path, line: str | None) -> str:
     return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
 
 
+LINKS = "<!-- llmlab: course links -->"  # opens each lesson's, solution's and exercise notebook's closing cell
+
+
+def course_links(course: Course, ls: Lesson, part: str) -> str:
+    """The closing cell of lesson ``ls``'s notebook in ``part`` (notebooks, solutions or exercises): where to go
+    next, in the manifest's order and with its titles, so that a lesson added, moved or renamed is linked right
+    everywhere at once (by hand, 13's title and 15-18's solutions' next lesson drifted)."""
+    at = course.lessons.index(ls)
+    after = course.lessons[at + 1] if at + 1 < len(course.lessons) else None
+    if part == "notebooks":
+        then = (f"then the next lesson, [{after.number} · {after.title}]({Path(after.notebook).name})" if after
+                else "that is the end of the course")
+        body = (f"**Next:** this lesson's exercises, [{ls.exercise}](../{ls.exercise}) (worked solutions: "
+                f"[{ls.solution}](../{ls.solution})); {then}. Back to the [course home]({Path(HOME).name}).")
+    else:
+        then = f"; **next** lesson: [{after.number} · {after.title}](../{after.notebook})" if after else ""
+        body = (f"**Back** to the lesson, [{ls.number} · {ls.title}](../{ls.notebook}){then}. The "
+                f"[course home](../{HOME}) shows your progress.")
+    return f"{LINKS}\n---\n\n{body}"
+
+
+def _with_links(path: Path, text: str, cell: str) -> str:
+    """A notebook's ``text`` with its closing links cell (the markdown cell that opens with :data:`LINKS`) set to
+    ``cell``; a notebook without one gets it as its last cell."""
+    nb = json.loads(text)
+    found = [c for c in nb["cells"] if c["cell_type"] == "markdown" and source_text(c).startswith(LINKS)]
+    if len(found) > 1:
+        raise ManifestError(f"{path.name} has {len(found)} cells that open with {LINKS!r}: keep the last one only, "
+                            "then run `llmlab course`.")
+    if not found:
+        found = [{"cell_type": "markdown", "metadata": {}, "source": []}]
+        nb["cells"].append(found[0])
+    found[0]["source"] = cell.splitlines(True)
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
 def rendered(course: Course, root: Path = ROOT) -> dict[str, str]:
-    """Every file the manifest renders into, with its new text: the regions' files, and each lesson's first cell
-    (its path banner, or none)."""
+    """Every file the manifest renders into, with its new text: the regions' files, each lesson's first cell
+    (its path banner, or none) and the closing links cell of its lesson, solution and exercise notebooks."""
     out = {path: _render_file(root / path, [r for r in REGIONS if r.path == path], course, root)
            for path in dict.fromkeys(r.path for r in REGIONS)}
     for ls in course.lessons:
-        if (root / ls.notebook).is_file():
-            out[ls.notebook] = _with_banner(root / ls.notebook, banner(course, ls))
+        for part, path in (("notebooks", ls.notebook), ("solutions", ls.solution), ("exercises", ls.exercise)):
+            file = root / path
+            if file.is_file():
+                text = _with_banner(file, banner(course, ls)) if part == "notebooks" else file.read_text()
+                out[path] = _with_links(file, text, course_links(course, ls, part))
     return out
 
 

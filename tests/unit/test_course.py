@@ -268,3 +268,27 @@ def test_each_path_lesson_carries_its_banner_in_its_first_cell_and_a_lesson_off_
     first = lambda n: course.source_text(json.loads((tree / n).read_text())["cells"][0])  # noqa: E731
     assert "On the 3-hour path" not in first(c.lesson("04").notebook)
     assert "On the 3-hour path" in first(c.lesson("05").notebook) and b02 in first(c.lesson("02").notebook)
+
+
+def test_each_lessons_closing_links_are_rendered_from_the_manifest(tree, tmp_path, capsys):
+    """Issue 48, item 8: the 'Next:' cell that closes every lesson, solution and exercise notebook is rendered from
+    the manifest (by hand, lesson 13's title and the next lesson of solutions 15-18 had drifted): each links the
+    next lesson by its manifest title, the last one says the course ends there, a hand edit fails the check and
+    `llmlab course` writes it back, and a lesson renamed in the manifest is renamed in its neighbours' cells."""
+    c = course.load()
+    for at, ls in enumerate(c.lessons):
+        after = c.lessons[at + 1] if at + 1 < len(c.lessons) else None
+        for part, path in (("notebooks", ls.notebook), ("solutions", ls.solution), ("exercises", ls.exercise)):
+            last = course.source_text(json.loads((ROOT / path).read_text())["cells"][-1])
+            assert last == course.course_links(c, ls, part) and last.startswith(course.LINKS)
+            assert (f"[{after.number} · {after.title}]" in last) if after else "next lesson" not in last
+    assert "that is the end of the course" in course.course_links(c, c.lessons[-1], "notebooks")
+    nb_path = tree / c.lesson("13").notebook
+    nb_path.write_text(nb_path.read_text().replace("[14 · Determinism]", "[14 · Reproducibility]", 1))
+    assert main(["course", "--check", "--root", str(tree)]) == 1
+    assert "notebooks/13_prefix_caching_at_scale.ipynb differs from llmlab/course.toml" in capsys.readouterr().err
+    manifest = tmp_path / "course.toml"
+    manifest.write_text(course.MANIFEST.read_text().replace('title = "Determinism"', 'title = "Same input"'))
+    course.sync(tree, manifest=manifest)
+    for path in (c.lesson("13").notebook, c.lesson("13").solution, c.lesson("13").exercise):
+        assert "[14 · Same input]" in (tree / path).read_text()

@@ -5,7 +5,8 @@ The rule, precise enough to check:
 - A *paragraph* is a markdown cell's block between blank lines; each item of a markdown list is its own paragraph.
 - A sentence *calls a figure measured* when it holds the word "measured" or "measurement(s)" and a number with a
   unit (ms, µs, s, tokens/s, GB/s, TB/s, TFLOP/s, GiB, GB, MiB, MB, %, or a factor such as 1.40x) outside
-  backticks, unless it says the opposite ("not measured", "not a measurement", "no run has measured").
+  backticks, unless it says the opposite ("not measured", "not a measurement", "not measurements", "no run has
+  measured").
 - Such a sentence passes when the figure is someone else's and the sentence says whose: an address, or the
   publication by name (vLLM's announcement or blog, the workshop's slides, the seed run or script the course grew
   from, a paper).  A "published" figure must say whose: "one published measurement" names nobody.
@@ -34,7 +35,7 @@ UNIT = r"(?:\s?(?:ms|µs|s|tokens/s|tok/s|requests/s|GB/s|TB/s|TFLOP/s|GiB|GB|Mi
 FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?" + UNIT + r"(?![\w/])")
 CODE_SPAN = re.compile(r"`[^`]*`")  # a column's name (`batch 1 tok/s`) or a log line is not a figure the prose gives
 CLAIM = re.compile(r"\bmeasured\b|\bmeasurements?\b", re.I)
-DENIED = re.compile(r"\bnot (?:a |yet )?measure(?:d|ment)\b|\bno run has measured\b", re.I)
+DENIED = re.compile(r"\bnot (?:a |yet )?measure(?:d|ments?)\b|\bno run has measured\b", re.I)
 WHOSE = re.compile(r"https?://|vLLM's (?:[\w.]+ )*announcement|\bblog\b|\bworkshop's slides\b|\bthe workshop\b"
                    r"|\bseed (?:run|script|blog)\b|\bpaper\b", re.I)
 RESULT_PATH = re.compile(r"benchmarks/results/([\w.*-]*[\w*][\w.*-]*)")

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from proxy_helpers import keyed_latencies, proxy_process, stand_in_vllm  # noqa: E402
 
 from llmlab.serve.info import write_private  # noqa: E402
-from llmlab.serve.proxy import key_digest_line  # noqa: E402
+from llmlab.serve.proxy.keys import key_digest_line  # noqa: E402
 
 MiB = 2**20
 

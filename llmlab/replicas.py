@@ -32,7 +32,8 @@ from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.info import ServerError, llmlab_home, new_key_file, read_key
 from llmlab.serve.metrics import fetch_metrics
 from llmlab.serve.paths import RESULTS_DIR
-from llmlab.serve.proxy import BALANCE, PREFIX_CHARS, ROUTES, home_replica, prefix_key, proxy_command, wait_bound
+from llmlab.serve.proxy.command import proxy_command, wait_bound
+from llmlab.serve.proxy.router import BALANCE, PREFIX_CHARS, ROUTES, home_replica, prefix_key
 from llmlab.serve.vllm import BIND, VLLMProcess
 
 # benchmarks/lessons_on_gpu.py replicas, twice, on one host with 2 x H200 (2026-11-26): run1.json, run2.json.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from llmlab.serve.info import write_private
 from llmlab.serve.proc import free_port
-from llmlab.serve.proxy import BACKLOG
+from llmlab.serve.proxy.limits import BACKLOG
 
 
 def get(url: str, key: str | None, timeout: float = 10) -> tuple[int, bytes]:

@@ -20,6 +20,8 @@ import stat
 import time
 from pathlib import Path
 
+from llmlab.serve.keyring import names_its_owner, owner_name, read_upto
+
 COURSE = Path(__file__).resolve().parent.parent.parent  # the repository: solutions/, exercises/
 
 
@@ -157,21 +159,6 @@ def learner_name() -> str:
                          "says nothing): ask the cluster's admins.") from None
     if not USER_NAME.fullmatch(name):
         raise ValueError(f"{printable(name)!r} is not a user name llmlab can use as a file name.")
-    return name
-
-
-def owner_name(uid: int, cache: dict[int, str] | None = None) -> str:
-    """The UNIX name of ``uid`` (``uid N`` where it has none), looked up once per uid when given a cache."""
-    import pwd
-
-    if cache is not None and uid in cache:
-        return cache[uid]
-    try:
-        name = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        name = f"uid {uid}"
-    if cache is not None:
-        cache[uid] = name
     return name
 
 
@@ -349,7 +336,7 @@ def _named_after_owner(name: str, st: os.stat_result, names: dict[int, str]) -> 
     if not stat.S_ISREG(st.st_mode):
         raise NotAHandIn("a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file")
     owner = owner_name(st.st_uid, names)
-    if name != f"{owner}.json":
+    if not names_its_owner(name, st, suffix=".json"):
         raise NotAHandIn(f"it belongs to {printable(owner, 64)}, and only {printable(owner, 64)}.json can be theirs")
     return owner
 
@@ -363,7 +350,7 @@ def _room_row(dir_fd: int, name: str, names: dict[int, str]) -> dict:
         raise NotAHandIn("a symbolic link" if e.errno == errno.ELOOP else f"not readable ({e.strerror})") from None
     try:
         owner = _named_after_owner(name, os.fstat(fd), names)
-        data = _read_upto(fd, MAX_HANDIN_BYTES)
+        data = read_upto(fd, MAX_HANDIN_BYTES)
     finally:
         os.close(fd)
     if len(data) > MAX_HANDIN_BYTES:
@@ -371,15 +358,6 @@ def _room_row(dir_fd: int, name: str, names: dict[int, str]) -> dict:
     lessons, handed = _parse_hand_in(data)
     return {"user": owner, "passed": sum(r["passed"] for r in lessons), "total": sum(r["total"] for r in lessons),
             "handed in": handed, **{r["lesson"]: f"{r['passed']}/{r['total']}" for r in lessons}}
-
-
-def _read_upto(fd: int, limit: int) -> bytes:
-    """At most ``limit`` + 1 bytes of ``fd``: one more than allowed says that it is too large."""
-    chunks, left = [], limit + 1
-    while left > 0 and (chunk := os.read(fd, min(left, 65536))):
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
 
 
 def _parse_hand_in(data: bytes) -> tuple[list[dict], str]:

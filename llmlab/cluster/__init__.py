@@ -29,6 +29,7 @@ from llmlab.cluster.layouts import (
     JobSettings,
     SettingsError,
     check_settings,
+    job_flags,
     job_settings,
     layout_report,
     layouts_table,
@@ -91,5 +92,6 @@ __all__ = [
     "layouts_table", "load_progress", "load_settings", "model_job", "model_path", "parse_ray_status", "plan_rows",
     "prepare", "ray_port_base", "render", "render_script", "servers", "servers_dir", "servers_table", "settings",
     "settings_file", "settings_toml", "share_directory", "shipped_directives", "slurm_dir", "table", "tp_vs_pp",
+    "job_flags",
     "vllm_flags",
 ]

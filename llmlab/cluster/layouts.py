@@ -203,15 +203,27 @@ def vllm_flags(job: JobSettings) -> list[str]:
     """
     if job.engine == "cpu":
         return cpu_flags(job.max_model_len)
-    argv, _ = memory.serve_args(job.model, tp=job.tp, pp=job.pp, max_model_len=job.context, dtype=job.dtype,
-                                kv_dtype=job.kv_dtype, gpu_memory_utilization=job.gpu_memory_utilization,
-                                expert_parallel=job.expert_parallel)
-    flags = argv[3:] + REPORTING_FLAGS  # drop "vllm serve MODEL"; a room's learners read their own cached tokens
+    flags, _ = memory.serve_flags(job.model, tp=job.tp, pp=job.pp, max_model_len=job.context, dtype=job.dtype,
+                                  kv_dtype=job.kv_dtype, gpu_memory_utilization=job.gpu_memory_utilization,
+                                  expert_parallel=job.expert_parallel)
+    flags += REPORTING_FLAGS  # a room's learners read their own cached tokens
     if job.nodes > 1:
         flags = set_flag(flags, "--distributed-executor-backend", job.backend)
         if job.uses_mp_nodes:  # node rank, head address and port are the launcher's, per node
             flags += ["--nnodes", str(job.nodes)]
     return flags
+
+
+def job_flags(job: JobSettings, listen: list[str], extra: list[str] = (), backend: str | None = None) -> list[str]:
+    """The one assembly of a job's ``vllm serve`` flags (the model path and the program are the caller's): the
+    layout's (:func:`vllm_flags`), the served name, where vLLM listens (the launcher's Unix socket, a rehearsal's),
+    the job's own extra flags (``models.toml``), then ``extra`` (the launcher's ``LLMLAB_EXTRA_VLLM_ARGS``, a
+    rehearsal's dummy weights).  ``backend`` replaces the layout's executor where one was set (a rehearsal on one
+    node runs PP on vLLM's own processes, not Ray)."""
+    flags = vllm_flags(job)
+    if backend and "--distributed-executor-backend" in flags:
+        flags = set_flag(flags, "--distributed-executor-backend", backend)
+    return [*flags, "--served-model-name", job.name, *listen, *job.extra_args, *extra]
 
 
 # --------------------------------------------------------------------------------------------------

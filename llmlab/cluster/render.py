@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmlab import memory
-from llmlab.cluster.layouts import JobSettings, SettingsError, job_settings, vllm_flags
+from llmlab.cluster.layouts import JobSettings, SettingsError, job_flags, job_settings
 from llmlab.serve.info import Address
 from llmlab.serve.vllm import (
+    CACHE_ROOT,
+    HOST_IP,
     drop_flag,
     serve_line,
     set_flag,
@@ -412,18 +414,18 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
     # the key of every request and forwards only /v1/*, /health and /metrics (llmlab.serve.proxy says why).
     run_dir = env.get("LLMLAB_RUN_DIR") or f"{env.get('TMPDIR') or '/tmp'}/llmlab-run-{job_id}"
     uds = f"{run_dir}/vllm.sock"
-    flags = vllm_flags(job) + ["--served-model-name", job.name, "--uds", uds]
     try:
-        flags += list(job.extra_args) + split_args(env.get("LLMLAB_EXTRA_VLLM_ARGS", ""))
+        extra = split_args(env.get("LLMLAB_EXTRA_VLLM_ARGS", ""))
     except ValueError as e:
         raise SettingsError(f"LLMLAB_EXTRA_VLLM_ARGS: {e}") from None
+    flags = job_flags(job, ["--uds", uds], extra)
     # The CPU test job serves a model on disk; a GPU job may load from (or download into) $HF_HOME.
     run_env = vllm_env(job.engine, kv_cache_gib=job.kv_cache_gib, run_dir=run_dir, offline=job.engine == "cpu")
     if job.engine == "cpu" and job.tp * job.pp == 1:
         run_env.update(unbound_cpu_env(env, flags))  # one process less to start: the worker in the engine core
     if env.get("LLMLAB_CACHE_DIR"):
         cache = Path(env["LLMLAB_CACHE_DIR"])
-        run_env.update(HF_HOME=str(cache / "huggingface"), VLLM_CACHE_ROOT=str(cache / "vllm"))
+        run_env.update({"HF_HOME": str(cache / "huggingface"), CACHE_ROOT: str(cache / "vllm")})
     if env.get("LLMLAB_NCCL_IB") == "1":
         run_env.update({k: env.get(k, v) for k, v in NCCL_IB_ENV.items()})
     ray = None
@@ -462,7 +464,7 @@ def render(job: JobSettings | str, *, job_id: str = "0", nodes: list[str] | None
         master_port = choose_mp_port(env, port_free)
         rendered.flags += ["--node-rank", "0", "--master-addr", master_host, "--master-port", str(master_port)]
         rendered.mp_master, rendered.mp_port = f"{master_host}:{master_port}", master_port
-        run_env["VLLM_HOST_IP"] = master_host  # the head's message queues; each other node sets its own (on-node)
+        run_env[HOST_IP] = master_host  # the head's message queues; each other node sets its own (on-node)
         prefix = on_node_prefix(python, env, loopback)
         rendered.mp_workers = [prefix + rendered.worker_argv(i) for i in range(1, len(nodes))]
     return rendered

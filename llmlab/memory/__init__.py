@@ -104,7 +104,7 @@ from llmlab.memory.model import (  # noqa: F401
     shipped_models,
 )
 from llmlab.memory.picture import gpu_parts, plot_gpu  # noqa: F401
-from llmlab.memory.planner import Plan, memory_report, plan, serve_args, serve_command  # noqa: F401
+from llmlab.memory.planner import Plan, memory_report, plan, serve_args, serve_command, serve_flags  # noqa: F401
 from llmlab.memory.reference import transformers_param_count  # noqa: F401
 from llmlab.memory.startup import (  # noqa: F401
     FITTED,

@@ -122,14 +122,24 @@ def serve_command(model, tp: int = 1, pp: int = 1, max_model_len: int | None = N
 def serve_args(model, tp: int = 1, pp: int = 1, max_model_len: int | None = None, dtype: str | None = None,
                kv_dtype: str = "auto", gpu_memory_utilization: float = DEFAULT_UTILIZATION,
                model_id: str | None = None, expert_parallel: bool = False) -> tuple[list[str], list[str]]:
-    """The ``vllm serve`` argv for a layout, and notes on what it assumes.  Only flags that differ from
-    vLLM's defaults are written, except the parallel sizes, context and utilization, which are the plan.
-    An argv, not a line: the SLURM launcher runs these flags (``llmlab.cluster.vllm_flags``) without splitting
-    a string back into a list."""
+    """The ``vllm serve`` argv for a layout (``vllm serve MODEL`` and :func:`serve_flags`), and its notes."""
+    s = model_spec(model)
+    local = str(Path(s.source).parent) if s.source.endswith(".json") else s.name
+    flags, notes = serve_flags(model, tp, pp, max_model_len, dtype, kv_dtype, gpu_memory_utilization,
+                               expert_parallel)
+    return ["vllm", "serve", model_id or s.hf_id or local, *flags], notes
+
+
+def serve_flags(model, tp: int = 1, pp: int = 1, max_model_len: int | None = None, dtype: str | None = None,
+                kv_dtype: str = "auto", gpu_memory_utilization: float = DEFAULT_UTILIZATION,
+                expert_parallel: bool = False) -> tuple[list[str], list[str]]:
+    """The flags of a layout's ``vllm serve`` line, and notes on what they assume.  Only flags that differ from
+    vLLM's defaults are written, except the parallel sizes, context and utilization, which are the plan.  The
+    SLURM launcher and the rehearsals run these flags (``llmlab.cluster.job_flags``) as an argv: never a string
+    split back into a list."""
     s = model_spec(model)
     notes: list[str] = []
-    local = str(Path(s.source).parent) if s.source.endswith(".json") else s.name
-    args = ["vllm", "serve", model_id or s.hf_id or local]
+    args: list[str] = []
     if dtype is None:
         if s.require_dtype() == "float32":
             args += ["--dtype", "float32"]  # vLLM's "auto" would downcast a float32 checkpoint to bfloat16

@@ -221,7 +221,7 @@ class Front:
 
     def start_router(self, members: list[ServerInfo]) -> int:
         """The router in front of the models' jobs, bound before anything names its port; returns the port."""
-        from llmlab.serve.proxy import proxy_command, wait_bound
+        from llmlab.serve.proxy.command import proxy_command, wait_bound
 
         new_key_file(self.key_file)
         upstreams, key_files = router_upstreams(members)

@@ -35,6 +35,7 @@ from llmlab.cluster.render import (  # noqa: F401 -- moved to the lesson; tests 
     render,
 )
 from llmlab.ops.weights import CACHE, WeightsError, private_folder
+from llmlab.serve import vllm
 from llmlab.serve.info import ServerError, ServerInfo, read_key, write_private
 
 
@@ -373,7 +374,7 @@ def check_mp_exposure(rendered: RenderedJob, env: dict) -> None:
     resolves to, which every user of the cluster may reach (security-review-3, F11).  Such a job starts only when
     the instructor says so, ``LLMLAB_MP_ACCEPT_EXPOSURE=1`` (a firewall keeps other users off the nodes); a named
     interface and loopback (the CPU test bed, one host) need nothing.  Raises SettingsError naming both ways."""
-    on_loopback = rendered.env.get("VLLM_HOST_IP") == LOOPBACK_RAY_IP
+    on_loopback = rendered.env.get(vllm.HOST_IP) == LOOPBACK_RAY_IP
     if (rendered.mp_workers and not on_loopback and not env.get("LLMLAB_HOST_IFACE")
             and env.get("LLMLAB_MP_ACCEPT_EXPOSURE") != "1"):
         raise SettingsError("backend mp across nodes would bind vLLM's unauthenticated message queues on each node's "
@@ -491,7 +492,7 @@ def _cmd_unpublish(a) -> int:
 def _cmd_wait_bound(a) -> int:
     """Print the port the job's proxy bound, once its ready file says so: the launcher publishes nothing before."""
     from llmlab.serve.proc import pid_alive
-    from llmlab.serve.proxy import wait_bound
+    from llmlab.serve.proxy.command import wait_bound
 
     try:
         bound = wait_bound(Path(a.ready_file), lambda: pid_alive(a.pid), Path(a.log), a.timeout)
@@ -556,7 +557,7 @@ def _cmd_on_node(a) -> int:
     from llmlab.cluster.render import head_ip
 
     ip = a.ip or (interface_address(a.iface) if a.iface else head_ip({}, False, node_addresses))
-    os.environ["VLLM_HOST_IP"] = ip
+    os.environ[vllm.HOST_IP] = ip
     say(f"{socket.gethostname()}: vLLM's message queues bind to {ip} (VLLM_HOST_IP"
         f"{f', the address of {a.iface}' if a.iface else ''})", file=sys.stderr)
     argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv

@@ -56,8 +56,8 @@ from llmlab.rehearse import (
     roofline_tok_s,
 )
 from llmlab.serve.info import new_key_file
-from llmlab.serve.proxy import pair_command, proxy_command, wait_bound
-from llmlab.serve.vllm import VLLMProcess, serve_line, set_flag, vllm_env, vllm_serve
+from llmlab.serve.proxy.command import pair_command, proxy_command, wait_bound
+from llmlab.serve.vllm import VLLMProcess, serve_line, vllm_env, vllm_serve
 
 _LLAMA3_SPECIAL = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>", 128008: "<|eom_id|>",
                    128009: "<|eot_id|>"}
@@ -278,9 +278,9 @@ def rehearsal_job(model: str, *, tp: int | None = None, pp: int | None = None, m
 
 
 def serve_argv(job, model_dir: Path, port: int, uds: Path | None = None) -> tuple[list[str], dict[str, str], str]:
-    """The launcher's ``vllm serve`` line for ``job`` (``cluster.vllm_flags``: the layout flags the job script
-    uses, and the job's extra flags) on the dummy model, with ``--load-format dummy``, served on 127.0.0.1:port,
-    or on the Unix socket ``uds`` as the launcher serves it behind llmlab.serve.proxy.
+    """The launcher's ``vllm serve`` line for ``job`` (``cluster.job_flags``: the flags the job script uses) on
+    the dummy model, with ``--load-format dummy``, served on 127.0.0.1:port, or on the Unix socket ``uds`` as the
+    launcher serves it behind llmlab.serve.proxy.
 
     One change for a rehearsal on one node: PP uses vLLM's own processes (``mp``) instead of Ray, which the
     launcher needs only to span nodes.  Returns (argv, extra environment, the ``vllm serve`` line); the
@@ -290,11 +290,9 @@ def serve_argv(job, model_dir: Path, port: int, uds: Path | None = None) -> tupl
 
     from llmlab import cluster
 
-    flags = cluster.vllm_flags(job)
-    if "--distributed-executor-backend" in flags:  # the planner's Ray for PP: on one node, vLLM's own processes
-        flags = set_flag(flags, "--distributed-executor-backend", "mp")
     listen = ["--uds", str(uds)] if uds else ["--host", "127.0.0.1", "--port", str(port)]
-    flags += ["--served-model-name", job.name, *listen, *job.extra_args, "--load-format", "dummy"]
+    # the planner's Ray for PP: on one node, vLLM's own processes
+    flags = cluster.job_flags(job, listen, ["--load-format", "dummy"], backend="mp")
     env = vllm_env(job.engine, kv_cache_gib=job.kv_cache_gib, run_dir=uds.parent if uds else None,
                    flashinfer=importlib.util.find_spec("flashinfer") is not None)
     return vllm_serve(sys.executable, model_dir, flags), env, serve_line(model_dir, flags)

@@ -285,7 +285,7 @@ def replay(trace_dir: str | Path, learners=(30, 100, 300), *, stagger: float = 1
     import asyncio
 
     from llmlab.loadtest import summarize
-    from llmlab.serve.proxy import raise_fd_limit
+    from llmlab.serve.proc import raise_fd_limit
 
     traces = load_traces(Path(trace_dir))
     if client is None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from llmlab.serve.info import ServerError, ServerInfo, llmlab_home, new_key_file, read_key
 from llmlab.serve.paths import TINY_MODEL, TINY_NAME
 from llmlab.serve.proc import free_port, health, pid_alive
-from llmlab.serve.proxy import pair_command, proxy_command, proxy_cpus, wait_bound
+from llmlab.serve.proxy.command import pair_command, proxy_command, proxy_cpus, wait_bound
 from llmlab.serve.vllm import VLLMProcess, cpu_kv_space, engine_command, engine_env
 
 DEFAULT_TIMEOUT = 300.0

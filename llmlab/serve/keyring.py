@@ -25,7 +25,7 @@ the user names it looked up and the key files it read: a file whose (name, inode
 change is not opened again.  A re-check costs one ``stat`` of the folder and one ``lstat`` per counted file; when
 the folder changed, one ``lstat`` per entry, and an ``open`` only for key files that changed.
 
-``load(path, signature, reader)`` is what the proxy's ``KeyRing`` calls (in a thread: llmlab/serve/proxy.py);
+``load(path, signature, reader)`` is what the proxy's ``KeyRing`` calls (in a thread: llmlab/serve/proxy/keys.py);
 ``entries(folder)`` and ``names_of(folder, uid)`` are what ``llmlab.serve.share`` (``learners``, ``revoke``,
 ``learner_key``) reads with.  Standard library only.
 """
@@ -94,6 +94,30 @@ def user_uid(name: str, cache: dict[str, int | None] | None = None) -> int | Non
     return uid
 
 
+def names_its_owner(name: str, st: os.stat_result, *, suffix: str = "", uids: dict | None = None) -> bool:
+    """True when ``name`` is ``<login><suffix>`` and ``<login>`` is the file's owner: the one rule for a file in a
+    folder every learner of a room may write to (a key file in ``keys/``, ``<user>.json`` in the progress folder).
+
+    Why by name -> uid: a learner can create any name there, but not a file owned by someone else, so a file counts
+    only for the user it names, and nobody can put words in another's name (a login the system does not know never
+    matches)."""
+    login = name[:-len(suffix)] if suffix and name.endswith(suffix) else None if suffix else name
+    return bool(login) and user_uid(login, uids) == st.st_uid
+
+
+def owner_name(uid: int, cache: dict[int, str] | None = None) -> str:
+    """The UNIX name of ``uid`` (``uid N`` where it has none), looked up once per uid when given a cache."""
+    if cache is not None and uid in cache:
+        return cache[uid]
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = f"uid {uid}"
+    if cache is not None:
+        cache[uid] = name
+    return name
+
+
 def _parse(text: str, trusted: bool) -> tuple[list[bytes], list[bytes], int, bool]:
     """(digests, denied, lines that are neither, revoked marker) of a file's text."""
     digests, denied, bad = [], [], 0
@@ -136,12 +160,12 @@ def read_entry(dir_fd: int, name: str, *, trusted_uid: int, uids: dict | None = 
             return replace(base, problem=NOT_REGULAR)
         if st.st_nlink != 1:
             return replace(base, problem=HARD_LINK)
-        if not trusted and user_uid(name, uids) != st.st_uid:
+        if not trusted and not names_its_owner(name, st, uids=uids):
             return replace(base, problem=NOT_THEIRS)
         limit = MAX_TRUSTED_BYTES if trusted else MAX_LEARNER_BYTES
         if st.st_size > limit:
             return replace(base, problem=f"larger than {limit} bytes")
-        data = _read_upto(fd, limit)
+        data = read_upto(fd, limit)
     finally:
         os.close(fd)
     if len(data) > limit:  # grew since fstat
@@ -165,13 +189,13 @@ def digests_in(dir_fd: int, name: str) -> list[bytes]:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return []
-        data = _read_upto(fd, MAX_LEARNER_BYTES)[:MAX_LEARNER_BYTES]
+        data = read_upto(fd, MAX_LEARNER_BYTES)[:MAX_LEARNER_BYTES]
     finally:
         os.close(fd)
     return _parse(data.decode("utf-8", errors="replace"), trusted=False)[0]
 
 
-def _read_upto(fd: int, limit: int) -> bytes:
+def read_upto(fd: int, limit: int) -> bytes:
     """At most ``limit`` + 1 bytes of ``fd``: one more than allowed says that it is too large."""
     chunks, left = [], limit + 1
     while left > 0:
@@ -385,18 +409,11 @@ def _what_is_ignored(path: Path, found: Scan) -> str:
         parts.append(f"{len(ignored)} key file(s) ignored in whole or in part: {some}")
     flooders = sorted(uid for uid, n in found.junk.items() if n > MAX_JUNK)
     if flooders:
-        who = ", ".join(f"{_name_of(uid)} (uid {uid}, e.g. {', '.join(map(repr, found.examples[uid]))})"
+        who = ", ".join(f"{owner_name(uid)} (uid {uid}, e.g. {', '.join(map(repr, found.examples[uid]))})"
                         for uid in flooders)
         parts.append(f"more than {MAX_JUNK} entries that are not key files, made by {who}: they register nothing "
                      f"and slow every re-read of the folder; `llmlab revoke JOB USER` removes them all")
     return f"{path}: " + "; ".join(parts) if parts else ""
-
-
-def _name_of(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
 
 
 def _load_file(path: Path, signature: tuple | None) -> Ring | None:
@@ -411,7 +428,7 @@ def _load_file(path: Path, signature: tuple | None) -> Ring | None:
             _warn_once(path, f"{path} registers nothing: a keys file must be a regular file of the proxy's own user "
                              f"of at most {MAX_TRUSTED_BYTES} bytes (for a room, use a folder: one file per learner)")
             return Ring((), sig)
-        data = _read_upto(fd, MAX_TRUSTED_BYTES)[:MAX_TRUSTED_BYTES]
+        data = read_upto(fd, MAX_TRUSTED_BYTES)[:MAX_TRUSTED_BYTES]
     finally:
         os.close(fd)
     digests, denied, bad, _ = _parse(data.decode("utf-8", errors="replace"), trusted=True)

@@ -108,3 +108,19 @@ def terminate(pid: int, grace: float = 20.0, settle: float = 20.0) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.2)
+
+
+def raise_fd_limit() -> int | None:
+    """Raise the soft limit on open files to the hard one; return the limit now in force (None: unlimited).
+
+    Why: every stream costs two descriptors (the client's connection and vLLM's socket), and SLURM jobs often
+    inherit a soft limit of 1024 from the submitting shell, against the thousands of streams a workshop has in
+    flight (vLLM raises its own limit the same way)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # macOS: an unlimited hard limit cannot be the soft one
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft

@@ -58,7 +58,7 @@ def user() -> str:
 
 def key_line(key: str) -> str:
     """What a learner registers: the proxy's own digest line for the key (never the key), with who and when."""
-    from llmlab.serve.proxy import key_digest_line
+    from llmlab.serve.proxy.keys import key_digest_line
 
     return key_digest_line(key, f"{user()}@{socket.gethostname()} {datetime.now(UTC):%Y-%m-%dT%H:%MZ}") + "\n"
 
@@ -96,7 +96,7 @@ def prepare_dir(share_dir: str | Path, group: str) -> Path:
             continue
         if stat.S_ISLNK(st.st_mode) and (part == path or st.st_uid not in (0, os.geteuid())):
             raise ServerError(f"The share directory {path} goes through {part}, a symbolic link made by "
-                              f"{_owner_name(st.st_uid)}: give a real folder of yours (--share-dir).")
+                              f"{keyring.owner_name(st.st_uid)}: give a real folder of yours (--share-dir).")
     root = Path(os.path.realpath(path.parent)) / path.name
     fds: list[int] = []
     try:
@@ -123,16 +123,9 @@ def _own_folder(name: str | Path, dir_fd: int | None, shown: Path) -> int:
     fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
     if (uid := os.fstat(fd).st_uid) != os.geteuid():
         os.close(fd)
-        raise ServerError(f"{shown} belongs to {_owner_name(uid)}, not to you: choose a folder of your own "
+        raise ServerError(f"{shown} belongs to {keyring.owner_name(uid)}, not to you: choose a folder of your own "
                           "(--share-dir).")
     return fd
-
-
-def _owner_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
 
 
 def publish(share_dir: str | Path, info: ServerInfo) -> Path:
@@ -326,7 +319,7 @@ def _learner_key_file(root: Path, info: ServerInfo) -> Path:
 def _taken(path: Path, uid: int) -> ServerError:
     """Another learner made the file named after this one first: it registers nothing, and only the share's owner
     can remove it."""
-    who = _owner_name(uid)
+    who = keyring.owner_name(uid)
     return ServerError(f"{path} was made by {who}, not by you: it registers nothing, and only your instructor can "
                        f"remove it. Ask them to (`llmlab revoke JOB {who}` removes every file {who} made there and "
                        "moves their folders aside).")

@@ -178,6 +178,38 @@ def vllm_env(platform: str, *, kv_cache_gib: float = 1, run_dir: Path | str | No
     return env
 
 
+# The variables llmlab sets on vLLM by name outside :func:`vllm_env` (each where the reason is): the recipe's test
+# (tests/unit/test_recipe.py) fails on any other module that spells one of them.
+LOGGING_LEVEL = "VLLM_LOGGING_LEVEL"
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": an engine's next process runs inside the one before it
+OMP_THREADS = "OMP_NUM_THREADS"
+CACHE_ROOT = "VLLM_CACHE_ROOT"  # compiled kernels and graphs (a job's cache folder: llmlab.cluster.render)
+HOST_IP = "VLLM_HOST_IP"  # where a node's vLLM binds its message queues (backend mp: llmlab.cluster.render)
+
+
+def logging_level() -> str:
+    """``VLLM_LOGGING_LEVEL`` as this process has it, else INFO: the start-up phases (:data:`PHASES`) and the memory
+    figures are INFO lines, which every llmlab tool that reads a vLLM log needs."""
+    return os.environ.get(LOGGING_LEVEL, "INFO")
+
+
+def offline_env(platform: str, *, kv_cache_gib: float = 1) -> dict[str, str]:
+    """The variables an engine in *this* process (``vllm.LLM``, ``llmlab generate``, lesson 07) reads at import: the
+    recipe (:func:`vllm_env`, without its own offline pair: the caller names what it reads back), the log level
+    (:func:`logging_level`), and on the CPU build ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set.
+
+    Why the same variable as :func:`unbound_cpu_env` under another reason: for ``vllm.LLM`` it keeps the *engine
+    core* in the calling process (one Python start and ~0.5 GB PSS less); the model still runs in vLLM's worker
+    process (backend "mp"), which the CPU build needs to pin its OpenMP threads ("uni" generated several times
+    slower).  The server (AsyncLLM) always runs its engine core apart, so there the variable moves the *worker* into
+    the engine core instead.  On GPUs vLLM's defaults stay: a separate engine core overlaps scheduling with the
+    GPU's work."""
+    env = {**vllm_env(platform, kv_cache_gib=kv_cache_gib, offline=False), LOGGING_LEVEL: logging_level()}
+    if platform == "cpu":
+        env[IN_PROCESS] = os.environ.get(IN_PROCESS, "0")
+    return env
+
+
 INHERITED_SECRETS = ("VLLM_API_KEY", "RAY_AUTH_TOKEN")  # never passed on from the user's shell (local_env)
 # Nor what would let vLLM load LoRA adapters while it runs, by a completion's "model" naming one its resolvers find
 # (security-review-3, F10): the proxy closes the two HTTP routes, not the resolvers.  A caller's explicit setting
@@ -194,7 +226,7 @@ def local_env(recipe: dict[str, str]) -> dict[str, str]:
     file, and hands it on to every process it starts.  ``VLLM_LOGGING_LEVEL`` as set, else INFO: the start-up
     phases (:data:`PHASES`) and the memory figures are INFO lines."""
     inherited = {k: v for k, v in os.environ.items() if k not in INHERITED_OPENERS}
-    env = {**inherited, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **recipe}
+    env = {**inherited, LOGGING_LEVEL: logging_level(), **recipe}
     for secret in INHERITED_SECRETS:
         env.pop(secret, None)
     return env
@@ -226,7 +258,7 @@ def unbound_cpu_env(environ: Mapping[str, str], argv: list[str] = ()) -> dict[st
     worker, which binds its threads to the cores :data:`BIND` names; so do several ranks (``uni`` holds one)."""
     if BIND in environ or asks_for_ranks(argv):
         return {}
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": environ.get("OMP_NUM_THREADS", "1")}
+    return {IN_PROCESS: "0", OMP_THREADS: environ.get(OMP_THREADS, "1")}
 
 
 def engine_env(run_dir: Path, kv_cache_gib: float, extra_args: list[str] = (),

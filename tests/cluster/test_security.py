@@ -359,18 +359,19 @@ def share_room(attacker):
     """A share directory for the attacker's group, and the key ring the instructor's proxy reads from it."""
     import grp
 
-    from llmlab.serve import proxy, share
+    from llmlab.serve import share
+    from llmlab.serve.proxy import keys as proxy_keys
 
     parent = Path(tempfile.mkdtemp(prefix="llmlab-room-"))  # not under pytest's 0700 folder: learners must enter
     os.chmod(parent, 0o755)
     root = share.prepare_dir(parent / "ws", grp.getgrgid(attacker[1]).gr_name)
     owner = write_private(parent / "owner.key", "owner-" + os.urandom(16).hex() + "\n")
-    yield root, proxy.KeyRing(owner, root / "keys", recheck=0)
+    yield root, proxy_keys.KeyRing(owner, root / "keys", recheck=0)
     shutil.rmtree(parent, ignore_errors=True)
 
 
 def _line(key: str) -> str:
-    from llmlab.serve.proxy import key_digest_line
+    from llmlab.serve.proxy.keys import key_digest_line
 
     return key_digest_line(key, "learner@node") + "\n"
 
@@ -560,9 +561,10 @@ def test_share_fifo_in_keys_does_not_hang_the_instructor(attacker, share_room):
     root, _ = share_room
     for name in (ATTACKER, "zz"):
         assert as_attacker(attacker, "mkfifo", "-m", "0640", str(root / "keys" / name)).returncode == 0
-    code = ("import sys\nfrom pathlib import Path\nfrom llmlab.serve import share, proxy\n"
+    code = ("import sys\nfrom pathlib import Path\nfrom llmlab.serve import share\n"
+            "from llmlab.serve.proxy import keys as proxy_keys\n"
             "root = Path(sys.argv[1])\nprint(share.learners(root))\n"
-            "ring = proxy.KeyRing(Path(sys.argv[2]), root / 'keys')\nprint('ring', ring.registered)\n"
+            "ring = proxy_keys.KeyRing(Path(sys.argv[2]), root / 'keys')\nprint('ring', ring.registered)\n"
             "share.revoke(root, sys.argv[3])\nprint(share.learners(root))\n")
     owner = write_private(root.parent / "owner-fifo.key", "owner-" + os.urandom(16).hex() + "\n")
     try:
@@ -828,7 +830,7 @@ def test_proxy_a_pipelined_flood_on_many_connections_leaves_the_owner_served(att
     rest at once; VmRSS +20 MiB), and the proxy's memory stays within 64 MiB of its start."""
     from proxy_helpers import proxy_process, stand_in_vllm
 
-    from llmlab.serve.proxy import key_digest_line
+    from llmlab.serve.proxy.keys import key_digest_line
 
     learner_key = "learner-" + os.urandom(16).hex()
     keys = write_private(tmp_path / "keys.txt", key_digest_line(learner_key) + "\n")
@@ -1011,7 +1013,7 @@ def test_proxy_idle_keyed_connections_do_not_lock_the_owner_out(attacker, tmp_pa
     now idle connections go oldest-first whatever their key, and the owner's requests get their answers."""
     from proxy_helpers import proxy_process, stand_in_vllm
 
-    from llmlab.serve.proxy import key_digest_line
+    from llmlab.serve.proxy.keys import key_digest_line
 
     learner_key = "learner-" + os.urandom(16).hex()
     keys = write_private(tmp_path / "keys.txt", key_digest_line(learner_key) + "\n")
@@ -1065,11 +1067,12 @@ def test_proxy_memory_has_a_ceiling_for_all_bodies_together(attacker, tmp_path):
     """Finding 6: a learner with a valid key holds 12 connections, each with a 32 MiB body one byte short, and sends
     one 32 MiB prefix-routed body of 10 million empty objects.  Before, VmRSS went from 100 to 495 MB and stayed
     there, and the prefix body's JSON peaked at 928 MB and held the event loop for seconds.  Now the bodies of all
-    connections together are held to proxy.MAX_BODIES (the largest still arriving is refused beyond it) and a
-    body over proxy.PREFIX_PARSE_MAX is routed without being parsed; the owner is answered meanwhile."""
+    connections together are held to policy.MAX_BODIES (the largest still arriving is refused beyond it) and a
+    body over router.PREFIX_PARSE_MAX is routed without being parsed; the owner is answered meanwhile."""
     from proxy_helpers import proxy_process, stand_in_vllm
 
-    from llmlab.serve.proxy import MAX_BODIES, key_digest_line
+    from llmlab.serve.proxy.keys import key_digest_line
+    from llmlab.serve.proxy.policy import MAX_BODIES
 
     learner_key = "learner-" + os.urandom(16).hex()
     keys = write_private(tmp_path / "keys.txt", key_digest_line(learner_key) + "\n")

@@ -31,7 +31,8 @@ from llmlab.ops import jobs
 from llmlab.serve import keyring, share
 from llmlab.serve.info import ServerInfo
 from llmlab.serve.proc import free_port, health
-from llmlab.serve.proxy import digest, key_digest_line, proxy_command
+from llmlab.serve.proxy.command import proxy_command
+from llmlab.serve.proxy.keys import digest, key_digest_line
 
 GROUP, LEARNER, OUTSIDER = "llmlab-ws", "llmlab-learner", "llmlab-outsider"
 HOMES: dict[str, Path] = {}  # one home per user for the module: a learner keeps their key between runs

@@ -24,9 +24,11 @@ from proxy_helpers import get as _get
 from proxy_helpers import proxy_process, stand_in_vllm
 from slurm_helpers import wait_for
 
-from llmlab.serve import proxy
 from llmlab.serve.info import write_private
 from llmlab.serve.proc import free_port, health
+from llmlab.serve.proxy import answers, command, policy
+from llmlab.serve.proxy import keys as proxy_keys
+from llmlab.serve.proxy import limits as proxy_limits
 
 
 @pytest.mark.parametrize("raw, path, refused", [
@@ -42,13 +44,13 @@ from llmlab.serve.proc import free_port, health
     ("/v1/models%00", "/v1/models\x00", True),
 ])
 def test_paths_that_are_not_normal_are_refused(raw, path, refused):
-    assert (proxy.check_path(raw.encode(), path) is not None) == refused
+    assert (policy.check_path(raw.encode(), path) is not None) == refused
 
 
 def test_allow_list():
-    assert all(proxy.allowed(p) for p in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+    assert all(policy.allowed(p) for p in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
                                           "/metrics"))
-    assert not any(proxy.allowed(p) for p in ("/invocations", "/tokenize", "/pause", "/abort_requests", "/docs",
+    assert not any(policy.allowed(p) for p in ("/invocations", "/tokenize", "/pause", "/abort_requests", "/docs",
                                               "/openapi.json", "/v1", "/v1/", "/v2/x", "/health/x", "/metricsx"))
 
 
@@ -56,20 +58,20 @@ def test_keyring_owner_registered_and_revoked(tmp_path):
     owner = write_private(tmp_path / "owner.key", "owner-key-0123456789abcdef\n")
     keys = tmp_path / "keys.d"
     keys.mkdir()
-    ring = proxy.KeyRing(owner, keys, recheck=0)
+    ring = proxy_keys.KeyRing(owner, keys, recheck=0)
     assert ring.accepts("Bearer owner-key-0123456789abcdef") and ring.accepts("bearer owner-key-0123456789abcdef")
     assert not ring.accepts(None) and not ring.accepts("owner-key-0123456789abcdef")  # no scheme
     assert not ring.accepts("Basic owner-key-0123456789abcdef") and not ring.accepts("Bearer ")
     learner = "learner-1-key-xyz-0123456789"
     assert not ring.accepts(f"Bearer {learner}")
-    (keys / "alice").write_text("# alice's key\n" + proxy.key_digest_line(learner, "alice") + "\nnot a digest\n")
+    (keys / "alice").write_text("# alice's key\n" + proxy_keys.key_digest_line(learner, "alice") + "\nnot a digest\n")
     assert ring.accepts(f"Bearer {learner}") and ring.registered == 1
     assert learner not in (keys / "alice").read_text()  # only the hash is registered
     (keys / "alice").unlink()  # revoked, without restarting anything
     assert not ring.accepts(f"Bearer {learner}") and ring.accepts("Bearer owner-key-0123456789abcdef")
     assert not ring.revoked(f"Bearer {learner}")  # gone, not revoked: the proxy says "wrong key"
     # llmlab revoke's way: a file of the owner's under the learner's name, listing the digests it refuses
-    (keys / "alice").write_text("# revoked by the instructor\nrevoked " + proxy.key_digest_line(learner, "alice")
+    (keys / "alice").write_text("# revoked by the instructor\nrevoked " + proxy_keys.key_digest_line(learner, "alice")
                                 .split()[0] + "\n")
     assert not ring.accepts(f"Bearer {learner}")
     assert ring.revoked(f"Bearer {learner}") and not ring.revoked("Bearer someone-else-0123456789")
@@ -87,11 +89,11 @@ def test_keyring_reads_the_keys_folder_off_the_event_loop(tmp_path, monkeypatch)
     owner = write_private(tmp_path / "owner.key", "owner-key-0123456789abcdef\n")
     keys = tmp_path / "keys.d"
     keys.mkdir()
-    ring = proxy.KeyRing(owner, keys, recheck=0.1)
+    ring = proxy_keys.KeyRing(owner, keys, recheck=0.1)
     load = keyring.load
     monkeypatch.setattr(keyring, "load", lambda *a, **k: time.sleep(3.0) or load(*a, **k))
     learner = "learner-1-key-xyz-0123456789"
-    (keys / "instructor").write_text(proxy.key_digest_line(learner) + "\n")
+    (keys / "instructor").write_text(proxy_keys.key_digest_line(learner) + "\n")
 
     async def probe() -> tuple[float, bool]:
         held, accepted, end = 0.0, False, time.monotonic() + 7.0
@@ -107,10 +109,10 @@ def test_keyring_reads_the_keys_folder_off_the_event_loop(tmp_path, monkeypatch)
 
 
 def test_keyring_refuses_an_unreadable_or_short_key(tmp_path):
-    with pytest.raises(proxy.ProxyError, match="Cannot read the key file"):
-        proxy.KeyRing(tmp_path / "missing.key")
-    with pytest.raises(proxy.ProxyError, match="shorter than 16"):
-        proxy.KeyRing(write_private(tmp_path / "short.key", "abc\n"))
+    with pytest.raises(answers.ProxyError, match="Cannot read the key file"):
+        proxy_keys.KeyRing(tmp_path / "missing.key")
+    with pytest.raises(answers.ProxyError, match="shorter than 16"):
+        proxy_keys.KeyRing(write_private(tmp_path / "short.key", "abc\n"))
 
 
 def test_bad_listen_address_is_one_sentence(tmp_path):
@@ -162,7 +164,7 @@ def test_proxy_listens_with_a_backlog_for_a_burst_of_connections(embedded):
     test) wait on SYN retries of a second or more; ``ss`` shows a listening socket's backlog as its Send-Q."""
     out = subprocess.run(["ss", "-Hltn", f"sport = :{embedded.port}"], capture_output=True, text=True, check=True)
     somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
-    assert int(out.stdout.split()[2]) == min(proxy.BACKLOG, somaxconn)
+    assert int(out.stdout.split()[2]) == min(proxy_limits.BACKLOG, somaxconn)
 
 
 def test_registered_key_works_and_revocation_needs_no_restart(embedded, tmp_path):
@@ -181,7 +183,7 @@ def test_registered_key_works_and_revocation_needs_no_restart(embedded, tmp_path
             assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
             time.sleep(0.3)
         assert _get(url, learner)[0] == 401
-        write_private(keys / "learner", proxy.key_digest_line(learner, "learner") + "\n")
+        write_private(keys / "learner", proxy_keys.key_digest_line(learner, "learner") + "\n")
         # the key ring re-reads its files in the background about once a second, later on a starved machine
         wait_for(lambda: _get(url, learner)[0] == 200, 30, "the proxy to accept the registered key", poll=0.2)
         (keys / "learner").unlink()
@@ -375,7 +377,7 @@ def test_a_flood_of_bad_entries_in_the_keys_folder_writes_a_bounded_proxy_log(tm
 def test_the_proxy_log_has_a_budget_of_lines_and_of_line_width():
     """LogBudget: a burst of lines, then one per interval, each cut at a width; what was held back is counted."""
     out = io.StringIO()
-    budget = proxy.LogBudget(burst=5, every=3600, width=100)
+    budget = proxy_limits.LogBudget(burst=5, every=3600, width=100)
     handler = logging.StreamHandler(out)
     handler.addFilter(budget)
     logger = logging.getLogger("llmlab.test.log-budget")
@@ -408,7 +410,7 @@ def test_proxy_reports_the_port_it_bound_in_a_private_ready_file(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "llmlab.serve.proxy", "--listen", "127.0.0.1:0", "--upstream",
                                  f"unix:{uds}", "--key-file", str(key), "--ready-file", str(ready)])
         try:
-            bound = proxy.wait_bound(ready, lambda: proc.poll() is None, tmp_path / "none.log", timeout=60)
+            bound = command.wait_bound(ready, lambda: proc.poll() is None, tmp_path / "none.log", timeout=60)
             assert os.stat(ready).st_mode & 0o777 == 0o600 and bound["pid"] == proc.pid
             assert bound["host"] == "127.0.0.1" and bound["port"] > 0
             assert _get(f"http://127.0.0.1:{bound['port']}/v1/models", key.read_text().strip())[0] == 200
@@ -438,12 +440,12 @@ def test_a_learner_revoked_mid_notebook_is_told_so_by_the_proxy(tmp_path):
     keys = tmp_path / "keys"
     keys.mkdir()
     learner = "learner-key-" + os.urandom(12).hex()
-    (keys / "alice").write_text(proxy.key_digest_line(learner, "alice") + "\n")
+    (keys / "alice").write_text(proxy_keys.key_digest_line(learner, "alice") + "\n")
     with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, _key):
         url = f"http://127.0.0.1:{port}/v1/models"
         assert _get(url, learner)[0] == 200
         (keys / "alice").write_text("# revoked by the instructor\nrevoked " +
-                                    proxy.key_digest_line(learner, "alice").split()[0] + "\n")
+                                    proxy_keys.key_digest_line(learner, "alice").split()[0] + "\n")
         answer = wait_for(lambda: (a := _get(url, learner))[0] == 401 and a, 30,  # the key ring notices in about 1 s
                           "the proxy to refuse the revoked key", poll=0.2)
         assert answer[0] == 401 and b"revoked by its owner" in answer[1] and b"ask your instructor" in answer[1]
@@ -457,9 +459,9 @@ def test_a_keys_folder_that_keeps_changing_logs_only_changes_of_who_is_in(tmp_pa
     owner = write_private(tmp_path / "owner.key", "owner-key-0123456789abcdef\n")
     keys = tmp_path / "keys.d"
     keys.mkdir()
-    ring = proxy.KeyRing(owner, keys, recheck=0)
-    caplog.set_level(logging.INFO, logger=proxy.log.name)
-    (keys / "alice").write_text(proxy.key_digest_line("learner-1-key-xyz-0123456789", "alice") + "\n")
+    ring = proxy_keys.KeyRing(owner, keys, recheck=0)
+    caplog.set_level(logging.INFO, logger=proxy_keys.log.name)
+    (keys / "alice").write_text(proxy_keys.key_digest_line("learner-1-key-xyz-0123456789", "alice") + "\n")
     assert ring.accepts("Bearer learner-1-key-xyz-0123456789") and ring.registered == 1
     for n in range(5):  # junk made and removed: the folder changes, who is in does not
         (keys / f"junk{n}").write_text("x")
@@ -559,11 +561,11 @@ def test_a_proxy_answers_an_identity_challenge_without_a_key_and_nothing_else(tm
     open for the keyed request that follows; a bad nonce is 400; every other route still wants the key."""
     with stand_in_vllm(tmp_path) as uds, proxy_process(tmp_path, uds) as (_, port, key):
         nonce = os.urandom(32).hex().encode()
-        got = _exchange(port, proxy.identity_request(nonce)
+        got = _exchange(port, proxy_keys.identity_request(nonce)
                         + _get_line("/v1/models", key, close=True))
         assert _statuses(got) == [200, 200]
-        assert b"x-llmlab-proof: " + proxy.identity_proof(key, nonce) in got
-        assert _statuses(_exchange(port, proxy.identity_request(b"x" * 64))) == [400]
+        assert b"x-llmlab-proof: " + proxy_keys.identity_proof(key, nonce) in got
+        assert _statuses(_exchange(port, proxy_keys.identity_request(b"x" * 64))) == [400]
         assert _get(f"http://127.0.0.1:{port}/v1/models", None)[0] == 401
 
 
@@ -576,8 +578,8 @@ def test_bodies_vllm_has_taken_stop_counting_toward_the_proxys_budget(tmp_path):
 
     keys = tmp_path / "keys"
     learner = "learner-" + os.urandom(16).hex()
-    keys.write_text(proxy.key_digest_line(learner) + "\n")
-    size = proxy.MAX_BODY
+    keys.write_text(proxy_keys.key_digest_line(learner) + "\n")
+    size = policy.MAX_BODY
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {learner}\r\n"
             f"Content-Length: {size}\r\n\r\n").encode()
     held = []
@@ -589,7 +591,7 @@ def test_bodies_vllm_has_taken_stop_counting_toward_the_proxys_budget(tmp_path):
 
     with stand_in_vllm(tmp_path, slow_over=2**20, slow_s=10) as uds, \
             proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, key):
-        senders = [threading.Thread(target=send_whole_and_wait) for _ in range(proxy.MAX_BODIES // size)]
+        senders = [threading.Thread(target=send_whole_and_wait) for _ in range(policy.MAX_BODIES // size)]
         for t in senders:
             t.start()
         for t in senders:
@@ -620,7 +622,7 @@ def test_on_a_shared_server_each_learner_has_a_prefix_cache_of_their_own(embedde
     keys.mkdir()
     alice, bob = ("learner-" + os.urandom(16).hex() for _ in range(2))
     for name, key in (("alice", alice), ("bob", bob)):
-        write_private(keys / name, proxy.key_digest_line(key, name) + "\n")
+        write_private(keys / name, proxy_keys.key_digest_line(key, name) + "\n")
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llmlab.serve.proxy", "--listen", f"127.0.0.1:{port}", "--upstream",
                              f"unix:{embedded.extra['uds']}", "--key-file", str(owner), "--keys", str(keys)])
@@ -648,7 +650,7 @@ def _learner_keys(tmp_path: Path) -> tuple[Path, str]:
     """A keys file with one learner's digest, and that learner's key."""
     learner = "learner-" + os.urandom(16).hex()
     keys = tmp_path / "keys"
-    keys.write_text(proxy.key_digest_line(learner) + "\n")
+    keys.write_text(proxy_keys.key_digest_line(learner) + "\n")
     return keys, learner
 
 
@@ -702,11 +704,11 @@ def test_a_learners_key_has_a_limit_on_requests_in_progress(tmp_path):
     keys, learner = _learner_keys(tmp_path)
     other = "learner-" + os.urandom(16).hex()
     with open(keys, "a") as f:
-        f.write(proxy.key_digest_line(other) + "\n")
+        f.write(proxy_keys.key_digest_line(other) + "\n")
     slow = json.dumps({"prompt": "x" * 2000}).encode()  # over slow_over: each answered 15 s later
     one = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {learner}\r\n"
            f"Content-Length: {len(slow)}\r\n\r\n").encode() + slow
-    connections = proxy.KEY_REQUESTS // 16 + 2
+    connections = policy.KEY_REQUESTS // 16 + 2
     held = []
     with stand_in_vllm(tmp_path, slow_over=1000, slow_s=15) as uds, \
             proxy_process(tmp_path, uds, "--keys", str(keys)) as (_, port, key):
@@ -716,7 +718,7 @@ def test_a_learners_key_has_a_limit_on_requests_in_progress(tmp_path):
             held.append(s)
         url = f"http://127.0.0.1:{port}/v1/models"
         status, said = wait_for(lambda: (a := _get(url, learner))[0] == 429 and a, 20, "the learner's limit", poll=0.5)
-        assert f"your key has {proxy.KEY_REQUESTS} requests in progress".encode() in said, said
+        assert f"your key has {policy.KEY_REQUESTS} requests in progress".encode() in said, said
         assert _get(url, key)[0] == 200 and _get(url, other)[0] == 200
         for s in held:
             s.close()

@@ -104,6 +104,29 @@ def test_serve_imports_no_lesson(module):
     assert not lessons, f"{module} imports the lesson module(s) {lessons}"
 
 
+# --- the proxy: its security perimeter is a floor of its own (issue 49) ------------------------------------------
+
+PROXY_FLOORS = ["answers", "keys", "policy", "limits", "router", "relay", "command"]
+
+
+def test_the_proxys_modules_stand_on_the_ones_below_them_only():
+    """answers < keys < policy < limits, router < relay < command: the perimeter (keys, policy, limits) never
+    imports the router or the connections, so a security reading stops at ``policy``/``limits``/``keys``."""
+    level = {f"llmlab.serve.proxy.{m}": i for i, m in enumerate(PROXY_FLOORS)}
+    level["llmlab.serve.proxy.router"] = level["llmlab.serve.proxy.limits"]  # side by side: neither needs the other
+    assert set(level) | {"llmlab.serve.proxy", "llmlab.serve.proxy.__main__"} == {
+        m for m in MODULES if m.startswith("llmlab.serve.proxy")}, "a proxy module is missing from PROXY_FLOORS"
+    up = [f"{a} imports {b}" for a in level for b in GRAPH[a] if b in level and level[b] >= level[a]]
+    assert not up, "the proxy's arrows must point down:\n" + "\n".join(up)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if floor(m) == FLOOR["lesson"]))
+def test_a_lesson_imports_only_the_proxys_router_and_command(module):
+    inner = sorted(t for t in GRAPH[module] if t.startswith("llmlab.serve.proxy")
+                   and t not in ("llmlab.serve.proxy.router", "llmlab.serve.proxy.command"))
+    assert not inner, f"{module} imports the proxy's {inner}: lessons use its router and its command only"
+
+
 # --- the notebooks: a learner who follows an import lands in a lesson module -------------------------------------
 
 NOTEBOOK_ROOT = PACKAGE.parent

@@ -20,7 +20,7 @@ from llmlab.ops import generate, launcher, rehearsal
 from llmlab.serve import vllm
 from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.proc import pid_alive
-from llmlab.serve.proxy import proxy_command
+from llmlab.serve.proxy.command import proxy_command
 
 PACKAGE = Path(vllm.__file__).resolve().parent.parent
 CPU_JOB = "llmlab-tiny-cpu"
@@ -136,9 +136,15 @@ def test_a_cpu_job_whose_kv_space_vllm_cannot_read_is_refused_with_its_table(tmp
         cluster.load_settings(settings)
 
 
+# Every other vLLM variable the package sets: named once, in llmlab.serve.vllm (architecture-review-3, 5.2 item 3:
+# the offline engine wrote two of them itself, under the opposite rationale, and nothing watched them).
+ALSO_SET = {"VLLM_USE_FLASHINFER_SAMPLER", "--enable-prefix-caching", "VLLM_LOGGING_LEVEL",
+            "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "VLLM_CACHE_ROOT", "VLLM_HOST_IP"}
+
+
 def recipe_names_in(path: Path) -> set[str]:
     """The recipe's variable and flag names that ``path`` spells out as strings or keyword arguments."""
-    names = set(RECIPE) | {"VLLM_USE_FLASHINFER_SAMPLER", "--enable-prefix-caching"}
+    names = set(RECIPE) | ALSO_SET
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Constant) and node.value in names:
@@ -149,10 +155,10 @@ def recipe_names_in(path: Path) -> set[str]:
 
 
 def test_the_recipe_is_written_in_one_module():
-    """Only llmlab.serve.vllm spells the recipe out; the offline engine names the two Hugging Face variables it
-    reads back from this process (an explicit HF_HUB_OFFLINE=0 stands there)."""
+    """Only llmlab.serve.vllm spells the recipe and every other vLLM variable the package sets; the offline engine
+    names the two Hugging Face variables it reads back from this process (an explicit HF_HUB_OFFLINE=0 stands)."""
     spelled = {str(p.relative_to(PACKAGE)): names for p in PACKAGE.rglob("*.py") if (names := recipe_names_in(p))}
-    assert spelled == {"serve/vllm.py": set(RECIPE) | {"VLLM_USE_FLASHINFER_SAMPLER", "--enable-prefix-caching"},
+    assert spelled == {"serve/vllm.py": set(RECIPE) | ALSO_SET,
                        "offline.py": {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"}}
 
 
@@ -223,6 +229,20 @@ def test_a_rehearsal_on_one_node_runs_pp_with_vllms_own_processes_and_the_jobs_l
     assert argv[5:5 + len(flags)] == vllm.set_flag(flags, "--distributed-executor-backend", "mp")
     assert line == vllm.serve_line(tmp_path, argv[5:]) and line.startswith(f"vllm serve {tmp_path} --tensor")
 
+
+
+@pytest.mark.parametrize("name", ["llama3.1-70b", "llama3.1-405b", "llama3.1-405b-fp8"])
+def test_one_function_assembles_a_gpu_jobs_serve_flags_for_the_job_script_and_the_rehearsal(name, tmp_path):
+    """cluster.job_flags is the one assembly (architecture-review-3, 5.2 item 3): the job script's flags are it
+    with the launcher's socket and LLMLAB_EXTRA_VLLM_ARGS, a rehearsal's with its own socket and dummy weights."""
+    job = cluster.job_settings(name)
+    rendered = render(job, LLMLAB_EXTRA_VLLM_ARGS="--seed 7")
+    assert rendered.flags[:len(cluster.job_flags(job, ["--uds", rendered.uds], ["--seed", "7"]))] == \
+        cluster.job_flags(job, ["--uds", rendered.uds], ["--seed", "7"])
+    uds = tmp_path / "vllm.sock"
+    argv, _, _ = rehearsal.serve_argv(job, tmp_path, 0, uds=uds)
+    assert argv[5:] == cluster.job_flags(job, ["--uds", str(uds)], ["--load-format", "dummy"], backend="mp")
+    assert cluster.vllm_flags(job)[:2] == memory.serve_flags(job.model, tp=job.tp, pp=job.pp)[0][:2]
 
 # --- the start-up phases ----------------------------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from llmlab import replicas
-from llmlab.serve import proxy
 from llmlab.serve.info import write_private
+from llmlab.serve.proxy import answers, command, policy, relay, router
+from llmlab.serve.proxy import keys as proxy_keys
 
 
 def test_cores_are_shared_out_in_whole_runs():
@@ -32,46 +33,46 @@ def test_cores_are_shared_out_in_whole_runs():
 
 def test_prefix_key_is_the_salt_and_the_start_of_the_prompt():
     body = lambda **r: json.dumps(r).encode()  # noqa: E731
-    assert proxy.prefix_key(body(prompt="x" * 300, cache_salt="s"), chars=256) == b"s\x00" + b"x" * 256
-    assert proxy.prefix_key(body(prompt=["first", "second"])) == b"\x00first"
+    assert router.prefix_key(body(prompt="x" * 300, cache_salt="s"), chars=256) == b"s\x00" + b"x" * 256
+    assert router.prefix_key(body(prompt=["first", "second"])) == b"\x00first"
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert proxy.prefix_key(body(messages=chat)).startswith(b'\x00[{"role":"system","content":"be brief"}')
+    assert router.prefix_key(body(messages=chat)).startswith(b'\x00[{"role":"system","content":"be brief"}')
     for not_a_prompt in (b"not json", b"[1, 2]", body(model="m"), b"[" * 100_000):
-        assert proxy.prefix_key(not_a_prompt) is None
-    assert proxy.prefix_key(body(prompt="\ud800")) is not None  # a lone surrogate does not stop the proxy
+        assert router.prefix_key(not_a_prompt) is None
+    assert router.prefix_key(body(prompt="\ud800")) is not None  # a lone surrogate does not stop the proxy
     long_chat = [{"role": "user", "content": f"message {i}"} for i in range(1000)]  # written only as far as needed
-    assert proxy.prefix_key(body(messages=long_chat)) == b"\x00" + json.dumps(long_chat, separators=(",", ":"))[
+    assert router.prefix_key(body(messages=long_chat)) == b"\x00" + json.dumps(long_chat, separators=(",", ":"))[
         :256].encode()
 
 
 def test_prefix_routing_parses_no_body_over_its_bound():
     """security-review-2, finding 6: a 32 MiB body of empty objects took 900 MB and seconds of the event loop to
     parse; a body over PREFIX_PARSE_MAX is routed least-loaded, unparsed."""
-    empty_objects = b'{"messages":[' + b"{}," * (proxy.PREFIX_PARSE_MAX // 3) + b"{}]}"
-    assert len(empty_objects) > proxy.PREFIX_PARSE_MAX and proxy.prefix_key(empty_objects) is None
-    fits = b'{"messages":[' + b"{}," * (proxy.PREFIX_PARSE_MAX // 3 - 10) + b"{}]}"
-    assert proxy.prefix_key(fits) == b"\x00[" + b"{}," * 85  # 256 characters
+    empty_objects = b'{"messages":[' + b"{}," * (router.PREFIX_PARSE_MAX // 3) + b"{}]}"
+    assert len(empty_objects) > router.PREFIX_PARSE_MAX and router.prefix_key(empty_objects) is None
+    fits = b'{"messages":[' + b"{}," * (router.PREFIX_PARSE_MAX // 3 - 10) + b"{}]}"
+    assert router.prefix_key(fits) == b"\x00[" + b"{}," * 85  # 256 characters
 
 
 def test_rendezvous_hashing_moves_only_the_keys_a_new_replica_takes():
     keys = [f"course {i}".encode() for i in range(400)]
-    two = [proxy.home_replica(k, 2) for k in keys]
-    three = [proxy.home_replica(k, 3) for k in keys]
+    two = [router.home_replica(k, 2) for k in keys]
+    three = [router.home_replica(k, 3) for k in keys]
     assert 150 < two.count(0) < 250  # spread, not piled on one replica
     moved = [(a, b) for a, b in zip(two, three, strict=True) if a != b]
     assert moved and all(b == 2 for _, b in moved)  # every key that moved went to the new replica
     assert 90 < len(moved) < 180  # about a third of them
-    assert replicas.homes(["p"] * 3, ["s"] * 3, 2) == [proxy.home_replica(b"s\x00p", 2)] * 3
+    assert replicas.homes(["p"] * 3, ["s"] * 3, 2) == [router.home_replica(b"s\x00p", 2)] * 3
 
 
 @pytest.fixture
 def key_ring(tmp_path):
     write_private(tmp_path / "key", "k" * 32 + "\n")
-    return proxy.KeyRing(tmp_path / "key")
+    return proxy_keys.KeyRing(tmp_path / "key")
 
 
-def request(body: dict | None = None) -> proxy.Request:
-    r = proxy.Request()
+def request(body: dict | None = None) -> policy.Request:
+    r = policy.Request()
     r.body = bytearray(json.dumps(body or {}).encode())
     return r
 
@@ -103,7 +104,7 @@ def test_the_committed_h200_runs_compare_the_same_load_and_count_every_request()
 
 
 def test_least_loaded_takes_the_idlest_and_takes_turns_when_idle(key_ring):
-    p = proxy.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring)
+    p = relay.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring)
     a, b = p.replicas
     assert [p.pick(request()) for _ in range(4)] == [a, b, a, b]
     a.in_flight, b.in_flight = 3, 1
@@ -111,9 +112,9 @@ def test_least_loaded_takes_the_idlest_and_takes_turns_when_idle(key_ring):
 
 
 def test_prefix_routing_keeps_a_prompt_home_until_the_balance_runs_out(key_ring):
-    p = proxy.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring, route="prefix", balance=4)
+    p = relay.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring, route="prefix", balance=4)
     body = {"prompt": "the same system prompt", "cache_salt": "room"}
-    home = p.replicas[proxy.home_replica(proxy.prefix_key(json.dumps(body).encode()), 2)]
+    home = p.replicas[router.home_replica(router.prefix_key(json.dumps(body).encode()), 2)]
     other = next(r for r in p.replicas if r is not home)
     home.in_flight = 3
     assert all(p.pick(request(body)) is home for _ in range(5))
@@ -126,10 +127,10 @@ def test_prefix_routing_keeps_a_prompt_home_until_the_balance_runs_out(key_ring)
 def test_bad_router_settings_are_named(key_ring):
     for kwargs, words in (({"route": "random"}, "--route 'random'"), ({"balance": 0}, "--balance 0"),
                           ({"prefix_chars": 0}, "--prefix-chars 0")):
-        with pytest.raises(proxy.ProxyError, match=words):
-            proxy.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring, **kwargs)
-    with pytest.raises(proxy.ProxyError, match="no --upstream"):
-        proxy.Proxy([], key_ring)
+        with pytest.raises(answers.ProxyError, match=words):
+            relay.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring, **kwargs)
+    with pytest.raises(answers.ProxyError, match="no --upstream"):
+        relay.Proxy([], key_ring)
     with pytest.raises(ValueError, match="least-loaded, prefix"):
         replicas.Router(["/a.sock"], route="random")
 
@@ -137,15 +138,15 @@ def test_bad_router_settings_are_named(key_ring):
 def test_the_router_refuses_metrics_that_would_be_one_replicas(key_ring):
     r = request()
     r.url, r.headers = b"/metrics", [(b"authorization", b"Bearer " + b"k" * 32)]
-    assert proxy.Proxy("unix:/a.sock", key_ring).judge(r) is None
-    answer = proxy.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring).judge(r)
+    assert relay.Proxy("unix:/a.sock", key_ring).judge(r) is None
+    answer = relay.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring).judge(r)
     assert answer.startswith(b"HTTP/1.1 404") and b"read /metrics from each server" in answer
 
 
 # -- several models, one endpoint (issue 41): the router picks the model's pool by the request's "model"
 
 def test_named_upstreams_make_one_pool_per_model_each_with_its_own_key(key_ring):
-    p = proxy.Proxy(["8b=unix:/a.sock", "70b=http://node2:8000", "8b=unix:/b.sock"], key_ring,
+    p = relay.Proxy(["8b=unix:/a.sock", "70b=http://node2:8000", "8b=unix:/b.sock"], key_ring,
                     upstream_keys={"70b": "seventy-key"})
     assert p.by_model and list(p.pools) == ["8b", "70b"] and p.models == "8b, 70b"
     a, big, b = p.replicas
@@ -153,11 +154,11 @@ def test_named_upstreams_make_one_pool_per_model_each_with_its_own_key(key_ring)
     assert big.auth == b"authorization: Bearer seventy-key\r\n" and a.auth == b.auth == b""
     assert b"seventy-key" in p.upstream_head(request({"model": "70b"}), big)
     assert b"seventy-key" not in p.upstream_head(request({"model": "8b"}), a)  # a key goes to its upstream alone
-    assert not proxy.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring).by_model  # replicas of one model, as before
+    assert not relay.Proxy(["unix:/a.sock", "unix:/b.sock"], key_ring).by_model  # replicas of one model, as before
 
 
 def test_a_request_goes_to_the_replicas_of_the_model_it_names_and_nowhere_else(key_ring):
-    p = proxy.Proxy(["8b=unix:/a.sock", "8b=unix:/b.sock", "70b=unix:/c.sock"], key_ring)
+    p = relay.Proxy(["8b=unix:/a.sock", "8b=unix:/b.sock", "70b=unix:/c.sock"], key_ring)
     a, b, c = p.replicas
     assert [p.pick(request({"model": "8b", "prompt": "hi"})) for _ in range(4)] == [a, b, a, b]  # least-loaded
     c.in_flight = 50  # busy: still the only one that may answer the 70B
@@ -166,20 +167,20 @@ def test_a_request_goes_to_the_replicas_of_the_model_it_names_and_nowhere_else(k
 
 
 def test_prefix_routing_works_inside_a_models_pool(key_ring):
-    p = proxy.Proxy(["8b=unix:/a.sock", "8b=unix:/b.sock", "70b=unix:/c.sock"], key_ring, route="prefix")
+    p = relay.Proxy(["8b=unix:/a.sock", "8b=unix:/b.sock", "70b=unix:/c.sock"], key_ring, route="prefix")
     body = {"model": "8b", "prompt": "the same system prompt"}
-    home = p.pools["8b"][proxy.home_replica(proxy.prefix_key(json.dumps(body).encode()), 2)]
+    home = p.pools["8b"][router.home_replica(router.prefix_key(json.dumps(body).encode()), 2)]
     assert all(p.pick(request(body)) is home for _ in range(5))
     assert p.pick(request({**body, "model": "70b"})).name == "unix:/c.sock"
 
 
 def test_an_unknown_or_missing_model_gets_a_sentence_that_names_the_models_served(key_ring):
-    p = proxy.Proxy(["8b=unix:/a.sock", "70b=unix:/b.sock"], key_ring)
+    p = relay.Proxy(["8b=unix:/a.sock", "70b=unix:/b.sock"], key_ring)
     for body, status, words in (({"model": "405b"}, 404, "The model '405b' is not served here; this server serves "
                                  "8b, 70b (GET /v1/models lists them)"),
                                 ({"prompt": "hi"}, 400, 'names none: add \\"model\\": one of them'),
                                 ({"model": 8}, 400, "serves several models (8b, 70b)")):
-        with pytest.raises(proxy.Unroutable) as e:
+        with pytest.raises(router.Unroutable) as e:
             p.pick(request(body))
         assert e.value.answer.startswith(b"HTTP/1.1 %d" % status) and words.encode() in e.value.answer, e.value.answer
     assert all(r.sent == 0 for r in p.replicas)
@@ -188,34 +189,34 @@ def test_an_unknown_or_missing_model_gets_a_sentence_that_names_the_models_serve
 def test_model_of_reads_the_model_and_no_large_body_made_of_many_values():
     """security-review-2, finding 6, for a router of several models: a large body is parsed only if it holds few JSON
     values (a long prompt does; a body of a million empty objects does not)."""
-    assert proxy.model_of(json.dumps({"prompt": "x", "model": "8b"}).encode()) == "8b"
+    assert router.model_of(json.dumps({"prompt": "x", "model": "8b"}).encode()) == "8b"
     for nameless in (b"not json", b"[1, 2]", b'{"model": null}', b"[" * 100_000):
-        assert proxy.model_of(nameless) is None
+        assert router.model_of(nameless) is None
     long_prompt = json.dumps({"messages": [{"role": "user", "content": "word " * 400_000}], "model": "70b"}).encode()
-    assert len(long_prompt) > proxy.MODEL_PARSE_MAX and proxy.model_of(long_prompt) == "70b"
-    empty_objects = b'{"model":"8b","messages":[' + b"{}," * (proxy.MODEL_PARSE_MAX // 3) + b"{}]}"
+    assert len(long_prompt) > router.MODEL_PARSE_MAX and router.model_of(long_prompt) == "70b"
+    empty_objects = b'{"model":"8b","messages":[' + b"{}," * (router.MODEL_PARSE_MAX // 3) + b"{}]}"
     with pytest.raises(ValueError, match="more than 65,536 JSON values"):
-        proxy.model_of(empty_objects)
+        router.model_of(empty_objects)
 
 
 def test_a_body_too_many_values_to_read_the_model_from_is_refused_413(key_ring):
-    p = proxy.Proxy(["8b=unix:/a.sock", "70b=unix:/b.sock"], key_ring)
-    r = proxy.Request()
-    r.body = bytearray(b'{"model":"8b","prompt":[' + b"1," * (proxy.MODEL_PARSE_MAX // 2) + b"1]}")
-    with pytest.raises(proxy.Unroutable) as e:
+    p = relay.Proxy(["8b=unix:/a.sock", "70b=unix:/b.sock"], key_ring)
+    r = policy.Request()
+    r.body = bytearray(b'{"model":"8b","prompt":[' + b"1," * (router.MODEL_PARSE_MAX // 2) + b"1]}")
+    with pytest.raises(router.Unroutable) as e:
         p.pick(r)
     assert e.value.answer.startswith(b"HTTP/1.1 413") and b"send a shorter request" in e.value.answer
 
 
 def test_the_model_lists_of_every_upstream_are_merged_into_one():
     listed = lambda *ids: json.dumps({"object": "list", "data": [{"id": i, "object": "model"} for i in ids]}).encode()  # noqa: E731
-    merged = proxy.merge_models([(200, listed("8b")), (200, listed("70b")), (0, b""), (503, b"loading")])
+    merged = router.merge_models([(200, listed("8b")), (200, listed("70b")), (0, b""), (503, b"loading")])
     assert merged == {"object": "list", "data": [{"id": "8b", "object": "model"}, {"id": "70b", "object": "model"}]}
-    assert proxy.merge_models([(0, b""), (200, b"not json"), (200, b'{"data": 3}')]) is None
+    assert router.merge_models([(0, b""), (200, b"not json"), (200, b'{"data": 3}')]) is None
 
 
 def test_a_router_of_models_answers_models_and_health_itself_get_only(key_ring):
-    p = proxy.Proxy(["8b=unix:/a.sock", "70b=unix:/b.sock"], key_ring)
+    p = relay.Proxy(["8b=unix:/a.sock", "70b=unix:/b.sock"], key_ring)
     for path, method, expected in ((b"/v1/models", b"GET", None), (b"/health", b"GET", None),
                                    (b"/v1/models", b"POST", 405), (b"/metrics", b"GET", 404)):
         r = request()
@@ -229,21 +230,21 @@ def test_a_router_of_models_answers_models_and_health_itself_get_only(key_ring):
 
 
 def test_upstream_specs_and_key_files_are_named_when_wrong(key_ring, tmp_path):
-    assert proxy.split_upstream("meta-llama/Llama-3.1-8B=http://n1:8000") == ("meta-llama/Llama-3.1-8B",
+    assert router.split_upstream("meta-llama/Llama-3.1-8B=http://n1:8000") == ("meta-llama/Llama-3.1-8B",
                                                                               "http://n1:8000")
-    assert proxy.split_upstream("unix:/run/a=b/vllm.sock") == (None, "unix:/run/a=b/vllm.sock")
+    assert router.split_upstream("unix:/run/a=b/vllm.sock") == (None, "unix:/run/a=b/vllm.sock")
     for bad, words in ((["8b=/a.sock"], "give unix:/path/vllm.sock"), (["8b=unix:/a", "unix:/b"], "or of none")):
-        with pytest.raises(proxy.ProxyError, match=words):
-            proxy.Proxy(bad, key_ring)
-    with pytest.raises(proxy.ProxyError, match="--upstream-key-file for 405b: no --upstream serves that model"):
-        proxy.Proxy(["8b=unix:/a"], key_ring, upstream_keys={"405b": "k"})
+        with pytest.raises(answers.ProxyError, match=words):
+            relay.Proxy(bad, key_ring)
+    with pytest.raises(answers.ProxyError, match="--upstream-key-file for 405b: no --upstream serves that model"):
+        relay.Proxy(["8b=unix:/a"], key_ring, upstream_keys={"405b": "k"})
     write_private(tmp_path / "70b.key", "seventy\n")
     write_private(tmp_path / "all.key", "every\n")
-    assert proxy.upstream_keys([f"70b={tmp_path}/70b.key", str(tmp_path / "all.key")], {"8b", "70b"}) == (
+    assert command.upstream_keys([f"70b={tmp_path}/70b.key", str(tmp_path / "all.key")], {"8b", "70b"}) == (
         "every", {"70b": "seventy"})
-    with pytest.raises(proxy.ProxyError, match="Cannot read the upstream key file .*nowhere"):
-        proxy.upstream_keys([f"70b={tmp_path}/nowhere"], {"70b"})
-    cmd = proxy.proxy_command("127.0.0.1:0", {"8b": [Path("/a.sock")], "70b": ["http://n2:8000"]}, Path("/k"),
+    with pytest.raises(answers.ProxyError, match="Cannot read the upstream key file .*nowhere"):
+        command.upstream_keys([f"70b={tmp_path}/nowhere"], {"70b"})
+    cmd = command.proxy_command("127.0.0.1:0", {"8b": [Path("/a.sock")], "70b": ["http://n2:8000"]}, Path("/k"),
                               upstream_key_files={"70b": Path("/keys/70b.key")})
     assert " ".join(cmd).count("--upstream ") == 2 and "8b=unix:/a.sock" in cmd and "70b=http://n2:8000" in cmd
     assert cmd[cmd.index("--upstream-key-file") + 1] == "70b=/keys/70b.key"

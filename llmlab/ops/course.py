@@ -332,9 +332,13 @@ def banner(course: Course, lesson: Lesson) -> str | None:
     lessons = [s for s in course.workshop if s.lesson]
     then = f", then {st.exercises} in [its exercises](../{lesson.exercise})" if st.exercise_numbers() else ""
     many = len(st.section_list()) > 1
-    return (f"> **On the 3-hour path** (step {lessons.index(st) + 1} of {len(lessons)}, "
+    step = lessons.index(st)
+    after = course.lesson(lessons[step + 1].lesson) if step + 1 < len(lessons) else None
+    # the path is not in the lessons' order (00, 03, 01, ...): the closing "Next:" cell follows the numbers
+    nxt = f"next on the path: [{after.number} {after.title}]({after.stem}.ipynb)" if after else "the path ends here"
+    return (f"> **On the 3-hour path** (step {step + 1} of {len(lessons)}, "
             f"{clock(at)}-{clock(at + st.talk + st.slot)}, {st.slot} minutes of your own): section"
-            f"{'s' if many else ''} {st.sections_text()}{then}. The other sections stay for later.")
+            f"{'s' if many else ''} {st.sections_text()}{then}. The other sections stay for later; {nxt}.")
 
 
 def readme_outline(course: Course) -> str:

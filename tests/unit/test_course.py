@@ -257,6 +257,10 @@ def test_each_path_lesson_carries_its_banner_in_its_first_cell_and_a_lesson_off_
         assert (line in first) if line else course.BANNER.begin not in first
     b02 = course.banner(c, c.lesson("02"))
     assert b02.startswith("> **On the 3-hour path** (step ") and '"On a real cluster"' in b02 and "Exercise 4" in b02
+    steps = [st.lesson for st in c.workshop if st.lesson]  # each banner links the next step, not the next number
+    after = c.lesson(steps[steps.index("00") + 1])
+    assert f"next on the path: [{after.number} {after.title}]({after.stem}.ipynb)." in course.banner(c, c.lesson("00"))
+    assert course.banner(c, c.lesson(steps[-1])).endswith("the path ends here.")
     nb_path = tree / c.lesson("02").notebook
     nb_path.write_text(nb_path.read_text().replace("On the 3-hour path", "On the path", 1))
     assert main(["course", "--check", "--root", str(tree)]) == 1
@@ -267,7 +271,9 @@ def test_each_path_lesson_carries_its_banner_in_its_first_cell_and_a_lesson_off_
     course.sync(tree, manifest=manifest)
     first = lambda n: course.source_text(json.loads((tree / n).read_text())["cells"][0])  # noqa: E731
     assert "On the 3-hour path" not in first(c.lesson("04").notebook)
-    assert "On the 3-hour path" in first(c.lesson("05").notebook) and b02 in first(c.lesson("02").notebook)
+    moved = course.load(manifest)
+    assert course.banner(moved, c.lesson("05")) in first(c.lesson("05").notebook)
+    assert course.banner(moved, c.lesson("02")) in first(c.lesson("02").notebook)  # its next step is 05 now
 
 
 def test_each_lessons_closing_links_are_rendered_from_the_manifest(tree, tmp_path, capsys):

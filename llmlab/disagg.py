@@ -43,10 +43,9 @@ from llmlab import loadtest, memory
 from llmlab.batching import STEPS
 from llmlab.cluster.layouts import IB_GBPS, NVLINK_GBPS
 from llmlab.connection import connect
-from llmlab.kvcache import GENERATED, RUNNING
 from llmlab.replicas import BIND, split_cores
 from llmlab.serve.embedded import EmbeddedServer
-from llmlab.serve.metrics import fetch_metrics, histogram
+from llmlab.serve.metrics import GENERATED, ITL, PROMPT_BY_SOURCE, RUNNING, fetch_metrics, histogram
 from llmlab.serve.vllm import log_messages
 
 __all__ = ["LINKS", "MATMUL_FLOPS", "ROLES", "WHEN_MOVED", "connector_args", "Pair", "kept_tokens", "stored",
@@ -78,7 +77,6 @@ WHEN_MOVED = {
 }
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vllm:prompt_tokens_by_source
 ROLES = ("kv_producer", "kv_consumer")  # the prefill engine, the decode engine
-ITL = "vllm:inter_token_latency_seconds"  # one observation per gap between two tokens of a request
 
 
 def connector_args(role: str, folder: Path | str) -> list[str]:
@@ -189,7 +187,7 @@ def by_source(client) -> dict[str, int]:
 
 
 def _by_source(m) -> dict[str, int]:
-    return {s: int(m.value("vllm:prompt_tokens_by_source_total", default=0.0, source=s)) for s in SOURCES}
+    return {s: int(m.value(PROMPT_BY_SOURCE, default=0.0, source=s)) for s in SOURCES}
 
 
 def decoder_counts(client) -> dict:

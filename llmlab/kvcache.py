@@ -26,22 +26,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmlab.memory import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE
-from llmlab.serve.metrics import Metrics, Sample, fetch_metrics, metrics_url, parse_prometheus
+from llmlab.serve.metrics import (  # noqa: F401 -- vLLM's names, re-exported: lessons 02, 12, 16 read them here
+    CACHE_CONFIG,
+    FINISHED,
+    GENERATED,
+    KV_USAGE,
+    PREFILL_COMPUTED,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    PROMPT_TOKENS,
+    RUNNING,
+    TTFT,
+    Metrics,
+    Sample,
+    fetch_metrics,
+    metrics_url,
+    parse_prometheus,
+)
 from llmlab.serve.paths import TINY_MODEL
 
-# The metrics vLLM 0.32 exports that concern the KV cache (vllm/v1/metrics/loggers.py).  Counters are
-# exported with a ``_total`` suffix (prometheus_client's rule), histograms as ``_sum``/``_count``/``_bucket``.
-PREFIX_QUERIES = "vllm:prefix_cache_queries_total"   # prompt tokens looked up in the prefix cache
-PREFIX_HITS = "vllm:prefix_cache_hits_total"         # of those, tokens found there (never computed again)
-KV_USAGE = "vllm:kv_cache_usage_perc"                # share of KV blocks held by running requests, 0..1
-PROMPT_TOKENS = "vllm:prompt_tokens_total"
-TTFT = "vllm:time_to_first_token_seconds"            # histogram, measured inside the server
-PREFILL_COMPUTED = "vllm:request_prefill_kv_computed_tokens"  # histogram: prompt tokens really computed
-CACHE_CONFIG = "vllm:cache_config_info"              # a gauge = 1 whose labels are the cache config
-RUNNING = "vllm:num_requests_running"              # gauge: requests in the running batch now
-FINISHED = "vllm:request_success_total"              # finished requests, by finish reason
 GAUGES = ("kv_cache_usage", "requests_running")      # kv_snapshot's values now, not totals
-GENERATED = "vllm:generation_tokens_total"           # output tokens of all requests
 
 __all__ = [
     "attend", "decode_uncached", "decode_cached",

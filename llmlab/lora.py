@@ -28,13 +28,10 @@ import pandas as pd
 
 from llmlab import batching, loadtest
 from llmlab.memory import lora as mlora
-from llmlab.serve.metrics import fetch_metrics
+from llmlab.serve.metrics import LORA_INFO, fetch_metrics  # LORA_INFO: a gauge per state of the slots
 from llmlab.serve.paths import TINY_MODEL
 
 ADAPTERS_DIR = TINY_MODEL.parent / "adapters"
-# A gauge per state of the slots (its labels: the adapters with requests running, those with requests waiting, and
-# --max-loras), set to the time the engine last reported that state (vllm/v1/metrics/loggers.py).
-LORA_INFO = "vllm:lora_requests_info"
 # Words that mark a voice: the King James' pronouns and verb endings; the commonest short Spanish words.
 MARKERS = {"kjv": frozenset("thee thou thy thine ye hath doth saith unto shalt art hast didst".split()),
            "rv1909": frozenset("el la los las de del que y en su por á fué para con se".split())}

@@ -23,14 +23,18 @@ from pathlib import Path
 import pandas as pd
 
 from llmlab import loadtest
-from llmlab.kvcache import FINISHED, GENERATED, wait_for_request
-from llmlab.serve.metrics import Metrics, fetch_metrics
+from llmlab.kvcache import wait_for_request
+from llmlab.serve.metrics import (
+    ACCEPTED,
+    ACCEPTED_AT,
+    DRAFT_TOKENS,
+    DRAFTS,
+    FINISHED,
+    GENERATED,
+    Metrics,
+    fetch_metrics,
+)
 from llmlab.serve.paths import DRAFT_MODEL
-
-DRAFTS = "vllm:spec_decode_num_drafts_total"                 # steps in which a draft was proposed
-DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"     # tokens proposed (k per draft)
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"      # of those, accepted by the model
-ACCEPTED_AT = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # accepted at draft position 0, 1, ...
 
 
 def _check_tokens(**values: int) -> None:

@@ -27,12 +27,21 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from llmlab.kvcache import FINISHED, GENERATED, KV_USAGE, PREFIX_HITS, PREFIX_QUERIES, PROMPT_TOKENS, RUNNING
 from llmlab.serve.info import ServerUnavailable
-from llmlab.serve.metrics import Metrics, fetch_metrics
+from llmlab.serve.metrics import (
+    FINISHED,
+    GENERATED,
+    KV_USAGE,
+    PREEMPTIONS,
+    PREFIX_HITS,
+    PREFIX_QUERIES,
+    PROMPT_TOKENS,
+    RUNNING,
+    WAITING,
+    Metrics,
+    fetch_metrics,
+)
 
-WAITING = "vllm:num_requests_waiting"          # gauge: requests queued, not yet in the running batch
-PREEMPTIONS = "vllm:num_preemptions_total"     # counter: running requests pushed out when the KV cache ran out
 STARTED = "process_start_time_seconds"         # prometheus_client's own: when the server process started
 
 # Our names for the series -> vLLM's metric (vLLM 0.26-0.32 export all of them; tests/fixtures/vllm/).

@@ -480,28 +480,28 @@ def histogram_quantile(metrics, name: str, q: float) -> float | None:
 
 def metrics(job_id: str, interval: float = 2.0) -> dict:
     """The server's load, from two ``/metrics`` scrapes ``interval`` seconds apart (rates need two)."""
-    from llmlab import kvcache
+    from llmlab.serve import metrics as vm  # vLLM's metric names: the one vocabulary
 
     info = server_info(job_id)
     url, key = info.base_url, info.key()
-    first = kvcache.fetch_metrics(url, key)
+    first = vm.fetch_metrics(url, key)
     time.sleep(interval)
-    m = kvcache.fetch_metrics(url, key)
+    m = vm.fetch_metrics(url, key)
 
     def rate(name: str) -> float:
         return (m.value(name, default=0.0) - first.value(name, default=0.0)) / interval
 
-    queries = m.value(kvcache.PREFIX_QUERIES, default=0.0)
-    out = {"job_id": job_id, "url": url, "requests_running": int(m.value("vllm:num_requests_running", default=0.0)),
-           "requests_waiting": int(m.value("vllm:num_requests_waiting", default=0.0)),
-           "kv_cache_usage_pct": 100 * m.value(kvcache.KV_USAGE, default=0.0),
-           "prompt_tokens_per_s": rate(kvcache.PROMPT_TOKENS),
-           "generation_tokens_per_s": rate("vllm:generation_tokens_total"),
-           "prefix_cache_hit_rate": m.value(kvcache.PREFIX_HITS, default=0.0) / queries if queries else None,
-           "requests_finished": int(m.value(kvcache.FINISHED, default=0.0)),
-           "prompt_tokens_total": int(m.value(kvcache.PROMPT_TOKENS, default=0.0)),
-           "generation_tokens_total": int(m.value("vllm:generation_tokens_total", default=0.0))}
-    for label, name in (("latency", "vllm:e2e_request_latency_seconds"), ("ttft", kvcache.TTFT)):
+    queries = m.value(vm.PREFIX_QUERIES, default=0.0)
+    out = {"job_id": job_id, "url": url, "requests_running": int(m.value(vm.RUNNING, default=0.0)),
+           "requests_waiting": int(m.value(vm.WAITING, default=0.0)),
+           "kv_cache_usage_pct": 100 * m.value(vm.KV_USAGE, default=0.0),
+           "prompt_tokens_per_s": rate(vm.PROMPT_TOKENS),
+           "generation_tokens_per_s": rate(vm.GENERATED),
+           "prefix_cache_hit_rate": m.value(vm.PREFIX_HITS, default=0.0) / queries if queries else None,
+           "requests_finished": int(m.value(vm.FINISHED, default=0.0)),
+           "prompt_tokens_total": int(m.value(vm.PROMPT_TOKENS, default=0.0)),
+           "generation_tokens_total": int(m.value(vm.GENERATED, default=0.0))}
+    for label, name in (("latency", vm.E2E), ("ttft", vm.TTFT)):
         for q in (0.5, 0.9, 0.99):
             out[f"{label}_p{round(q * 100)}_s"] = histogram_quantile(m, name, q)
     return out

@@ -292,19 +292,18 @@ class Scraper(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
-        from llmlab import kvcache
-        from llmlab.serve.metrics import fetch_metrics
+        from llmlab.serve import metrics as vm  # vLLM's metric names: the one vocabulary
 
         while not self.stopped.wait(self.every):
             try:
-                m = fetch_metrics(self.url, self.key, timeout=5)
+                m = vm.fetch_metrics(self.url, self.key, timeout=5)
             except Exception:  # noqa: BLE001 -- a missed scrape is a gap in the curve, not a failed room
                 self.errors += 1
                 continue
             self.samples.append({"t": time.time(),
-                                 "running": m.value("vllm:num_requests_running", default=0.0),
-                                 "waiting": m.value("vllm:num_requests_waiting", default=0.0),
-                                 "kv_pct": 100 * m.value(kvcache.KV_USAGE, default=0.0)})
+                                 "running": m.value(vm.RUNNING, default=0.0),
+                                 "waiting": m.value(vm.WAITING, default=0.0),
+                                 "kv_pct": 100 * m.value(vm.KV_USAGE, default=0.0)})
 
 
 def run_learners(room: Room, notebooks: list[Path], server: dict, *, stagger: float, revoke: bool, restart: bool,

@@ -17,6 +17,31 @@ from dataclasses import dataclass, field
 
 from llmlab.serve.info import AuthenticationFailed, ServerError, ServerUnavailable
 
+# --- vLLM's metric names: the one vocabulary (vLLM 0.32, vllm/v1/metrics/loggers.py; 0.26-0.32 export them all:
+# tests/fixtures/vllm/ and the version tests).  Counters carry a ``_total`` suffix (prometheus_client's rule),
+# histograms ``_sum``/``_count``/``_bucket``.  Lessons import these; none spells a "vllm:" name itself
+# (tests/unit/test_imports.py), so a name vLLM renames is changed here once.
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"   # prompt tokens looked up in the prefix cache
+PREFIX_HITS = "vllm:prefix_cache_hits_total"         # of those, tokens found there (never computed again)
+KV_USAGE = "vllm:kv_cache_usage_perc"                # share of KV blocks held by running requests, 0..1
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source_total"  # by label source: computed, own cache, KV connector
+GENERATED = "vllm:generation_tokens_total"           # output tokens of all requests
+TTFT = "vllm:time_to_first_token_seconds"            # histogram, measured inside the server
+ITL = "vllm:inter_token_latency_seconds"             # histogram: one observation per gap between two tokens
+E2E = "vllm:e2e_request_latency_seconds"             # histogram: a request's whole time in the server
+PREFILL_COMPUTED = "vllm:request_prefill_kv_computed_tokens"  # histogram: prompt tokens really computed
+CACHE_CONFIG = "vllm:cache_config_info"              # a gauge = 1 whose labels are the cache config
+RUNNING = "vllm:num_requests_running"                # gauge: requests in the running batch now
+WAITING = "vllm:num_requests_waiting"                # gauge: requests queued, not yet in the running batch
+FINISHED = "vllm:request_success_total"              # finished requests, by finish reason
+PREEMPTIONS = "vllm:num_preemptions_total"           # counter: running requests pushed out when the KV cache ran out
+DRAFTS = "vllm:spec_decode_num_drafts_total"                 # steps in which a draft was proposed
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"     # tokens proposed (k per draft)
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"      # of those, accepted by the model
+ACCEPTED_AT = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # accepted at draft position 0, 1, ...
+LORA_INFO = "vllm:lora_requests_info"  # a gauge per state of the LoRA slots (labels: running, waiting, max_lora)
+
 
 @dataclass(frozen=True)
 class Sample:

@@ -27,6 +27,12 @@ counts them -- the throughput users would accept.  ``synthetic_workload()``
 makes prompts of an exact token length from a seed, like ``vllm bench serve --dataset-name random``.
 ``repeat()`` runs a level several times: each figure the median of the runs, with an interval, and a percentile
 that rests on too few samples says so (``sweep(repeats=N)`` does it at every level).
+
+All of that is a *closed* loop: the next request waits for a free worker.  ``run_rate()``, ``run_open()`` and
+``run_sessions()`` are *open* loops (``openloop``): requests arrive at a Poisson rate, in a burst (everyone runs the
+cell at once), or as multi-turn conversations with think time, on ``/v1/completions`` or ``/v1/chat/completions``,
+whether or not the server keeps up.  ``find_max()`` (``search``) finds the largest rate -- or replayed room --
+that meets an SLO written as ``"ttft_p99<2s,failed=0"``, with repeats, intervals and an early stop.
 """
 
 # The parts, in reading order; every name stays reachable as llmlab.loadtest.<name>.
@@ -44,6 +50,15 @@ from llmlab.loadtest.driver import (  # noqa: F401
     run_async,
     sweep,
     synthetic_workload,
+)
+from llmlab.loadtest.openloop import (  # noqa: F401
+    Session,
+    burst,
+    poisson_arrivals,
+    run_open,
+    run_rate,
+    run_sessions,
+    synthetic_sessions,
 )
 from llmlab.loadtest.records import (  # noqa: F401
     PERCENTILES,
@@ -87,4 +102,16 @@ from llmlab.loadtest.results import (  # noqa: F401
     _Appender,
     load,
     save_records,
+)
+from llmlab.loadtest.search import (  # noqa: F401
+    Objective,
+    Search,
+    Slo,
+    SloError,
+    Step,
+    find_max,
+    find_max_rate,
+    judge,
+    next_level,
+    parse_slo,
 )

@@ -23,10 +23,11 @@ TINY_TOKENIZER = TINY_MODEL / "tokenizer.json"
 @dataclass
 class Job:
     """One prompt to send.  ``max_tokens`` None means the run's ``max_tokens``; ``input_len`` is what a
-    synthetic workload aimed for (the server's ``prompt_tokens`` adds the BOS token)."""
+    synthetic workload aimed for (the server's ``prompt_tokens`` adds the BOS token).  For the chat endpoint the
+    prompt may be a list of messages (``{"role": ..., "content": ...}``): a conversation so far."""
 
     id: int | str
-    prompt: str | list[int]
+    prompt: str | list[int] | list[dict]
     max_tokens: int | None = None
     input_len: int | None = None
 
@@ -54,13 +55,14 @@ class Record:
     session: str = ""  # one id per run() call: a resumed file holds several sessions
     concurrency: int | None = None  # the run's setting (worker threads or coroutines)
     cached_tokens: int | None = None  # prompt tokens this request found in the prefix cache (None: not reported)
+    late: float | None = None  # open loop: seconds it was sent after its arrival time (None: a closed loop)
 
     @classmethod
     def from_dict(cls, d: dict) -> Record:
         names = {f.name for f in fields(cls)}
         d = {k: v for k, v in d.items() if k in names}
         for key in ("prompt_tokens", "ttft", "tpot", "latency", "t_response", "finish_reason", "max_tokens",
-                    "concurrency", "cached_tokens"):
+                    "concurrency", "cached_tokens", "late"):
             if key in d and _missing(d[key]):
                 d[key] = None
         if isinstance(d.get("itl"), str):  # from CSV
@@ -83,8 +85,8 @@ def as_jobs(prompts: Iterable) -> list[Job]:
         if isinstance(p, Job):
             jobs.append(p)
         elif isinstance(p, dict):
-            jobs.append(Job(id=p.get("id", i), prompt=p["prompt"], max_tokens=p.get("max_tokens"),
-                            input_len=p.get("input_len")))
+            jobs.append(Job(id=p.get("id", i), prompt=p["messages"] if "messages" in p else p["prompt"],
+                            max_tokens=p.get("max_tokens"), input_len=p.get("input_len")))
         elif isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)):
             jobs.append(Job(id=i, prompt=p))
         else:
@@ -221,6 +223,9 @@ def summarize(records: list[Record], concurrency: int | None = None, slo: dict |
         s[f"{name}_mean"] = sum(values) / len(values) if values else None
         for q in PERCENTILES:
             s[f"{name}_p{q}"] = percentile(values, q)
+    late = [r.late for r in records if r.late is not None]
+    if late:  # an open loop that sends late is no longer the load asked for: say how late
+        s["sent_late_p99_s"] = percentile(late, 99)
     if slo:
         good = sum(meets_slo(r, slo) for r in records)
         s.update(slo=slo, good=good, goodput_share=good / len(records) if records else 0.0,

@@ -56,6 +56,7 @@ class _Timer:
         self.last: float | None = None
         self.t0 = 0.0
         self.t_end: float | None = None
+        self.role_only = False  # the chat endpoint's first event: the role, no token yet
 
     def sent(self) -> None:
         self.t0 = time.perf_counter()
@@ -82,13 +83,20 @@ class _Timer:
             self.rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         choices = data.get("choices")
         if choices:  # a token (its text may be empty: a special token, half a UTF-8 character)
+            delta = choices[0].get("delta") or {}
             if self.rec.ttft is None:
+                # The chat endpoint's first event carries the role and no text; vLLM sends it in the same step
+                # as the first token, and ``vllm bench serve`` takes it as the first token: so does llmlab.
                 self.rec.ttft = now
+                self.role_only = "role" in delta and not delta.get("content")
+            elif self.role_only:  # the first token itself, right behind the role: no gap of its own
+                self.role_only = False
             else:
                 self.rec.itl.append(now - self.last)
             self.last = now
-            self.chunks += 1
-            self.pieces.append(choices[0].get("text") or "")
+            if not ("role" in delta and not delta.get("content")):
+                self.chunks += 1
+            self.pieces.append(choices[0].get("text") or delta.get("content") or "")
             if choices[0].get("finish_reason"):
                 self.rec.finish_reason = choices[0]["finish_reason"]
         if now > self.timeout:
@@ -179,14 +187,25 @@ class _Settings:
     session: str
     concurrency: int
     base_url: str = ""
+    chat: bool = False  # /chat/completions (messages) instead of /completions (a prompt)
 
     def timer(self, job: Job) -> _Timer:
         return _Timer(job, job.max_tokens or self.max_tokens, self.timeout, self.session, self.base_url,
                       self.concurrency)
 
+    @property
+    def path(self) -> str:
+        return "/chat/completions" if self.chat else "/completions"
+
     def request(self, job: Job) -> dict:
-        return dict(model=self.model, prompt=job.prompt, max_tokens=job.max_tokens or self.max_tokens, stream=True,
+        """The body: a completion's ``prompt``, or for the chat endpoint ``messages`` (a job's prompt as one user
+        message, or the job's own list of messages: a conversation so far)."""
+        body = dict(model=self.model, max_tokens=job.max_tokens or self.max_tokens, stream=True,
                     stream_options={"include_usage": True}, **self.params)
+        if not self.chat:
+            return {**body, "prompt": job.prompt}
+        is_messages = isinstance(job.prompt, list) and all(isinstance(m, dict) for m in job.prompt)
+        return {**body, "messages": job.prompt if is_messages else [{"role": "user", "content": job.prompt}]}
 
 
 class _HTTPStatus(Exception):
@@ -203,14 +222,15 @@ class _HTTPStatus(Exception):
         self.body = body.get("error", body) if isinstance(body, dict) else None
 
 
-async def _send_async(session, url: str, headers: dict, job: Job, cfg: _Settings) -> Record:
+async def _send_async(session, url: str, headers: dict, job: Job, cfg: _Settings,
+                      timer: _Timer | None = None) -> Record:
     """One streamed request over aiohttp; never raises: a failure is a record.
 
     Why aiohttp and not the openai client's asyncio stack: on the course's 2-core machine the latter handed
     the streamed events over in bursts (median TPOT 0.004 of vLLM's tool's, TTFT 11x), while the same
     ``_Timer`` on aiohttp -- the HTTP stack of ``vllm bench serve`` -- measured what vLLM's tool measures
     (benchmarks/loadtest_vs_vllm_bench.py).  The lines are split here; each is parsed as before."""
-    timer = cfg.timer(job)
+    timer = timer or cfg.timer(job)  # a caller's own: it watches the request in flight (the open loop's stop)
     timer.sent()
     try:
         async with session.post(url, json=cfg.request(job), headers=headers) as response:

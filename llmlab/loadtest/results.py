@@ -23,14 +23,24 @@ from llmlab.loadtest.records import Record, _missing, summarize
 
 @dataclass
 class LoadResult:
-    """The records of a run (one per job, in the order of the jobs) and what they add up to."""
+    """The records of a run (one per job, in the order of the jobs) and what they add up to.  An open-loop run
+    (``run_rate``/``run_open``/``run_sessions``) has no concurrency; it may have a ``rate``, and where ``stop`` ended
+    it early, ``stopped`` says why and ``planned`` how many requests it would have sent."""
 
     records: list[Record]
     concurrency: int | None = None
+    rate: float | None = None
+    planned: int | None = None
+    stopped: str | None = None
 
     def summary(self, slo: dict | None = None) -> dict:
         """:func:`summarize` of the records; ``slo`` (seconds, e.g. ``{"ttft": 0.5, "tpot": 0.05}``) adds goodput."""
-        return summarize(self.records, self.concurrency, slo)
+        s = summarize(self.records, self.concurrency, slo)
+        if self.rate is not None:
+            s["rate"] = self.rate
+        if self.stopped:
+            s.update(planned=self.planned, stopped=self.stopped)
+        return s
 
     @property
     def ok(self) -> list[Record]:
@@ -63,8 +73,11 @@ class LoadResult:
 
     def __repr__(self) -> str:
         s = self.summary()
+        load = f"concurrency {self.concurrency}" if self.concurrency is not None else (
+            f"{self.rate:g} requests/s offered" if self.rate is not None else "an open loop")
+        stopped = f"; stopped early: {self.stopped}" if self.stopped else ""
         return (f"LoadResult({s['requests']} requests: {s['ok']} ok, {s['errors']} failed; "
-                f"{s['output_tokens_per_s']:.0f} output tokens/s at concurrency {self.concurrency})")
+                f"{s['output_tokens_per_s']:.0f} output tokens/s at {load}{stopped})")
 
 
 def save_records(records: Iterable[Record], path: str | Path) -> Path:

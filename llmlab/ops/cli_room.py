@@ -31,6 +31,12 @@ REPLAY_OUT = "build/room-replay"
 def cmd_room(args) -> int:
     from llmlab.ops import room, roomreport
 
+    if getattr(args, "find_max", False):
+        return _find_max(args)
+    if getattr(args, "slo", None):
+        print("llmlab room: --slo is the objective of --find-max: add --find-max (with --replay TRACE_DIR).",
+              file=sys.stderr)
+        return 2
     counts = _counts(args.learners)
     try:
         if args.replay:
@@ -52,6 +58,37 @@ def cmd_room(args) -> int:
     if args.replay:
         return 0 if all(r["failures"] == 0 for r in report["runs"]) else 1
     return 0 if not report["cells_failed"] and not report["left_behind"] else 1
+
+
+def _find_max(args) -> int:
+    """``--replay TRACE_DIR --find-max --slo ...``: the largest room whose replay meets the SLO (0: one did)."""
+    from llmlab.loadtest import SloError, parse_slo
+    from llmlab.ops.roomsearch import find_max_room
+
+    if not args.replay:
+        print("llmlab room: --find-max searches replayed rooms: give the traces with --replay TRACE_DIR.",
+              file=sys.stderr)
+        return 2
+    if not args.slo:
+        print("llmlab room: --find-max needs the objective it searches for: add --slo, e.g. "
+              "--slo 'ttft_p99<2s,failed=0'.", file=sys.stderr)
+        return 2
+    counts = _counts(args.learners if args.learners != "3" else "30")
+    try:
+        parse_slo(args.slo)
+        report = find_max_room(args.replay, args.slo, start=counts[0], highest=counts[1] if len(counts) > 1 else None,
+                               stagger=args.stagger if args.stagger is not None else 1.0, repeats=args.repeats,
+                               resolution=args.resolution, out=args.out or REPLAY_OUT,
+                               progress=lambda s: print(s, flush=True))
+    except SloError as e:
+        print(f"llmlab room: --slo: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"llmlab room: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=1))
+    return 0 if report["best"] is not None else 1
 
 
 def summary(r: dict) -> str:
@@ -88,5 +125,13 @@ def add_commands(sub) -> None:
     p.add_argument("--no-restart", action="store_true", help="do not restart a learner's kernel mid-path")
     p.add_argument("--replay", metavar="TRACE_DIR", help="replay a room's traces (its report folder) against the "
                                                          "server llmlab.connect() finds, for each K of --learners")
+    p.add_argument("--find-max", action="store_true", help="with --replay: search for the largest room that meets "
+                                                          "--slo, starting at --learners (START or START,HIGHEST)")
+    p.add_argument("--slo", help="the objective of --find-max, e.g. 'ttft_p99<2s,failed=0' (ttft/tpot/itl/latency "
+                                 "_pNN or _mean in s or ms; failed as a count or a %%)")
+    p.add_argument("--repeats", type=int, default=2, help="--find-max: runs of a level at most, until its interval "
+                                                          "is clear (default 2)")
+    p.add_argument("--resolution", type=float, default=0.25,
+                   help="--find-max: stop when the room that missed is within this share of the one that met (0.25)")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON")
     p.set_defaults(func=cmd_room)

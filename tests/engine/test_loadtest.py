@@ -325,3 +325,73 @@ def test_saving_over_a_file_on_a_full_disk_keeps_the_old_file(conn, tiny_disk):
         res = lt.run(client, model, SIXTY, concurrency=3, max_tokens=40, progress=False, ignore_eos=True,
                      save=tiny_disk / "run.csv")
     assert len(res.ok) == 60 and list(tiny_disk.iterdir()) == []
+
+
+# --- open loop and the SLO search, against the embedded server ------------------------------------------------
+
+@pytest.mark.server
+def test_an_open_loop_sends_at_its_arrival_times_whether_or_not_answers_came(conn):
+    client, model = conn
+    jobs = lt.synthetic_workload(10, input_len=16, output_len=8, seed=1)
+    res = lt.run_rate(client, model, jobs, 8.0, seed=2, progress=False, ignore_eos=True, temperature=0)
+    arrivals = lt.poisson_arrivals(10, 8.0, seed=2)
+    assert [r.id for r in res.records] == list(range(10)) and all(r.status == "ok" for r in res.records)
+    assert all(r.output_tokens == 8 and r.late is not None for r in res.records)
+    first = res.records[0]
+    for r, a in zip(res.records, arrivals, strict=True):  # sent at its time (and late by what it says)
+        assert (r.start - first.start) == pytest.approx((a + r.late) - (arrivals[0] + first.late), abs=0.05)
+    s = res.summary()
+    assert s["rate"] == 8.0 and s["concurrency"] is None and s["sent_late_p99_s"] < 0.5
+
+    # a burst: six learners run the same cell at once; every request is out before the first answer
+    burst = lt.run_open(client, model, lt.burst("The KV cache holds", 6, max_tokens=24), [0.0] * 6, progress=False,
+                        ignore_eos=True, temperature=0)
+    assert all(r.status == "ok" and r.output_tokens == 24 for r in burst.records)
+    assert lt.max_in_flight(burst.records, answered=False) == 6
+    assert len({r.text for r in burst.records}) == 1  # the same prompt, greedy: the same answer
+
+
+@pytest.mark.server
+def test_chat_sessions_carry_the_conversation_and_think_between_turns(conn):
+    client, model = conn
+    sessions = lt.synthetic_sessions(2, turns=3, think=0.3, seed=4, input_len=8, output_len=6)
+    res = lt.run_sessions(client, model, sessions, chat=True, progress=False, ignore_eos=True, temperature=0)
+    assert [r.id for r in res.records] == [f"s{i}-t{t}" for i in range(2) for t in range(3)]
+    assert all(r.status == "ok" and r.output_tokens == 6 and r.text for r in res.records)
+    for i, s in enumerate(sessions):
+        turns = res.records[3 * i:3 * i + 3]
+        # each turn sends the conversation so far: the prompt grows by the last answer and the new message
+        assert turns[0].prompt_tokens < turns[1].prompt_tokens < turns[2].prompt_tokens
+        for k in range(2):  # the next turn goes out a think time after the answer
+            assert turns[k + 1].start - turns[k].end == pytest.approx(s.think[k] + turns[k + 1].late, abs=0.05)
+
+
+@pytest.mark.server
+def test_a_run_past_its_slo_stops_early_and_the_search_reports_every_step(conn, tmp_path):
+    client, model = conn
+    jobs = lt.synthetic_workload(40, input_len=16, output_len=16, seed=3)
+    slo = lt.parse_slo("ttft_p99<1ms,failed=0")  # no real server answers in a millisecond
+    res = lt.run_rate(client, model, jobs, 20.0, stop=slo.stop, progress=False, ignore_eos=True)
+    assert res.stopped and "past ttft_p99<1ms" in res.stopped and len(res.records) < 40 and res.planned == 40
+
+    search = lt.find_max_rate(client, model, jobs[:12], "ttft_p99<20s,failed=0", start=4.0, highest=8.0, repeats=1,
+                              progress=None, ignore_eos=True, max_tokens=8)
+    assert (search.best, search.past) == (8.0, None) and [s.level for s in search.steps] == [4.0, 8.0]
+    assert all(s.met and s.runs[0]["ok"] == 12 for s in search.steps)
+    assert "no level tried missed it" in search.sentence()
+
+    # the room's search: two recorded learners replayed as rooms of 1 and 2 (llmlab room --replay --find-max)
+    from llmlab.ops.roomsearch import find_max_room
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    for name in ("a", "b"):
+        lines = [{"start": 100.0 + 0.2 * i, "method": "POST", "path": "/v1/completions",
+                  "prompt": f"Cell {i} of {name}", "completion_tokens": 4} for i in range(3)]
+        (traces / f"{name}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report = find_max_room(tmp_path, "ttft_p99<20s,failed=0", start=1, highest=2, repeats=1, stagger=0.1,
+                           client=client, model=model, out=tmp_path / "out", progress=lambda s: None)
+    assert report["best"] == 2 and [s["level"] for s in report["steps"]] == [1, 2]
+    assert [s["runs"][0]["ok"] for s in report["steps"]] == [3, 6]
+    assert json.loads((tmp_path / "out" / "find-max.json").read_text())["sentence"] == report["sentence"]
+    assert (tmp_path / "out" / "find-max-2-run1.records.jsonl.gz").exists()

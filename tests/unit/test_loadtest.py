@@ -201,3 +201,158 @@ def test_a_client_made_for_a_unix_socket_has_its_streams_sent_there(tmp_path):
             await session.close()
 
     assert asyncio.run(connector_path()) == sock
+
+
+# --- open loop: arrival processes, the chat stream, sessions (no engine) -------------------------------------
+
+def test_poisson_arrivals_are_seeded_at_the_rate_and_rescaled_as_vllm_bench_does():
+    a = lt.poisson_arrivals(2000, 10.0, seed=3)
+    assert a == lt.poisson_arrivals(2000, 10.0, seed=3) and a != lt.poisson_arrivals(2000, 10.0, seed=4)
+    assert all(x < y for x, y in zip(a, a[1:], strict=False)) and a[-1] == pytest.approx(200.0)  # n / rate
+    gaps = [y - x for x, y in zip([0.0, *a], a, strict=False)]
+    mean = sum(gaps) / len(gaps)
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+    assert mean == pytest.approx(0.1) and 0.9 < cv < 1.1  # exponential gaps: standard deviation = mean
+    smooth = lt.poisson_arrivals(2000, 10.0, seed=3, burstiness=50.0)  # gamma of shape 50: nearly regular
+    sgaps = [y - x for x, y in zip(smooth, smooth[1:], strict=False)]
+    assert max(sgaps) < 0.2 and min(sgaps) > 0.04
+    for bad, words in (((0, 1.0), "whole number"), ((5, 0.0), "rate=0.0"), ((5, float("inf")), "burst()")):
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            lt.poisson_arrivals(*bad)
+
+
+def test_a_burst_is_the_same_request_from_every_learner():
+    jobs = lt.burst("Explain the KV cache", 5, max_tokens=8)
+    assert [j.id for j in jobs] == list(range(5)) and {j.prompt for j in jobs} == {"Explain the KV cache"}
+    with pytest.raises(ValueError, match="learners=0"):
+        lt.burst("x", 0)
+
+
+def test_synthetic_sessions_are_seeded_with_a_think_time_per_gap():
+    s = lt.synthetic_sessions(3, turns=4, rate=2.0, think=1.5, seed=7, input_len=8, output_len=4)
+    assert [x.id for x in s] == ["s0", "s1", "s2"] and all(len(x.turns) == 4 and len(x.think) == 3 for x in s)
+    assert [x.start for x in s] == lt.poisson_arrivals(3, 2.0, seed=7)
+    assert s[1].turns[2].id == "s1-t2" and s[1].turns[2].max_tokens == 4
+    again = lt.synthetic_sessions(3, turns=4, rate=2.0, think=1.5, seed=7, input_len=8, output_len=4)
+    assert [x.think for x in s] == [x.think for x in again] and all(t >= 0 for x in s for t in x.think)
+    assert {x.start for x in lt.synthetic_sessions(2, turns=1, think=0)} == {0.0}  # no rate: everyone at once
+
+
+def test_a_chat_stream_times_the_role_event_as_the_first_token_as_vllm_bench_does():
+    t = lt._Timer(lt.Job(1, "hi"), 3, 60.0, "s", "")
+    t.sent()
+    events = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+              {"choices": [{"delta": {"content": "Hel"}}]}, {"choices": [{"delta": {"content": "lo"}}]},
+              {"choices": [{"delta": {"content": "!"}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}]
+    for e in events:
+        t.line("data: " + json.dumps(e))
+    r = t.done()
+    assert r.status == "ok" and r.text == "Hello!" and r.output_tokens == 3 and r.prompt_tokens == 9
+    assert len(r.itl) == 2  # role event -> TTFT; the first token right behind it has no gap of its own
+    cfg = lt._Settings("m", 8, 60.0, {}, "s", None, chat=True)
+    assert cfg.request(lt.Job(0, "hi"))["messages"] == [{"role": "user", "content": "hi"}]
+    convo = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert cfg.request(lt.Job(0, convo))["messages"] == convo and cfg.path == "/chat/completions"
+    assert "prompt" in lt._Settings("m", 8, 60.0, {}, "s", None).request(lt.Job(0, "hi"))
+
+
+def test_open_loop_arrival_times_must_match_the_prompts():
+    from llmlab.loadtest.openloop import _sessions_of
+
+    with pytest.raises(ValueError, match="3 prompts but 2 arrival times"):
+        _sessions_of(["a", "b", "c"], [0.0, 1.0])
+    with pytest.raises(ValueError, match=">= 0"):
+        _sessions_of(["a"], [-1.0])
+
+
+# --- the SLO and the search (no engine) ------------------------------------------------------------------------
+
+def test_an_slo_is_read_as_written_and_a_malformed_one_is_one_sentence():
+    slo = lt.parse_slo("ttft_p99<2s, tpot_p50<=50ms,failed=0,latency_mean<3s")
+    o = {x.metric: x for x in slo.objectives}
+    assert (o["ttft"].q, o["ttft"].limit, o["ttft"].strict) == (99.0, 2.0, True)
+    assert (o["tpot"].q, o["tpot"].limit, o["tpot"].strict) == (50.0, 0.05, False)
+    assert (o["failed"].limit, o["failed"].share) == (0.0, False) and o["latency"].q is None
+    assert lt.parse_slo("failed<1%").objectives[0].limit == pytest.approx(0.01)
+    for bad, words in [("ttft<2s", "says no statistic"), ("ttft_p99<2", "without its unit"),
+                       ("ttft_p99>2s", "bounds a time"), ("ttft_p99=2s", "write ttft_p99<2s"), ("", "is empty"),
+                       ("e2el_p99<2s", "e2el is llmlab's latency"), ("ttft_p99 under 2s", "cannot be read"),
+                       ("failed<2ms", "failed counts requests"), ("ttft_p100<1s", "between p0 and p100")]:
+        with pytest.raises(lt.SloError, match=words) as e:
+            lt.parse_slo(bad)
+        assert str(e.value).count(". ") <= 1 and str(e.value).endswith(".")
+
+
+def slow_run(ttfts, failed=0, planned=None):
+    records = [rec(i, t, t + 0.1, 5, 100.0 + i) for i, t in enumerate(ttfts)]
+    records += [rec(len(ttfts) + i, None, None, 1, 200.0, status="error") for i in range(failed)]
+    return lt.LoadResult(records, None, planned=planned)
+
+
+def test_a_run_stops_once_its_own_requests_make_the_slo_unreachable():
+    slo = lt.parse_slo("ttft_p99<1s,failed=0")
+    # 200 planned: numpy's p99 of 200 lies past 1 s once the value at index floor(199 * 0.99) = 197 does, i.e. once
+    # 200 - 197 = 3 requests are past it
+    two = slow_run([0.1] * 50 + [1.5, 2.0]).records
+    assert slo.stop(two, [], 200) is None
+    assert "3 requests past ttft_p99<1s (1 of them still waiting)" in slo.stop(two, [(1.2, False)], 200)
+    assert slo.stop(two, [(1.2, True)], 200) is None  # it has its first token: its TTFT may be below 1 s
+    assert "1 request(s) failed" in slo.stop(slow_run([0.1], failed=1).records, [], 200)
+    assert lt.parse_slo("failed<10%").stop(slow_run([0.1], failed=1).records, [], 20) is None
+    assert lt.parse_slo("failed<10%").stop(slow_run([0.1], failed=2).records, [], 20)
+
+
+def test_a_level_is_judged_on_its_runs_pooled_with_an_interval():
+    slo = lt.parse_slo("ttft_p99<1s,failed=0")
+    met, clear, why, figures = lt.judge(slo, [slow_run([0.1 + i / 1000 for i in range(300)])] * 2)
+    assert (met, clear, why) == (True, True, "met") and figures["ttft_p99<1s"]["high"] < 1
+    met, clear, why, _ = lt.judge(slo, [slow_run([0.1] * 300, failed=1)])
+    assert (met, clear) == (False, True) and why == "missed failed=0 (1 failed)"
+    edge = [0.1] * 290 + [0.9, 0.95, 0.99, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8]  # p99 near the limit, tail of 10
+    met, clear, why, f = lt.judge(slo, [slow_run(edge)])
+    assert f["ttft_p99<1s"]["low"] < 1 < f["ttft_p99<1s"]["high"] and not clear
+    stopped = lt.LoadResult(slow_run([0.1]).records, None, planned=100, stopped="3 requests past ttft_p99<1s")
+    assert lt.judge(slo, [stopped])[:3] == (False, True, "stopped early: 3 requests past ttft_p99<1s")
+
+
+def test_the_search_brackets_then_bisects_to_the_resolution():
+    def levels(limit, **kw):
+        tried, best, past = [], None, None
+        while (x := lt.next_level(best, past, kw.pop("start", 30), **kw)) is not None:
+            tried.append(x)
+            if x <= limit:
+                best = x if best is None else max(best, x)
+            else:
+                past = x if past is None else min(past, x)
+        return tried, best, past
+
+    assert levels(47, resolution=0.25) == ([30, 60, 45, 52], 45, 52)  # 52 - 45 = 7 <= 0.25 x 45
+    assert levels(47, resolution=0.0) == ([30, 60, 45, 52, 48, 46, 47], 47, 48)
+    assert levels(5, resolution=0.0) == ([30, 15, 8, 4, 6, 5], 5, 6)
+    assert levels(0, resolution=0.0) == ([30, 15, 8, 4, 2, 1], None, 1)  # nothing met down to lowest
+    assert levels(10**6, highest=100) == ([30, 60, 100], 100, None)  # everything met up to highest
+
+
+def test_find_max_repeats_an_unclear_level_and_keeps_every_step():
+    import numpy as np
+
+    calls = []
+
+    def measure(level, repeat, stop):  # a pretend server (no engine): exponential TTFTs whose mean grows with load
+        calls.append((level, repeat))
+        ttfts = np.random.default_rng(100 * level + repeat).exponential(0.02 * level, 400).tolist()
+        records = [rec(i, t, t + 0.1, 5, 100.0 + i) for i, t in enumerate(ttfts)]
+        return lt.LoadResult(records, None, planned=400, stopped=stop(records, [], 400))
+
+    s = lt.find_max(measure, "ttft_p99<1s,failed=0", start=4, resolution=0.0, repeats=3, progress=None)
+    # p99 of an exponential is 4.6 x its mean: the limit lies near level 1 / (0.02 x 4.6) = 10.9
+    assert (s.best, s.past) == (10, 11) and [st.level for st in s.steps] == [4, 8, 16, 12, 10, 11]
+    assert [len(st.runs) for st in s.steps] == [1, 1, 1, 1, 3, 1] and all(st.clear for st in s.steps)
+    assert calls.count((10, 2)) == 1  # level 10's interval reached past 1 s twice: it ran until it was clear
+    assert [st.met for st in s.steps] == [True, True, False, False, True, False]
+    assert all(st.runs[0]["stopped"] for st in s.steps if not st.met)  # clearly past: stopped, no second run
+    assert s.sentence().startswith("the largest load that met ttft_p99<1s,failed=0: 10; 11 missed (stopped early")
+    assert list(s.to_frame().columns[:4]) == ["load", "met", "clear", "runs"]
+    with pytest.raises(lt.SloError):
+        lt.find_max(measure, "ttft<1s", start=4)

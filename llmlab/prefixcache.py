@@ -88,6 +88,18 @@ def room_salts(learners: int, shared: bool) -> list[str]:
     return [secrets.token_urlsafe(32) for _ in range(learners)]
 
 
+def salted_request(client, model: str, prompt, salt: str) -> dict:
+    """One greedy token of ``prompt`` under ``cache_salt`` ``salt`` (:func:`llmlab.kvcache.timed_completion`: the
+    TTFT and the request's own ``cached_tokens``), with the server's prefix-cache hit counter around it
+    (``counted``).  Why both: ``cached_tokens`` is this request's alone but None from a server started without
+    ``--enable-prompt-tokens-details``; the counter is there on every vLLM server, and adds everyone's requests
+    that finished meanwhile."""
+    before = _scrape(client)
+    answer = kvcache.timed_completion(client, model, prompt, max_tokens=1, extra_body={"cache_salt": salt})
+    after = wait_for_request(str(client.base_url), client.api_key, before)
+    return {**answer, "counted": int(after["prefix_cache_hits"] - before["prefix_cache_hits"])}
+
+
 def server_lengths(client, model: str, prompts: list[str]) -> tuple[list[int], int]:
     """``(tokens of each prompt, tokens all prompts share at the start)`` as the server's tokenizer counts them
     (:func:`llmlab.kvcache.server_token_ids`: one echoed request each, which caches their blocks unsalted --
@@ -193,7 +205,11 @@ def run_room(client, model: str, prompts: list[str], salts: list[str], max_token
 
     Why two sources: ``hits`` and ``computed`` add the requests' own ``usage`` (cached tokens), so they are the
     room's whatever else the server does; the KV gauges and the ``delta`` counters are the server's.  Where
-    ``others`` is true, another client ran requests meanwhile and the peak blocks include theirs."""
+    ``others`` is true, another client ran requests meanwhile and the peak blocks include theirs.
+
+    A server started without vLLM's ``--enable-prompt-tokens-details`` reports no request's cached tokens
+    (``reported`` is False, :data:`llmlab.kvcache.NOT_REPORTED` says how to turn it on): ``hits`` is then the
+    server's hit counter around the run, the room's own only where nobody else used the server meanwhile."""
     if len(prompts) != len(salts) or not prompts:
         raise ValueError(f"{len(prompts)} prompts and {len(salts)} salts: give one salt per prompt "
                          "(room_salts(len(prompts), shared=...)).")
@@ -207,11 +223,9 @@ def run_room(client, model: str, prompts: list[str], salts: list[str], max_token
     delta = {k: after[k] - before[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens",
                                                "prefill_computed_sum")}
     records = result.records
-    if any(r.cached_tokens is None for r in records):
-        raise ValueError("the server does not report each request's cached tokens: start it with vLLM's "
-                         "--enable-prompt-tokens-details (every server llmlab starts has it).")
-    hits = sum(r.cached_tokens for r in records)
-    return {"result": result, "summary": result.summary(), "hits": hits,
+    reported = all(r.cached_tokens is not None for r in records)
+    hits = sum(r.cached_tokens for r in records) if reported else int(delta["prefix_cache_hits"])
+    return {"result": result, "summary": result.summary(), "hits": hits, "reported": reported,
             "computed": sum(r.prompt_tokens for r in records) - hits, "peak_blocks": watch.peak_blocks,
             "peak_running": watch.peak_running, "others": _others_ran(watch.samples, records), "delta": delta}
 

@@ -70,3 +70,32 @@ def test_the_cpu_build_refuses_kv_offloading_as_lesson_13_says(tmp_path):
     text = log.read_text()
     assert "Creating v1 connector with name: OffloadingConnector" in text
     assert "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs" in text
+
+
+def test_lesson_13s_room_holds_against_a_server_started_without_llmlabs_flags(tmp_path, monkeypatch):
+    """Issue 48, items 5 and 7: against a vLLM server started without --enable-prompt-tokens-details (the tiny
+    model, that flag turned off, reached through LLMLAB_BASE_URL as a site's own would be) every request's
+    cached_tokens is None; lesson 13's sections 1-3 and 6 say so in one sentence (kvcache.NOT_REPORTED) and go on
+    with the server's own hit counter, which matches the rule to the token on a server the room has alone.
+    (Sections 4-5 start engines of their own, the same on any server: make test runs them under nbval.)"""
+    from pathlib import Path
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    from llmlab import engines
+
+    nb = nbformat.read(Path(__file__).parents[2] / "notebooks" / "13_prefix_caching_at_scale.ipynb", as_version=4)
+    start = next(i for i, c in enumerate(nb.cells) if c.source.startswith("## 4."))
+    end = next(i for i, c in enumerate(nb.cells) if c.source.startswith("## 6."))
+    nb.cells = nb.cells[:start] + nb.cells[end:]
+    with engines.start(["--no-enable-prompt-tokens-details"], progress=False) as plain:
+        monkeypatch.setenv("LLMLAB_BASE_URL", plain.base_url)
+        monkeypatch.setenv("LLMLAB_API_KEY", plain.api_key)
+        monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / "home"))
+        NotebookClient(nb, timeout=600, kernel_name="python3",
+                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert printed.count(kvcache.NOT_REPORTED) == 2  # section 2's three requests, section 3's rooms
+    assert "The server's hit counter tells the three apart instead" in printed
+    assert "hits 11,136 (predicted 11,136)" in printed  # one salt for the room: 29 x 384, the counter's

@@ -52,9 +52,12 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def stand_in_vllm(folder: Path, slow_over: int | None = None, slow_s: float = 0.0):
+def stand_in_vllm(folder: Path, slow_over: int | None = None, slow_s: float = 0.0, backlog: int = BACKLOG,
+                  accepting: threading.Event | None = None):
     """A stand-in for vLLM listening on ``folder/vllm.sock`` (a thread of this process) while the block runs.
-    ``slow_over``: a body of more bytes is read whole, then answered ``slow_s`` seconds later (a long generation)."""
+    ``slow_over``: a body of more bytes is read whole, then answered ``slow_s`` seconds later (a long generation).
+    ``backlog``: connections its socket holds before accepting them; ``accepting``: while it is clear, nothing is
+    accepted (a vLLM whose event loop is too busy to take connections)."""
     class Handler(_StandIn):
         def _answer(self):
             if slow_over is not None and int(self.headers.get("content-length") or 0) > slow_over:
@@ -66,7 +69,12 @@ def stand_in_vllm(folder: Path, slow_over: int | None = None, slow_s: float = 0.
         do_GET = do_POST = _answer
 
     class Server(socketserver.ThreadingUnixStreamServer):
-        request_queue_size = BACKLOG  # connections from the proxy at once (vLLM's uvicorn: 2048)
+        request_queue_size = backlog  # connections from the proxy at once (vLLM's uvicorn: 2048)
+
+        def get_request(self):
+            if accepting is not None:
+                accepting.wait()
+            return super().get_request()
 
     server = Server(str(folder / "vllm.sock"), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

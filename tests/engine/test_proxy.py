@@ -16,7 +16,9 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -751,3 +753,20 @@ def test_revoking_a_learner_closes_their_open_connections_at_once(tmp_path):
                 got += chunk
             s.close()
             assert got == b"", got[:200]
+
+
+def test_a_vllm_whose_socket_queue_is_full_makes_requests_wait_not_fail(tmp_path):
+    """vLLM's Unix socket holds a backlog of connections not yet accepted; when it is full, a connect fails at once
+    with EAGAIN under uvloop (a TCP client's SYN would be retried).  A room of 100 on two busy cores lost 3,855
+    requests so, told the server "does not answer" (benchmarks/results/cpu-room-10-replay-2026-11-29).  The proxy
+    tries again (router.UDS_RETRY), so those requests wait until vLLM accepts, and are answered."""
+    accepting = threading.Event()
+    accepting.set()
+    with stand_in_vllm(tmp_path, backlog=1, accepting=accepting) as uds, proxy_process(tmp_path, uds) as (_, port, key):
+        accepting.clear()  # busy: the socket's queue of one fills, the rest of the connects get EAGAIN
+        with ThreadPoolExecutor(8) as pool:
+            answers = [pool.submit(_get, f"http://127.0.0.1:{port}/v1/models", key, 30) for _ in range(8)]
+            time.sleep(1.5)
+            accepting.set()
+            statuses = [a.result()[0] for a in answers]
+    assert statuses == [200] * 8, f"{statuses}: {(tmp_path / 'proxy.log').read_text()[-2000:]}"

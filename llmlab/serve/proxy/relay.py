@@ -32,6 +32,7 @@ from llmlab.serve.proxy.router import (
     BALANCE,
     PREFIX_CHARS,
     ROUTES,
+    UDS_RETRY,
     Replica,
     Routing,
     Unroutable,
@@ -468,6 +469,10 @@ class Client(asyncio.Protocol):
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 self.write(error_response(503, "The proxy is out of file descriptors (too many connections); try "
                                                "again in a moment."))
+            elif e.errno == errno.EAGAIN:
+                self.write(error_response(503, f"The vLLM server behind this proxy is too busy to take a new "
+                                               f"connection: its socket's queue stayed full for {UDS_RETRY:g} s. "
+                                               "Send fewer requests at once, or try again in a moment."))
             else:
                 self.write(error_response(503, "The vLLM server behind this proxy does not answer (still loading, "
                                                "or it stopped); `llmlab status` shows which."))

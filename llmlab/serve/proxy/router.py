@@ -164,6 +164,7 @@ class _Collected:
 # cache is found there, not computed once per replica), unless that replica has ``balance`` more requests in flight
 # than the least loaded one: then least-loaded, so that one popular system prompt cannot pile a room onto one GPU.
 ROUTES = ("least-loaded", "prefix")
+UDS_RETRY = 30.0  # seconds a connection to a vLLM whose socket's backlog is full is tried again (Routing.connect)
 PREFIX_CHARS = 256  # characters of the prompt that choose the replica: a system prompt's worth
 BALANCE = 16
 # Bytes of a body that prefix routing parses, on the event loop: a body of this size made of the smallest JSON
@@ -221,11 +222,27 @@ class Routing:
     ``prefix_chars``, ``balance`` and ``upstreams``."""
 
     async def connect(self, factory, replica: Replica) -> None:
+        """Open a connection to ``replica`` for one request; OSError if it cannot be had.
+
+        Why a Unix socket is tried again: its backlog (vLLM's uvicorn listens with 2048) fills when vLLM accepts
+        more slowly than a room sends, and then a connect fails at once with EAGAIN (uvloop) where a TCP client's
+        SYN would be retried by the kernel.  A room of 100 replayed on two busy cores lost 3,855 of 16,500 requests
+        so, each told the server "does not answer" (benchmarks/results/cpu-room-10-replay-2026-11-29/replay.json).
+        Tried again, from 5 ms up to 200 ms apart, for ``UDS_RETRY`` seconds, the request waits instead."""
         loop = asyncio.get_running_loop()
-        if replica.uds:
-            await loop.create_unix_connection(factory, replica.uds)
-        else:
+        if not replica.uds:
             await asyncio.wait_for(loop.create_connection(factory, *replica.address), 30)
+            return
+        deadline, pause = loop.time() + UDS_RETRY, 0.005
+        while True:
+            try:
+                await loop.create_unix_connection(factory, replica.uds)
+                return
+            except BlockingIOError:  # EAGAIN: vLLM's backlog is full; anything else is not a busy server
+                if loop.time() + pause > deadline:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 0.2)
 
     def pick(self, r: Request) -> Replica:
         """The replica that answers ``r``: among the replicas of the model it names (:meth:`pool_of`), the one

@@ -253,6 +253,9 @@ FAILURES = [
                 r"configuration|HFValidationError|Repo id must|No such file or directory: '[^']*config\.json'|"
                 r"Invalid repository ID|not a valid model identifier|We couldn't connect to"),
      "the model path does not exist or holds no model (set LLMLAB_MODEL_PATH or LLMLAB_MODEL_DIR)"),
+    # vLLM's own sentence (vllm/config/model.py:1549; llmlab.troubleshoot's "tp-heads" sign, lesson 19)
+    (re.compile(r"must be divisible by tensor parallel size"),
+     "the tensor-parallel size does not divide the model's attention heads (a TP that divides them, PP for the rest)"),
     (re.compile(r"api_server\.py: error:|error: unrecognized arguments|error: argument |invalid choice"),
      "vLLM rejected an argument (check --extra-vllm-args / LLMLAB_EXTRA_VLLM_ARGS)"),
     (re.compile(r"did not answer /health within"), "vLLM did not become ready in time (LLMLAB_READY_TIMEOUT)"),

@@ -69,3 +69,21 @@ def test_a_sign_by_name():
     assert troubleshoot.sign("tp-heads").where == "vllm/config/model.py:1549"
     with pytest.raises(KeyError, match="the signs are tp-heads"):
         troubleshoot.sign("nope")
+
+
+def test_llmlab_status_names_the_start_failures_the_lesson_shows():
+    """`llmlab status` reads a failed job's vLLM log with its own reason table (llmlab.ops.jobs.FAILURES): each start
+    the lesson makes vLLM refuse is named there too, not only "vLLM exited while starting"."""
+    from llmlab.ops import jobs
+
+    r = troubleshoot.refusal("llmlab-tiny", 2**30, 1_048_576)
+    said = {"tp-heads": ("Value error, Total number of attention heads (8) must be divisible by tensor parallel size "
+                         "(3).", "the tensor-parallel size"),
+            "no-model": ("HFValidationError: Repo id must be in the form 'repo_name' or 'namespace/repo_name': "
+                         "'/models/llmlab-tinny'.", "the model path does not exist"),
+            "kv-at-start": ("ValueError: " + troubleshoot.refusal_sentence(r, 1_048_576), "out of memory"),
+            "no-kv-memory": ("ValueError: No available memory for the cache blocks.", "out of memory")}
+    for name, (line, reason) in said.items():
+        assert troubleshoot.sign(name).matches(line), name
+        found = jobs.failure("[llmlab 10:00:00] FAILED: vLLM exited while starting.\n", line + "\n")
+        assert found[0].startswith(reason), (name, found[0])

@@ -10,10 +10,14 @@ next waiting one takes its place at the next step: **continuous batching**.  Sta
 together, the next batch only once all N have ended) leaves the finished requests' places empty until the
 longest one ends.
 
-The engine counts its own steps: ``vllm:iteration_tokens_total`` is a histogram observed once per step with the
-tokens that step computed (prompt tokens prefilled, plus one per request that got a token), so the difference of
-its ``_count`` over a run is the steps the run took and of its ``_sum`` the tokens.  Both are read with
-:func:`counters`.  The pure arithmetic to hold them against: :func:`static_steps` and :func:`continuous_steps`
+The engine counts its own steps: ``vllm:iteration_tokens_total`` is a histogram observed once per batch of outputs
+the engine core sends that holds at least one request's output (``vllm/v1/engine/async_llm.py``'s output handler),
+with the tokens credited to it (prompt tokens of the prompts it finished, plus one per request that got a token).
+A step that only advances a chunk of a long prompt, while nobody gets a token, sends no request output and is not
+counted; in the lesson's workloads every step gives some request a token, so the difference of its ``_count`` over a
+run is the steps the run took and of its ``_sum`` the tokens.  Both are read with :func:`counters`, with the
+preemptions and how many requests were preempted more than once (``vllm:request_num_preemptions``).
+The pure arithmetic to hold them against: :func:`static_steps` and :func:`continuous_steps`
 (the fewest steps either way can take), :func:`blocks_at_longest` and :func:`fit_without_preemption` (how many
 requests the KV pool holds to their end).  At the edges: :func:`send_over_time` (requests arriving over time),
 :func:`static` and :func:`continuous` (the two ways of batching, through :mod:`llmlab.loadtest`), :class:`Sampler`
@@ -35,11 +39,15 @@ import numpy as np
 import pandas as pd
 
 from llmlab import loadtest, top
-from llmlab.kvcache import FINISHED, GENERATED, blocks_for, wait_for_request
-from llmlab.serve.metrics import fetch_metrics
-
-STEPS = "vllm:iteration_tokens_total"            # histogram, one observation per engine step: its tokens
-PREEMPTIONS = top.PREEMPTIONS                    # counter: running requests pushed back to the waiting queue
+from llmlab.kvcache import blocks_for, wait_for_request
+from llmlab.serve.metrics import (  # noqa: F401 -- STEPS and PREEMPTIONS re-exported (llmlab.disagg reads STEPS here)
+    FINISHED,
+    GENERATED,
+    PREEMPTIONS,
+    REQUEST_PREEMPTIONS,
+    STEPS,
+    fetch_metrics,
+)
 
 __all__ = ["static_steps", "continuous_steps", "blocks_at_longest", "fit_without_preemption", "counters",
            "difference", "Sampler", "send_over_time", "static", "continuous", "measure",
@@ -110,7 +118,9 @@ def fit_without_preemption(pool_blocks: int, block_size: int, prompt_tokens: int
 def counters(client) -> dict:
     """The scheduler's counters now: engine ``steps`` and the ``step_tokens`` they computed (the histogram
     :data:`STEPS`), ``preemptions``, ``generated`` tokens and ``finished`` requests (``vllm:request_success_total``,
-    as :func:`llmlab.kvcache.kv_snapshot` reads it).
+    as :func:`llmlab.kvcache.kv_snapshot` reads it), and ``preempted_again``: finished requests preempted more than
+    once (:data:`REQUEST_PREEMPTIONS`, whose lowest bucket is ``le="1.0"``: it cannot tell once from never, but with the
+    total it says whether the preemptions fell on different requests or on the same ones again).
 
     A step's tokens are what vLLM credits it with: the answer tokens it gave, and a prompt's computed tokens in the
     step that finishes the prompt (``vllm/v1/metrics/stats.py``), so one step of a chunked prompt can show more than
@@ -118,7 +128,9 @@ def counters(client) -> dict:
     m = fetch_metrics(str(client.base_url), client.api_key)
     return {"steps": m.value(STEPS + "_count", default=0.0), "step_tokens": m.value(STEPS + "_sum", default=0.0),
             "preemptions": m.value(PREEMPTIONS, default=0.0), "generated": m.value(GENERATED, default=0.0),
-            "finished": m.value(FINISHED, default=0.0)}
+            "finished": m.value(FINISHED, default=0.0),
+            "preempted_again": m.value(REQUEST_PREEMPTIONS + "_count", default=0.0)
+            - m.value(REQUEST_PREEMPTIONS + "_bucket", default=0.0, le="1.0")}
 
 
 def difference(before: dict, after: dict) -> dict:

@@ -1,6 +1,6 @@
 """Checks of notebook 16, continuous batching and the scheduler (``llmlab.batching``): static batching in its best
-order against continuous batching, the batch a client kept in flight (Little's law), the requests an H100's KV
-cache holds before preemption, and the tokens a preemption makes the engine compute again."""
+order against continuous batching, the share of the batch each way keeps busy (Little's law in steps), the requests
+an H100's KV cache holds before preemption, and the tokens a preemption makes the engine compute again."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ from llmlab.check.verdict import _number, _whole, require, right
 # Exercise 1: fourteen requests' output tokens, in the order they come; batches (and places in flight) of 4.
 EX1_LENGTHS = [40, 300, 25, 60, 280, 35, 50, 45, 310, 30, 55, 40, 290, 20]
 EX1_N = 4
+
+# Exercise 2: twelve requests' output tokens, in the order they come; batches (and places in flight) of 4.
+EX2_LENGTHS = [40, 16, 96, 24, 64, 104, 32, 88, 56, 48, 80, 72]
+EX2_N = 4
 
 # Exercise 3: Llama 3.1 8B on one H100, the KV pool of the committed rehearsal
 # (benchmarks/results/h100-llama3.1-8b-tp1/: 28,123 blocks of 16 tokens); requests of 1,030 + 100 tokens.
@@ -49,28 +53,43 @@ def best_static_steps(static, continuous) -> None:
           "rarely has and a server never (an answer's length is known when it ends).")
 
 
-def mean_in_flight(value, result) -> None:
-    """16: the mean number of the run's requests in flight at once (Little's law), from its own records."""
-    from llmlab import loadtest
+def busy_share(static, continuous) -> None:
+    """16: the share of the 4 places in the running batch that Exercise 2's twelve requests keep busy on average
+    over the run, in static batches of 4 and with 4 in flight, counted in steps (Little's law without a clock)."""
+    from llmlab.batching import continuous_steps, static_steps
 
-    value = _number(value, "in_flight")
-    ok = result.ok
-    require(bool(ok), "the run has no successful request: pass the LoadResult of Exercise 2's run.")
-    duration = loadtest.duration_of(result.records)
-    busy = sum(r.end - r.start for r in ok)
-    want = busy / duration
-    require(not math.isclose(value, busy / len(ok), rel_tol=1e-3) or math.isclose(want, busy / len(ok)),
-            "that is the mean time a request spent in the server; divide the summed times by the run's wall time "
-            "instead, not by the number of requests.")
-    require(not math.isclose(value, busy, rel_tol=1e-3), "that is the summed time in the server (request-seconds): "
-            "divide it by the run's wall time (loadtest.duration_of(result.records)).")
-    require(value <= (result.concurrency or math.inf) + 1e-9,
-            f"more than the {result.concurrency} in flight the client allowed: is the wall time the run's, from the "
-            "first sending to the last end?")
-    require(math.isclose(value, want, rel_tol=1e-3), f"sum each record's time in the server (end - start) and divide "
-            f"by the run's wall time: {busy:.2f} request-seconds over {duration:.2f} s.")
-    right(f"on average {want:.2f} of the run's requests were in the server at once (the client allowed "
-          f"{result.concurrency}): the batch the client gave the engine to work with.")
+    static, continuous = _number(static, "static"), _number(continuous, "continuous")
+    lengths, n = EX2_LENGTHS, EX2_N
+    work = sum(lengths)  # request-steps: a request of m tokens takes part in m steps
+    mean_s, mean_c = work / static_steps(lengths, n), work / continuous_steps(lengths, n)
+    want_s, want_c = mean_s / n, mean_c / n
+    batches = [lengths[i:i + n] for i in range(0, len(lengths), n)]
+
+    def near(value, target):
+        return math.isclose(value, target, rel_tol=5e-3)
+
+    for name, value, mean in (("static", static, mean_s), ("continuous", continuous, mean_c)):
+        require(not near(value, mean), f"{name}: that is how many places are busy on average; the question asks "
+                f"for their share of the {n} places.")
+        require(not near(value, 1.0), f"{name}: every place busy in every step is the most "
+                "it can be; places stand empty while the last requests of a batch (or of the run) finish.")
+        require(value <= 1.0, f"{name}: a share of the {n} places is at most 1 (every place busy).")
+    require(not (near(static, want_c) and near(continuous, want_s)), "the two are swapped: which way leaves places "
+            "empty until the longest request of a batch ends?")
+    require(not near(static, work / static_steps(sorted(lengths, reverse=True), n) / n),
+            "static: that is the best order (the longest together); the client sends them in the order given.")
+    require(not near(static, sum(sum(b) / max(b) for b in batches) / len(batches) / n),
+            "static: each batch's own share counts there as much as the others, but a batch lasts as long as its "
+            "longest request: add up the steps the requests took part in, then divide by all the run's steps.")
+    require(near(static, want_s), f"static: the requests take part in as many steps as their tokens, together; the "
+            f"run takes as many steps as static batching needs for them in this order (batching.static_steps), "
+            f"with {n} places in each.")
+    require(near(continuous, want_c), "continuous: the same steps of work, over the steps continuous batching takes "
+            "with 4 in flight in this order (batching.continuous_steps), 4 places in each.")
+    right(f"static batching kept {want_s:.0%} of the {n} places busy ({work} request-steps over "
+          f"{static_steps(lengths, n)} steps of {n}), continuous {want_c:.0%} ({continuous_steps(lengths, n)} "
+          "steps). Little's law: the mean in the system is the work over the time it takes; the same work in "
+          "fewer steps is a fuller batch, and everyone is served sooner.")
 
 
 def requests_before_preemption(n) -> None:

@@ -100,8 +100,22 @@ def test_the_counters_come_from_vllms_own_metric_names(monkeypatch):
     monkeypatch.setattr(batching, "fetch_metrics", lambda url, key: metrics)
     now = batching.counters(SimpleNamespace(base_url="http://x/v1", api_key="k"))
     assert now["steps"] >= 1 and now["step_tokens"] == 6 + 8 and now["generated"] == 8
-    assert now["finished"] == 1 and now["preemptions"] == 0
+    assert now["finished"] == 1 and now["preemptions"] == 0 and now["preempted_again"] == 0
     assert batching.difference(dict.fromkeys(now, 0.0), now) == {k: int(v) for k, v in now.items()}
+
+
+def test_the_requests_preempted_more_than_once_come_from_the_per_request_histogram(monkeypatch):
+    """vLLM observes each finished request's preemptions; its lowest bucket is le="1.0" (never or once), so the
+    requests above it were preempted more than once: here 1 of 6, the 3 preemptions on 2 requests at most."""
+    lines = [line for line in RECORDED.splitlines() if not line.startswith("vllm:request_num_preemptions")]
+    edges = ("1.0", "2.0", "3.0", "4.0", "5.0", "10.0", "20.0", "+Inf")
+    lines += [f'vllm:request_num_preemptions_bucket{{engine="0",le="{le}",model_name="m"}} '
+              f'{5.0 if le == "1.0" else 6.0}' for le in edges]
+    lines += ['vllm:request_num_preemptions_count{engine="0",model_name="m"} 6.0',
+              'vllm:request_num_preemptions_sum{engine="0",model_name="m"} 3.0']
+    metrics = parse_prometheus("\n".join(lines) + "\n")
+    monkeypatch.setattr(batching, "fetch_metrics", lambda url, key: metrics)
+    assert batching.counters(SimpleNamespace(base_url="http://x/v1", api_key="k"))["preempted_again"] == 1
 
 
 # --- a run's mean batch -------------------------------------------------------------------------------------------
@@ -134,16 +148,27 @@ def test_best_static_steps(capsys):
     not_yet(check.best_static_steps, best, 535.5, hint="whole number")
 
 
-def test_mean_in_flight(capsys):
-    run = records((0.0, 2.0), (0.0, 1.0), (1.0, 2.0))
-    assert "2.00 of the run's requests" in right(capsys, check.mean_in_flight, 2.0, run)
-    not_yet(check.mean_in_flight, 4.0 / 3, run, hint="the mean time a request spent in the server")
-    not_yet(check.mean_in_flight, 4.0, run, hint="the summed time in the server")
-    not_yet(check.mean_in_flight, 1.5, run, hint="4.00 request-seconds over 2.00 s")
-    not_yet(check.mean_in_flight, 2.0, LoadResult([], concurrency=2), hint="no successful request")
-    not_yet(check.mean_in_flight, "2", run, hint="should be a number")
-    over = records((0.0, 2.0), (0.0, 2.0), (0.0, 2.0))  # 3 in flight while the client said 2: a wall time too short
-    not_yet(check.mean_in_flight, 3.5, over, hint="more than the 2 in flight the client allowed")
+def test_busy_share(capsys):
+    """Exercise 2: 720 request-steps over 280 steps of 4 places static (batches of 4 in the order given), 208
+    continuous."""
+    assert batching.static_steps(check.batching.EX2_LENGTHS, 4) == 280
+    assert batching.continuous_steps(check.batching.EX2_LENGTHS, 4) == 208
+    out = right(capsys, check.busy_share, 720 / 280 / 4, 720 / 208 / 4)
+    assert "64% of the 4 places" in out and "continuous 87%" in out
+    right(capsys, check.busy_share, 0.643, 0.865)  # rounded as a learner may round
+    for static, continuous, hint in (
+            (720 / 280, 720 / 208 / 4, "static: that is how many places are busy on average"),
+            (720 / 280 / 4, 720 / 208, "continuous: that is how many places"),
+            (1.0, 720 / 208 / 4, "static: every place busy in every step"),
+            (720 / 280 / 4, 1.2, "continuous: a share of the 4 places is at most 1"),
+            (60 / 4, 720 / 208 / 4, "static: a share of the 4 places is at most 1"),
+            (720 / 208 / 4, 720 / 280 / 4, "swapped"),
+            (720 / 216 / 4, 720 / 208 / 4, "the best order"),
+            ((160 / 96 + 304 / 104 + 256 / 80) / 3 / 4, 720 / 208 / 4, "each batch's own share"),
+            (0.7, 720 / 208 / 4, "static: the requests take part"),
+            (720 / 280 / 4, 0.8, "continuous: the same steps of work")):
+        not_yet(check.busy_share, static, continuous, hint=hint)
+    not_yet(check.busy_share, "0.64", 0.865, hint="should be a number")
 
 
 def test_requests_before_preemption(capsys):

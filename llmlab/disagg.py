@@ -43,10 +43,10 @@ from llmlab import loadtest, memory
 from llmlab.batching import STEPS
 from llmlab.cluster.layouts import IB_GBPS, NVLINK_GBPS
 from llmlab.connection import connect
-from llmlab.replicas import BIND, split_cores
+from llmlab.replicas import split_cores
 from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.metrics import GENERATED, ITL, PROMPT_BY_SOURCE, RUNNING, fetch_metrics, histogram
-from llmlab.serve.vllm import log_messages
+from llmlab.serve.vllm import BIND, log_messages
 
 __all__ = ["LINKS", "MATMUL_FLOPS", "ROLES", "WHEN_MOVED", "connector_args", "Pair", "kept_tokens", "stored",
            "by_source", "decoder_counts", "decode_beside_prefills", "beside_table", "kv_bytes", "prefill_flops",

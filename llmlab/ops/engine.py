@@ -29,6 +29,7 @@ from pathlib import Path
 from llmlab import memory
 from llmlab.offline import WARMUP_PROMPT, Completion, chat_token_ids, engine_build
 from llmlab.serve.paths import TINY_MODEL
+from llmlab.serve.vllm import BIND
 
 DEFAULT_START_TIMEOUT = 600.0
 """Seconds for the engine to load: ~1 min for the tiny model on 2 idle cores, 2-3 min on a busy CI machine."""
@@ -272,7 +273,7 @@ def _check_cpu(spec, ranks: int, length: int, sdtype, kv_cache_gib: int, report:
                           f"GiB of KV cache, more than the CPU engine's {kv_cache_gib} GiB: raise --kv-cache-gib or "
                           "lower --max-model-len.")
     report.kv_tokens_per_gpu, report.device = budget // per_token, "CPU"
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    bind = os.environ.get(BIND, "auto")
     nodes = _numa_nodes()
     if ranks > 1 and bind == "auto" and nodes is not None and ranks > nodes:
         raise LayoutError(f"TP x PP = {ranks} ranks on vLLM's CPU engine: it binds each rank's threads to its own NUMA "

@@ -139,7 +139,7 @@ def phase(log_path: Path) -> str:
     return vllm_phase(log_path, PHASES, before="starting Python")
 
 
-def engine_env(kv_cache_gib: int = 1, build: str = "cpu") -> dict[str, str]:
+def offline_engine_env(kv_cache_gib: int = 1, build: str = "cpu") -> dict[str, str]:
     """The engine process's environment: this one's (:func:`llmlab.serve.vllm.local_env`), with
     :func:`llmlab.offline.engine_environment`'s settings (nothing downloaded; on the CPU build the KV space and the
     engine core in the engine process), its output unbuffered so that the phases reach the log as they happen."""
@@ -224,7 +224,7 @@ class OfflineEngine:
                   "pipeline_parallel_size": self.pp_size, "gpu_memory_utilization": self.gpu_memory_utilization,
                   "max_model_len": self.layout.max_model_len, "dtype": dtype, "enforce_eager": self.enforce_eager,
                   "disable_log_stats": False}  # per-request stats: the TTFT of every completion
-        backend = self.distributed_executor_backend or ("mp" if build == "cpu" else None)  # see engine_env
+        backend = self.distributed_executor_backend or ("mp" if build == "cpu" else None)  # see offline_engine_env
         if backend:
             kwargs["distributed_executor_backend"] = backend
         if self.seed is not None:
@@ -243,7 +243,7 @@ class OfflineEngine:
         parent, child = socket.socketpair()
         t0 = time.perf_counter()
         self.engine = VLLMProcess([sys.executable, "-m", "llmlab.ops.engine", str(child.fileno())],
-                                  engine_env(self.kv_cache_gib, self.build), log, pass_fds=(child.fileno(),),
+                                  offline_engine_env(self.kv_cache_gib, self.build), log, pass_fds=(child.fileno(),),
                                   header=f"$ vllm.LLM({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})")
         self.proc = self.engine.start().proc  # its own process group: close() ends it all
         child.close()

@@ -111,11 +111,11 @@ def test_a_local_vllm_gets_this_environment_without_a_key(monkeypatch):
     monkeypatch.setenv("LLMLAB_RECIPE_TEST", "kept")
     for name in vllm.INHERITED_OPENERS:  # security-review-3 F10: the shell does not reopen runtime LoRA
         monkeypatch.setenv(name, "1")
-    for env in (vllm.engine_env(Path("/run"), 1), generate.engine_env(1, "cpu")):
+    for env in (vllm.engine_env(Path("/run"), 1), generate.offline_engine_env(1, "cpu")):
         assert "VLLM_API_KEY" not in env and "RAY_AUTH_TOKEN" not in env
         assert not set(vllm.INHERITED_OPENERS) & set(env)
         assert (env["VLLM_LOGGING_LEVEL"], env["LLMLAB_RECIPE_TEST"]) == ("DEBUG", "kept")
-    assert generate.engine_env(1, "cpu")["PYTHONUNBUFFERED"] == "1"
+    assert generate.offline_engine_env(1, "cpu")["PYTHONUNBUFFERED"] == "1"
 
 
 @pytest.mark.parametrize("gib", [1.5, 0, -1, True])

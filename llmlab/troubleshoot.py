@@ -155,14 +155,16 @@ def _short(line: str, n: int = 240) -> str:
     return line if len(line) <= n else line[:n - 3] + "..."
 
 
-def source_line(s: Sign) -> str:
-    """The line of the installed package's source that ``s.where`` names (where the sentence is written)."""
+def source_line(s: Sign, before: int = 0) -> str:
+    """The line of the installed package's source that ``s.where`` names (where the sentence is written), with
+    ``before`` lines above it (the condition that raises it)."""
     path, line = s.where.rsplit(":", 1)
     top, rest = path.split("/", 1)
     spec = importlib.util.find_spec(top)  # without importing it: vLLM takes seconds to import
     if spec is None or not spec.origin:
         raise FileNotFoundError(f"{top} is not installed here, so {s.where} cannot be read.")
-    return (Path(spec.origin).parent / rest).read_text().splitlines()[int(line) - 1]
+    lines = (Path(spec.origin).parent / rest).read_text().splitlines()
+    return "\n".join(lines[max(0, int(line) - 1 - before):int(line)])
 
 
 # --------------------------------------------------------------------------------------------------

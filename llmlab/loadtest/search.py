@@ -200,7 +200,9 @@ def judge(slo: Slo, results: list[LoadResult]) -> tuple[bool, bool, str, dict]:
             missed.append(o.text if value is None else f"{o.text} ({_show(o, value)})")
         if interval and o.ok(interval[0]) != o.ok(interval[1]):
             unclear.append(o.text)
-    if stopped:
+    if stopped:  # its figures are over the requests that finished before the stop, and read better than the run
+        for f in figures.values():
+            f["partial"] = True
         return False, True, f"stopped early: {stopped[0]}", figures
     if missed:
         return False, not unclear, "missed " + ", ".join(missed), figures

@@ -32,7 +32,7 @@ import pandas as pd
 
 from llmlab import memory
 from llmlab.serve.paths import RESULTS_DIR, TINY_MODEL
-from llmlab.serve.proc import terminate
+from llmlab.serve.proc import group_alive, terminate
 from llmlab.serve.vllm import VLLMProcess, cpu_flags, engine_env, log_messages, serve_line, vllm_serve
 
 __all__ = ["Sign", "SIGNS", "sign", "signs", "diagnose", "source_line", "Attempt", "try_starts", "LONG_CONTEXT",
@@ -354,7 +354,8 @@ def engine_core_pid(server) -> int | None:
 def die_mid_stream(client, model: str, server, after: int = 20, max_tokens: int = 400, settle: float = 30.0) -> dict:
     """Stream a long answer and, once ``after`` pieces have arrived, kill the server's engine core with SIGKILL
     (what the kernel's out-of-memory killer sends): what the client received, how its stream ended, and whether
-    the server's processes still run ``settle`` s later at most (an API server without its engine shuts down)."""
+    whether any of the server's processes (API server, proxy) still runs ``settle`` s later at most (an API server
+    without its engine shuts down, and llmlab's proxy with it)."""
     import openai
 
     texts, ended = [], "the stream ended normally"
@@ -371,11 +372,11 @@ def die_mid_stream(client, model: str, server, after: int = 20, max_tokens: int 
                 os.kill(pid, signal.SIGKILL)
     except (openai.APIError, openai.APIConnectionError) as e:
         ended = f"{type(e).__name__}: {e}"
-    deadline = time.monotonic() + settle
-    while server.engine.alive and time.monotonic() < deadline:
+    deadline = time.monotonic() + settle  # the API server shuts down, then llmlab's proxy notices (1 s polls)
+    while group_alive(server.engine.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     return {"pieces": len(texts), "asked": max_tokens, "ended": ended, "killed": pid,
-            "server_running": server.engine.alive}
+            "server_running": group_alive(server.engine.pid)}
 
 
 # --------------------------------------------------------------------------------------------------

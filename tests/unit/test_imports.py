@@ -127,6 +127,16 @@ def test_a_lesson_imports_only_the_proxys_router_and_command(module):
     assert not inner, f"{module} imports the proxy's {inner}: lessons use its router and its command only"
 
 
+
+def test_vllms_metric_names_are_spelled_in_one_module():
+    """One vocabulary (issue 49): a "vllm:..." metric name is written in llmlab/serve/metrics.py only, so a name
+    vLLM renames is changed once and every lesson, `llmlab top` and `llmlab metrics` follow."""
+    spelled = sorted(f"{m}: {node.value}" for m, path in MODULES.items() if m != "llmlab.serve.metrics"
+                     for node in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                     and node.value.startswith("vllm:") and " " not in node.value)
+    assert not spelled, "vLLM metric names outside llmlab.serve.metrics:\n" + "\n".join(spelled)
+
 # --- the notebooks: a learner who follows an import lands in a lesson module -------------------------------------
 
 NOTEBOOK_ROOT = PACKAGE.parent

@@ -296,12 +296,14 @@ def next_level(best: float | None, past: float | None, start: float, *, factor: 
 
 def find_max(measure: Callable[[float, int, Callable], LoadResult], slo, *, start: float, factor: float = 2.0,
              resolution: float = 0.1, lowest: float = 1, highest: float | None = None, repeats: int = 3,
-             integer: bool = True, unit: str = "load", progress: Callable[[str], None] | None = print) -> Search:
+             integer: bool = True, unit: str = "load", max_steps: int = 20,
+             progress: Callable[[str], None] | None = print) -> Search:
     """Find the largest level that meets ``slo`` (a string for :func:`parse_slo`, or an :class:`Slo`).
 
     ``measure(level, repeat, stop)`` runs the load once at ``level`` (``repeat`` counts from 0: use it for a new
     seed) and returns its ``LoadResult``; it should pass ``stop`` to ``run_sessions``/``run_rate``/``run_open`` so
-    that a run certainly past the SLO ends at once.  See the module docstring for the search itself.
+    that a run certainly past the SLO ends at once.  See the module docstring for the search itself.  After
+    ``max_steps`` levels the search ends where it is (a load that never misses climbs without end otherwise).
     """
     slo = parse_slo(slo)
     if not isinstance(repeats, int) or repeats < 1:
@@ -311,8 +313,9 @@ def find_max(measure: Callable[[float, int, Callable], LoadResult], slo, *, star
     say = progress or (lambda _: None)
     best = past = None
     steps: list[Step] = []
-    while (level := next_level(best, past, start, factor=factor, resolution=resolution, lowest=lowest,
-                               highest=highest, integer=integer)) is not None:
+    while len(steps) < max_steps and (level := next_level(
+            best, past, start, factor=factor, resolution=resolution, lowest=lowest, highest=highest,
+            integer=integer)) is not None:
         results, runs = [], []
         for i in range(repeats):
             t0 = time.time()
@@ -339,17 +342,33 @@ def find_max(measure: Callable[[float, int, Callable], LoadResult], slo, *, star
     return search
 
 
-def find_max_rate(client, model: str, prompts, slo, *, start: float = 1.0, seed: int = 0, resolution: float = 0.1,
-                  repeats: int = 3, highest: float | None = None, progress=print, **kwargs) -> Search:
-    """The largest Poisson rate (requests/s) at which ``prompts`` (sent open-loop, :func:`run_rate`) meet ``slo``.
-    Each repeat draws new arrival times (``seed + repeat``); ``kwargs`` go to :func:`run_rate` (``max_tokens``,
-    ``chat``, sampling parameters such as ``ignore_eos=True``)."""
-    from llmlab.loadtest.openloop import run_rate
+def find_max_rate(client, model: str, prompts, slo, *, duration: float = 20.0, start: float = 1.0, seed: int = 0,
+                  resolution: float = 0.1, repeats: int = 3, highest: float | None = None, progress=print,
+                  **kwargs) -> Search:
+    """The largest Poisson rate (requests/s) at which the prompts, sent open-loop (:func:`run_rate`) for ``duration``
+    seconds, meet ``slo``.
 
-    prompts = list(prompts)
+    Why a duration and not a fixed set of requests: N requests at an ever higher rate are, in the end, a burst of N
+    that a server holds however high the rate goes; a rate is sustained only if the server keeps up for a while.  So a
+    level at rate R sends rate x duration requests, the prompts taken in turn (a prompt sent twice finds its prefix
+    in the cache: give at least as many prompts as the highest rate x duration to avoid it).  Each repeat draws new
+    arrival times (``seed + repeat``); ``kwargs`` go to :func:`run_rate` (``max_tokens``, ``chat``, sampling
+    parameters such as ``ignore_eos=True``)."""
+    from dataclasses import replace
+
+    from llmlab.loadtest.openloop import run_rate
+    from llmlab.loadtest.records import as_jobs
+
+    jobs = as_jobs(prompts)
+    if not jobs:
+        raise ValueError("find_max_rate needs prompts to send: give at least one.")
+    if not duration > 0:
+        raise ValueError(f"duration={duration!r}: give the seconds each level sends for, > 0 (e.g. 20).")
 
     def measure(rate, repeat, stop):
-        return run_rate(client, model, prompts, rate, seed=seed + repeat, stop=stop, progress=False, **kwargs)
+        n = max(1, round(rate * duration))
+        sent = [replace(jobs[i % len(jobs)], id=i) for i in range(n)]
+        return run_rate(client, model, sent, rate, seed=seed + repeat, stop=stop, progress=False, **kwargs)
 
     return find_max(measure, slo, start=start, resolution=resolution, repeats=repeats, highest=highest,
                     lowest=min(start, 0.1), integer=False, unit="rate (requests/s)", progress=progress)

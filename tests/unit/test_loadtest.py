@@ -358,3 +358,6 @@ def test_find_max_repeats_an_unclear_level_and_keeps_every_step():
     assert list(s.to_frame().columns[:4]) == ["load", "met", "clear", "runs"]
     with pytest.raises(lt.SloError):
         lt.find_max(measure, "ttft<1s", start=4)
+    easy = lt.find_max(lambda level, r, stop: lt.LoadResult([rec(0, 0.1, 0.2, 5, 100.0)], None), "ttft_p99<1s",
+                       start=1, max_steps=5, progress=None)  # a load that never misses: the search still ends
+    assert [st.level for st in easy.steps] == [1, 2, 4, 8, 16] and (easy.best, easy.past) == (16, None)

@@ -101,7 +101,9 @@ def names_its_owner(name: str, st: os.stat_result, *, suffix: str = "", uids: di
     Why by name -> uid: a learner can create any name there, but not a file owned by someone else, so a file counts
     only for the user it names, and nobody can put words in another's name (a login the system does not know never
     matches)."""
-    login = name[:-len(suffix)] if suffix and name.endswith(suffix) else None if suffix else name
+    if not name.endswith(suffix):
+        return False
+    login = name[:len(name) - len(suffix)]
     return bool(login) and user_uid(login, uids) == st.st_uid
 
 

@@ -8,7 +8,8 @@ statistics:
   TTFT, TPOT, ITL and latency in s or ms, and the failed requests as a count or a share;
 - **bracket, then bisect**: from ``start`` the load grows by ``factor`` until a level misses the SLO (or shrinks
   until one meets it), then the gap between the highest level met and the lowest missed is halved until it is
-  within ``resolution`` (a share of the level met);
+  within ``resolution`` (a share of the level met).  A search may start from the bracket of an earlier one
+  (``met``, ``missed``): a finer search then bisects it at once and runs neither end again;
 - **repeats and intervals**: a level runs up to ``repeats`` times; each percentile is taken over the requests of
   all its runs, with a bootstrap interval (``loadtest.bootstrap_interval``).  A level whose interval lies wholly on
   one side of every limit is *clear* and runs no more repeats; one still unclear after ``repeats`` is decided by
@@ -229,21 +230,25 @@ class Search:
     past: float | None
     steps: list[Step]
     unit: str = "load"
+    known: dict = field(default_factory=dict)  # {"met": 30, "missed": 45}: the earlier search's bracket it began at
 
     def sentence(self) -> str:
         if self.best is None:
             return (f"no {self.unit} tried met {self.slo}: the lowest, {_level(self.past)}, missed "
-                    f"({self._step(self.past).why}).")
-        beyond = f"; {_level(self.past)} missed ({self._step(self.past).why})" if self.past is not None else (
+                    f"({self._why(self.past)}).")
+        beyond = f"; {_level(self.past)} missed ({self._why(self.past)})" if self.past is not None else (
             "; no level tried missed it (raise the highest level)")
-        return f"the largest {self.unit} that met {self.slo}: {_level(self.best)}{beyond}."
+        earlier = "" if any(s.level == self.best for s in self.steps) else " (in the earlier search)"
+        return f"the largest {self.unit} that met {self.slo}: {_level(self.best)}{earlier}{beyond}."
 
-    def _step(self, level):
-        return next(s for s in reversed(self.steps) if s.level == level)
+    def _why(self, level) -> str:
+        """Why the last step at ``level`` went as it did (a level only the earlier search ran: says so)."""
+        step = next((s for s in reversed(self.steps) if s.level == level), None)
+        return step.why if step else "in the earlier search"
 
     def to_dict(self) -> dict:
         return {"slo": self.slo, "unit": self.unit, "best": self.best, "past": self.past,
-                "sentence": self.sentence(), "steps": [asdict(s) for s in self.steps]}
+                "sentence": self.sentence(), "known": self.known, "steps": [asdict(s) for s in self.steps]}
 
     def to_frame(self):
         """One row per step: level, verdict, each objective's value with its interval, runs, why."""
@@ -296,22 +301,28 @@ def next_level(best: float | None, past: float | None, start: float, *, factor: 
 
 def find_max(measure: Callable[[float, int, Callable], LoadResult], slo, *, start: float, factor: float = 2.0,
              resolution: float = 0.1, lowest: float = 1, highest: float | None = None, repeats: int = 3,
-             integer: bool = True, unit: str = "load", max_steps: int = 20,
-             progress: Callable[[str], None] | None = print) -> Search:
+             integer: bool = True, unit: str = "load", max_steps: int = 20, met: float | None = None,
+             missed: float | None = None, progress: Callable[[str], None] | None = print) -> Search:
     """Find the largest level that meets ``slo`` (a string for :func:`parse_slo`, or an :class:`Slo`).
 
     ``measure(level, repeat, stop)`` runs the load once at ``level`` (``repeat`` counts from 0: use it for a new
     seed) and returns its ``LoadResult``; it should pass ``stop`` to ``run_sessions``/``run_rate``/``run_open`` so
     that a run certainly past the SLO ends at once.  See the module docstring for the search itself.  After
     ``max_steps`` levels the search ends where it is (a load that never misses climbs without end otherwise).
+    ``met`` and ``missed``: levels an earlier search decided (a committed one, say); this one starts from them as
+    if it had run them (with both, ``start`` is unused), runs neither again, and a finer search costs only new levels.
     """
     slo = parse_slo(slo)
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r}: give a whole number of runs per level, at least 1.")
     if not factor > 1:
         raise ValueError(f"factor={factor!r}: the load must grow between levels: give a number > 1, e.g. 2.")
+    if met is not None and missed is not None and not met < missed:
+        raise ValueError(f"met={met!r}, missed={missed!r}: an earlier search's bracket has the level that met below "
+                         "the one that missed, e.g. met=30, missed=45.")
     say = progress or (lambda _: None)
-    best = past = None
+    best, past = met, missed
+    known = {k: v for k, v in (("met", met), ("missed", missed)) if v is not None}
     steps: list[Step] = []
     while len(steps) < max_steps and (level := next_level(
             best, past, start, factor=factor, resolution=resolution, lowest=lowest, highest=highest,
@@ -337,7 +348,7 @@ def find_max(measure: Callable[[float, int, Callable], LoadResult], slo, *, star
             best = level if best is None else max(best, level)
         else:
             past = level if past is None else min(past, level)
-    search = Search(slo.text, best, past, steps, unit)
+    search = Search(slo.text, best, past, steps, unit, known)
     say(search.sentence())
     return search
 

@@ -74,11 +74,16 @@ def _find_max(args) -> int:
               "--slo 'ttft_p99<2s,failed=0'.", file=sys.stderr)
         return 2
     counts = _counts(args.learners if args.learners != "3" else "30")
+    bracket = _counts(args.bracket) if args.bracket else None
+    if bracket is not None and (len(bracket) != 2 or bracket[0] >= bracket[1]):
+        print(f"llmlab room: --bracket {args.bracket!r}: give the room an earlier search met and the one it missed, "
+              "MET,MISSED (e.g. 30,45).", file=sys.stderr)
+        return 2
     try:
         parse_slo(args.slo)
         report = find_max_room(args.replay, args.slo, start=counts[0], highest=counts[1] if len(counts) > 1 else None,
                                stagger=args.stagger if args.stagger is not None else 1.0, repeats=args.repeats,
-                               resolution=args.resolution, out=args.out or REPLAY_OUT,
+                               resolution=args.resolution, out=args.out or REPLAY_OUT, bracket=bracket,
                                progress=lambda s: print(s, flush=True))
     except SloError as e:
         print(f"llmlab room: --slo: {e}", file=sys.stderr)
@@ -133,5 +138,8 @@ def add_commands(sub) -> None:
                                                           "is clear (default 2)")
     p.add_argument("--resolution", type=float, default=0.25,
                    help="--find-max: stop when the room that missed is within this share of the one that met (0.25)")
+    p.add_argument("--bracket", metavar="MET,MISSED", help="--find-max: start from an earlier search's bracket "
+                                                           "(30,45: 30 met, 45 missed) and bisect it, running neither "
+                                                           "again")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON")
     p.set_defaults(func=cmd_room)

@@ -361,3 +361,23 @@ def test_find_max_repeats_an_unclear_level_and_keeps_every_step():
     easy = lt.find_max(lambda level, r, stop: lt.LoadResult([rec(0, 0.1, 0.2, 5, 100.0)], None), "ttft_p99<1s",
                        start=1, max_steps=5, progress=None)  # a load that never misses: the search still ends
     assert [st.level for st in easy.steps] == [1, 2, 4, 8, 16] and (easy.best, easy.past) == (16, None)
+
+
+def test_find_max_starts_from_an_earlier_searchs_bracket_and_runs_neither_end_again():
+    calls = []
+
+    def measure(level, repeat, stop):  # a pretend server (no engine): every TTFT is level / 10 s, so 10 is the limit
+        calls.append(level)
+        records = [rec(i, level / 10 - 0.01, level / 10, 5, 100.0 + i) for i in range(200)]
+        return lt.LoadResult(records, None, planned=200, stopped=stop(records, [], 200))
+
+    s = lt.find_max(measure, "ttft_p99<1s", start=1, resolution=0.0, met=8, missed=16, progress=None)
+    assert calls == [12, 10, 11] and (s.best, s.past) == (10, 11)  # bisected 8..16 at once: no 1, 2, 4, 8 or 16
+    assert s.to_dict()["known"] == {"met": 8, "missed": 16}
+    none_new = lt.find_max(measure, "ttft_p99<1s", start=1, resolution=0.0, met=10, missed=12, progress=None)
+    assert [st.level for st in none_new.steps] == [11] and (none_new.best, none_new.past) == (10, 11)
+    assert none_new.sentence().startswith("the largest load that met ttft_p99<1s: 10 (in the earlier search); 11 ")
+    untouched = lt.find_max(measure, "ttft_p99<1s", start=1, met=10, missed=11, progress=None)
+    assert untouched.steps == [] and untouched.sentence().endswith("11 missed (in the earlier search).")
+    with pytest.raises(ValueError, match="met=16, missed=8"):
+        lt.find_max(measure, "ttft_p99<1s", start=1, met=16, missed=8)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import io
 import json
 import logging
 import os
 import re
 import socket
+import socketserver
 import subprocess
 import sys
 import threading
@@ -770,3 +772,68 @@ def test_a_vllm_whose_socket_queue_is_full_makes_requests_wait_not_fail(tmp_path
             accepting.set()
             statuses = [a.result()[0] for a in answers]
     assert statuses == [200] * 8, f"{statuses}: {(tmp_path / 'proxy.log').read_text()[-2000:]}"
+
+
+@contextlib.contextmanager
+def _streaming_stand_in(folder: Path, total: int):
+    """vLLM's place on a Unix socket answering every request with a chunked stream of ``total`` bytes, written as
+    fast as the proxy takes them; yields a dict that says how the stream ended (``"sent"`` or ``"broken"``, and the
+    bytes written by then)."""
+    ended: dict = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            piece, sent = b"data: " + b"x" * 1000 + b"\n\n", 0
+            try:
+                while sent < total:
+                    self.wfile.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+                    sent += len(piece)
+                self.wfile.write(b"0\r\n\r\n")
+                ended.update(how="sent", bytes=sent)
+            except OSError:
+                ended.update(how="broken", bytes=sent)
+
+        def log_message(self, *args):
+            pass
+
+    server = socketserver.ThreadingUnixStreamServer(str(folder / "vllm.sock"), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield ended
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_client_that_stops_reading_a_streamed_answer_is_dropped_after_the_send_timeout(tmp_path, monkeypatch):
+    """A client that sends a streamed request and never reads the answer: the proxy stops reading vLLM once the
+    client's socket is full (its memory stays bounded), and after SEND_TIMEOUT of nothing read it drops the client and
+    closes vLLM's connection, so vLLM aborts the generation.  Before the fix the timeout held only between requests:
+    mid-answer the connection, vLLM's and the key's request slot stayed for as long as the client lived (lesson 19)."""
+    monkeypatch.setenv("LLMLAB_PROXY_SEND_TIMEOUT", "2")
+    with _streaming_stand_in(tmp_path, 64 * 2**20) as ended, \
+            proxy_process(tmp_path, tmp_path / "vllm.sock") as (proc, port, key):
+        reader = socket.create_connection(("127.0.0.1", port))
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = b'{"stream": true}'
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %b\r\ncontent-length: %d\r\n\r\n"
+        reader.sendall(head % (key.encode(), len(body)) + body)
+        t0 = time.monotonic()
+        wait_for(lambda: ended, 30, "the stand-in's stream to end (sent whole, or cut by the proxy)", poll=0.1)
+        took = time.monotonic() - t0
+        log = (tmp_path / "proxy.log").read_text()
+        reader.setblocking(False)
+        with contextlib.suppress(OSError):  # what the kernel held for it, then the end: a reset (the proxy aborted)
+            while reader.recv(2**20):
+                pass
+        reader.close()
+    assert ended["how"] == "broken" and ended["bytes"] < 8 * 2**20, ended  # held back, then cut: not 64 MiB
+    assert 2 <= took < 20, took
+    assert "left its answers unread for 2 s: connection dropped mid-answer" in log, log

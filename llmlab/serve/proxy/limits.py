@@ -19,7 +19,10 @@ MAX_PIPELINE = 16  # requests waiting on one connection before the proxy stops r
 # burst (30 learners x a threaded cell of 8-32 requests): the rest see SYN retries, a second or more each.
 BACKLOG = 2048  # uvicorn's (vLLM's) default
 HEAD_SLICE = 4096  # bytes of heads parsed at once: between two slices the pipeline's length is looked at again
-SEND_TIMEOUT = 60.0  # seconds a client may leave its answers unread before it is dropped (nginx's send_timeout)
+# Seconds a client may leave its answers unread before it is dropped (nginx's send_timeout): between two requests and
+# in the middle of a streamed answer alike (relay.Client.pause_writing).  LLMLAB_PROXY_SEND_TIMEOUT sets it for a
+# server started with it in its environment (lesson 19 shows the drop in a few seconds; the tests too).
+SEND_TIMEOUT = float(os.environ.get("LLMLAB_PROXY_SEND_TIMEOUT") or 60.0)
 CLIENT_SNDBUF = 256 * 1024  # the kernel's send buffer per client socket (autotuned up to 4 MiB otherwise)
 IDLE_TIMEOUT = 30.0  # seconds a connection may sit without a request (uvicorn's keep-alive is 5 s, nginx's 75 s)
 LINGER = 2.0  # seconds a client refused part way may go on sending, read and dropped (nginx's lingering_close)

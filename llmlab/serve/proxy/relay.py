@@ -172,6 +172,7 @@ class Client(asyncio.Protocol):
         self.pending = b""  # bytes read but not parsed yet: the pipeline was full (data_received)
         self.drained = asyncio.Event()  # set while the client reads its answers (pause_writing clears it)
         self.drained.set()
+        self.unread: asyncio.TimerHandle | None = None  # drops the connection once unread for SEND_TIMEOUT
 
     @property
     def write_paused(self) -> bool:
@@ -199,6 +200,8 @@ class Client(asyncio.Protocol):
         self.queue.clear()
         if self.idle:
             self.idle.cancel()
+        if self.unread:
+            self.unread.cancel()
         if self.upstream and self.upstream.transport:
             # vLLM sees its connection close and aborts the generation instead of finishing it for nobody.
             self.upstream.transport.close()
@@ -206,12 +209,28 @@ class Client(asyncio.Protocol):
             self.worker.cancel()
 
     def pause_writing(self) -> None:  # a slow reader: stop reading vLLM, and the client, until it catches up
+        """The client's socket holds all it will take: stop reading vLLM (and the client), and drop the connection if
+        nothing drains for SEND_TIMEOUT.  Why here and not only between requests: a client that stops reading a
+        streamed answer and keeps its connection (a notebook's ``stream`` left unclosed) held the connection, vLLM's
+        and the request's place under its key's KEY_REQUESTS for as long as it lived (lesson 19 measured it)."""
         self.drained.clear()
         if self.upstream and self.upstream.transport:
             self.upstream.transport.pause_reading()
+        if self.unread is None:
+            self.unread = asyncio.get_running_loop().call_later(SEND_TIMEOUT, self._drop_unread)
         self._reading()
 
+    def _drop_unread(self) -> None:
+        self.unread = None
+        if not self.closed and self.write_paused:
+            log.warning("a client left its answers unread for %g s: connection dropped%s", SEND_TIMEOUT,
+                        " mid-answer (vLLM's request is aborted)" if self.upstream else "")
+            self.abort()  # connection_lost closes vLLM's connection: vLLM aborts what it still generates
+
     def resume_writing(self) -> None:
+        if self.unread is not None:
+            self.unread.cancel()
+            self.unread = None
         self.drained.set()
         if self.upstream and self.upstream.transport:
             self.upstream.transport.resume_reading()
@@ -412,13 +431,8 @@ class Client(asyncio.Protocol):
     async def _answer_queue(self) -> None:
         try:
             while self.queue and not self.closed:
-                if self.write_paused:  # answers unread: wait for the client, not for ever (F5)
-                    try:
-                        await asyncio.wait_for(self.drained.wait(), SEND_TIMEOUT)
-                    except TimeoutError:
-                        log.info("a client left its answers unread for %g s: connection dropped", SEND_TIMEOUT)
-                        self.transport.abort()
-                        return
+                if self.write_paused:  # answers unread: wait for the client, not for ever (F5: pause_writing's
+                    await self.drained.wait()  # timer drops the connection after SEND_TIMEOUT, and this task)
                 request = self.queue.popleft()
                 try:
                     if request.refusal is not None:

@@ -8,12 +8,13 @@ job or starts a process):
 
 - **Settings** (``layouts``: :func:`job_settings`): one machine-readable file, ``slurm/models.toml``, says per
   model how many nodes and GPUs, TP and PP, dtype and context.  The job scripts and ``llmlab launch`` both read
-  it; :func:`vllm_flags` is the ``vllm serve`` line's layout part.
+  it; :func:`vllm_flags` is the ``vllm serve`` line's layout part.  Your changes to a job (:func:`settings`) and
+  their check by ``llmlab.memory`` (:func:`check_layout`) are there too: a layout that cannot work raises
+  :class:`JobError` with one that can.
 - **The TP-vs-PP arithmetic** (``layouts``: :func:`layout_report`, :func:`layouts_table`, :func:`tp_vs_pp`).
 - **What a job runs** (``render``: :func:`render`): settings + the job's nodes -> the exact ``vllm serve``
   line, its environment and the Ray layout.
-- **The plan before submitting** (``plan``: :func:`prepare`): your changes to a job, checked by
-  ``llmlab.memory``, and the job script; a layout that cannot work raises :class:`JobError` with one that can.
+- **The plan before submitting** (``plan``: :func:`prepare`): the checked settings and the job script.
 - **A server's start-up and the servers running** (``running``: :func:`load_progress`, :data:`PHASES`,
   :func:`servers`, :class:`RunningServer`, :func:`is_alive`).
 
@@ -26,8 +27,10 @@ from llmlab.cluster.layouts import (
     IB_GBPS,
     NVLINK_GBPS,
     SLURM_DIR,
+    JobError,
     JobSettings,
     SettingsError,
+    check_layout,
     check_settings,
     job_flags,
     job_settings,
@@ -35,6 +38,7 @@ from llmlab.cluster.layouts import (
     layouts_table,
     load_settings,
     model_job,
+    settings,
     settings_file,
     slurm_dir,
     tp_vs_pp,
@@ -43,13 +47,10 @@ from llmlab.cluster.layouts import (
 from llmlab.cluster.plan import (
     DEFAULT_TIME,
     REHEARSAL_DIR,
-    JobError,
     Launch,
-    check_layout,
     plan_rows,
     prepare,
     render_script,
-    settings,
     settings_toml,
     share_directory,
     shipped_directives,

@@ -3,14 +3,21 @@
 - **Settings** (:func:`job_settings`): one machine-readable file, ``slurm/models.toml``, says per model how
   many nodes and GPUs, TP and PP, dtype and context.  The job scripts and ``llmlab launch`` both read it;
   :func:`vllm_flags` is the ``vllm serve`` line's layout part.
-- **The TP-vs-PP arithmetic** (:func:`layout_report`, :func:`layouts_table`, :func:`tp_vs_pp`).
+- **A launch's settings** (:func:`settings`): a job of models.toml, or the planner's layout of any shipped model,
+  with the caller's changes, checked like models.toml's own.
+- **The layout checked** (:func:`check_layout`: ``llmlab.memory``'s verdict, or a :class:`JobError` with the
+  numbers and a layout that fits) and **the TP-vs-PP arithmetic** (:func:`layout_report`, :func:`layouts_table`,
+  :func:`tp_vs_pp`).
+
+Why one module: a job's settings are read, changed, checked and reported here, start to end; ``llmlab.cluster.plan``
+(the job script) and ``llmlab.cluster.render`` (what a job runs) call into it and it calls neither.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from llmlab import memory
@@ -29,6 +36,10 @@ IB_GBPS = 50.0
 
 class SettingsError(ValueError):
     """The settings file or a job's settings are wrong; the message names the file, the job and the field."""
+
+
+class JobError(RuntimeError):
+    """One sentence for the user: what is wrong and what to do.  The CLI prints it without a traceback."""
 
 
 def slurm_dir() -> Path:
@@ -190,6 +201,69 @@ def model_job(model: str, *, nodes: int, gpus_per_node: int, tp: int, pp: int, p
 
 
 # --------------------------------------------------------------------------------------------------
+# A launch's settings: models.toml (or the planner's layout) + the caller's overrides
+# --------------------------------------------------------------------------------------------------
+
+def settings(name: str, *, nodes: int | None = None, gpus_per_node: int | None = None, gpu: str | None = None,
+             tp: int | None = None, pp: int | None = None, dtype: str | None = None,
+             max_model_len: int | None = None, extra_args: list[str] | None = None,
+             backend: str | None = None, expert_parallel: bool | None = None) -> JobSettings:
+    """The shipped settings of ``name`` with overrides applied and checked like models.toml's own.
+
+    ``name`` is a job of models.toml, or any shipped model (``llmlab.memory.shipped_models``), which the planner
+    lays out when no TP/PP is given.  Changing TP or PP without saying where the GPUs are keeps the course's
+    rule: TP inside a node, one pipeline stage per node (``nodes = pp``, ``gpus_per_node = tp``).
+    """
+    if gpu is not None:
+        try:
+            gpu = memory.gpu(gpu).name
+        except memory.ConfigError as e:
+            raise JobError(str(e)) from None
+    if dtype is not None:
+        try:
+            dtype = memory.normalize_dtype(dtype)
+        except memory.ConfigError as e:
+            raise JobError(str(e)) from None
+    try:
+        job = job_settings(name)
+    except SettingsError as e:
+        if name not in memory.shipped_models() or name == "llmlab-tiny":
+            raise JobError(str(e)) from None
+        job = _planned_job(name, gpu, dtype, max_model_len, gpus_per_node, bool(expert_parallel),
+                           bool(tp or pp))
+    changes = {k: v for k, v in dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, tp=tp, pp=pp, dtype=dtype,
+                                     max_model_len=max_model_len, backend=backend,
+                                     expert_parallel=expert_parallel).items() if v is not None}
+    if extra_args:
+        changes["extra_args"] = tuple(job.extra_args) + tuple(extra_args)
+    if (tp or pp) and job.engine == "gpu" and nodes is None and gpus_per_node is None:
+        changes.update(nodes=pp or job.pp, gpus_per_node=tp or job.tp)
+    job = replace(job, **changes)
+    try:
+        check_settings(job, Path("llmlab launch"))
+    except SettingsError as e:
+        raise JobError(str(e).replace("llmlab launch [", "[")) from None
+    return job
+
+
+def _planned_job(model: str, gpu: str | None, dtype: str | None, context: int | None, node_gpus: int | None,
+                 expert_parallel: bool, layout_given: bool) -> JobSettings:
+    """A shipped model without a models.toml table: the planner's smallest layout on nodes of ``node_gpus``
+    (default 8) GPUs, unless the learner gave TP/PP (then their layout is checked instead)."""
+    base = model_job(model, nodes=1, gpus_per_node=1, tp=1, pp=1)
+    if layout_given:
+        return replace(base, description=f"{model}: the layout given on the command line")
+    try:
+        p = memory.plan(model, dtype, base.kv_dtype, gpu or base.gpu, node_gpus or 8, context,
+                        utilization=base.gpu_memory_utilization, expert_parallel=expert_parallel)
+    except (memory.PlanError, memory.ConfigError) as e:
+        raise JobError(f"{model}: {e} Give a layout yourself (--tp, --pp, --gpu-type) or a shorter "
+                       "--max-model-len.") from None
+    return replace(base, nodes=p.pp, gpus_per_node=p.tp, tp=p.tp, pp=p.pp,
+                   description=f"{model}: laid out by llmlab.memory's planner (the smallest layout that fits)")
+
+
+# --------------------------------------------------------------------------------------------------
 # The vllm serve line's layout flags
 # --------------------------------------------------------------------------------------------------
 
@@ -267,6 +341,55 @@ def _before_launch_tokens(job) -> int | None:
                                                utilization=job.gpu_memory_utilization).kv_tokens
     except ValueError:
         return None
+
+
+def check_layout(job: JobSettings) -> dict:
+    """``layout_report`` of the job, or a :class:`JobError` with the numbers and a layout that fits.
+
+    The verdict is ``llmlab.memory.layout_fit``'s, the one notebook 01's planner and ``llmlab generate`` use.
+    """
+    if job.engine == "cpu":
+        cap = memory.embedded_kv_capacity(job.kv_cache_gib, job.model, job.max_model_len)
+        return {"name": job.name, "model": job.model, "gpu": "CPU", "nodes": job.nodes, "gpus": 0, "tp": job.tp,
+                "pp": job.pp, "context": job.context, "weights_gib_per_gpu": None, "kv_tokens": cap.tokens,
+                "max_concurrency": cap.max_concurrency, "fits": True, "why": ""}
+    report = layout_report(job)
+    if report["fits"]:
+        return report
+    raise JobError(f"Refused before submitting {job.name} on {job.nodes} node(s) x {job.gpus_per_node} {job.gpu}: "
+                   f"{report['why']} {_fitting_context(job)}{_fitting_layout(job)}")
+
+
+def _fitting_context(job: JobSettings) -> str:
+    """The longest context (whole 1,024 tokens) for which this very layout holds one request, as a sentence; empty
+    where none does (the weights alone do not fit).  Why: on the GPUs one has, a shorter context is often the
+    answer (405B FP8 on four H200s holds 0.6 of a 131,072-token request by this check, all of a 65,536-token one)."""
+
+    def fits(context: int) -> bool:
+        return memory.layout_fit(job.model, job.tp, job.pp, job.gpu, dtype=job.dtype, kv_dtype=job.kv_dtype,
+                                 context=context, utilization=job.gpu_memory_utilization,
+                                 expert_parallel=job.expert_parallel).fits
+    lo, hi = 0, job.context // 1024  # lo fits (0: nothing checked yet), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * 1024) else (lo, mid)
+    if lo == 0:
+        return ""
+    return (f"This layout holds a context of up to {lo * 1024:,} tokens: llmlab launch {job.name} "
+            f"--max-model-len {lo * 1024} (with the same --tp/--pp/--gpu-type). Or: ")
+
+
+def _fitting_layout(job: JobSettings) -> str:
+    try:
+        p = memory.plan(job.model, job.dtype, job.kv_dtype, job.gpu, max(job.gpus_per_node, 1), job.context,
+                        utilization=job.gpu_memory_utilization, expert_parallel=job.expert_parallel)
+    except memory.PlanError as e:
+        return f"No layout of {job.gpu} GPUs fits either: {e}"
+    return (f"A layout that fits: {p.nodes} node(s) x {p.gpus_per_node} GPUs, TP={p.tp} x PP={p.pp}, "
+            f"{p.weight_bytes_per_gpu / memory.GiB:.1f} GiB of weights per GPU, {p.kv_tokens:,} KV tokens: "
+            f"llmlab launch {job.name} --nodes {p.nodes} --gpus-per-node {p.gpus_per_node} --tp {p.tp} --pp {p.pp}"
+            f" --gpu-type {job.gpu}{' --expert-parallel' if job.expert_parallel else ''}"
+            " (or a shorter --max-model-len, or --dtype fp8).")
 
 
 def layouts_table(engine: str = "gpu"):

@@ -27,7 +27,7 @@ import time
 
 import pandas as pd
 
-from llmlab import batching, connect, engines, kvcache, loadtest
+from llmlab import batching, connect, engines, loadtest
 from llmlab.serve.embedded import EmbeddedServer
 
 RUNS = ["1. 16 arriving over time", "2. static, 6 at a time", "2. continuous, 6 in flight",
@@ -52,7 +52,7 @@ def one_round(default, small, fit: int) -> dict[str, dict]:
     for name, (c, send, args) in zip(RUNS, sends, strict=True):
         every = None if name.startswith("2.") else 0.1  # section 2 counts steps: unwatched, as the lesson runs it
         runs[name] = batching.measure(c, send, *args, every=every)
-        if not runs[name]["alone"]:
+        if not runs[name].alone:
             print(f"note: {name}: the engine generated other tokens meanwhile; its counters include them")
     return runs
 
@@ -98,10 +98,10 @@ def main() -> None:
     with EmbeddedServer() as plain, engines.start(batching.SMALL_ENGINE, progress=False) as tight:
         default = connect(plain.base_url, plain.api_key, quiet=True)
         small = connect(tight.base_url, tight.api_key, quiet=True)
-        pool = kvcache.kv_snapshot(kvcache.fetch_metrics(tight.base_url, tight.api_key))
-        fit = batching.fit_without_preemption(pool["num_gpu_blocks"], pool["block_size"], 61, 300)
+        pool = batching.counters(small[0])
+        fit = batching.fit_without_preemption(pool.num_gpu_blocks, pool.block_size, 61, 300)
         print(f"engines ready after {time.monotonic() - began:.0f} s; the small engine's pool: "
-              f"{pool['num_gpu_blocks']} blocks of {pool['block_size']} tokens, {fit} long requests fit")
+              f"{pool.num_gpu_blocks} blocks of {pool.block_size} tokens, {fit} long requests fit")
         for client, model in (default, small):  # first requests pay one-off costs
             batching.continuous(client, model, loadtest.synthetic_workload(8, input_len=16, output_len=16), 8)
         tables = []

@@ -86,7 +86,7 @@ class Engine:
                 "cuda_graph_gib": mem.cuda_graph_gib or mem.graph_gib, "vllm_version": mem.vllm_version}
 
     def requests_finished(self) -> float:
-        return kvcache.kv_snapshot(fetch_metrics(self.srv.base_url, self.srv.api_key))["requests_finished"]
+        return kvcache.read_counters(fetch_metrics(self.srv.base_url, self.srv.api_key)).finished
 
     def stop(self) -> None:
         self.srv.stop(grace=30)

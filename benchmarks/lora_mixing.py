@@ -22,10 +22,10 @@ MIXES = {"16 base": {"llmlab-tiny": 16}, "16 kjv": {"kjv": 16}, "8 kjv + 8 rv190
 
 def measure(client, counts: dict, max_tokens: int, rounds: int) -> dict:
     runs = [batching.measure(client, lora.send_mixed, client, counts, max_tokens) for _ in range(rounds)]
-    assert all(r["alone"] for r in runs), "another client used this benchmark's engine"
-    return {"engine steps": statistics.median(r["delta"]["steps"] for r in runs),
-            "wall (s)": round(statistics.median(r["summary"]["duration_s"] for r in runs), 2),
-            "output tok/s": round(statistics.median(r["summary"]["output_tokens_per_s"] for r in runs))}
+    assert all(r.alone for r in runs), "another client used this benchmark's engine"
+    return {"engine steps": statistics.median(r.delta.steps for r in runs),
+            "wall (s)": round(statistics.median(r.summary["duration_s"] for r in runs), 2),
+            "output tok/s": round(statistics.median(r.summary["output_tokens_per_s"] for r in runs))}
 
 
 def main() -> None:

@@ -15,8 +15,9 @@ the engine core sends that holds at least one request's output (``vllm/v1/engine
 with the tokens credited to it (prompt tokens of the prompts it finished, plus one per request that got a token).
 A step that only advances a chunk of a long prompt, while nobody gets a token, sends no request output and is not
 counted; in the lesson's workloads every step gives some request a token, so the difference of its ``_count`` over a
-run is the steps the run took and of its ``_sum`` the tokens.  Both are read with :func:`counters`, with the
-preemptions and how many requests were preempted more than once (``vllm:request_num_preemptions``).
+run is the steps the run took and of its ``_sum`` the tokens.  Both are read with :func:`counters` (one scrape's
+:class:`~llmlab.serve.metrics.Counters`; ``after - before`` is a run's), with the preemptions and how many requests
+were preempted more than once (``vllm:request_num_preemptions``).
 The pure arithmetic to hold them against: :func:`static_steps` and :func:`continuous_steps`
 (the fewest steps either way can take), :func:`blocks_at_longest` and :func:`fit_without_preemption` (how many
 requests the KV pool holds to their end).  At the edges: :func:`send_over_time` (requests arriving over time),
@@ -34,23 +35,24 @@ import heapq
 import math
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from llmlab import loadtest, top
-from llmlab.kvcache import blocks_for, wait_for_request
-from llmlab.serve.metrics import (  # noqa: F401 -- STEPS and PREEMPTIONS re-exported (llmlab.disagg reads STEPS here)
-    FINISHED,
-    GENERATED,
+from llmlab.kvcache import blocks_for
+from llmlab.serve.metrics import (  # noqa: F401 -- the names and the snapshot, re-exported: notebook 16 reads them here
     PREEMPTIONS,
     REQUEST_PREEMPTIONS,
     STEPS,
-    fetch_metrics,
+    Counters,
+    counters,
+    wait_for_request,
 )
 
 __all__ = ["static_steps", "continuous_steps", "blocks_at_longest", "fit_without_preemption", "counters",
-           "difference", "Sampler", "send_over_time", "static", "continuous", "measure",
+           "Counters", "Sampler", "Measured", "send_over_time", "static", "continuous", "measure",
            "compare_table", "plot_timeline", "in_flight", "SEED", "arriving_requests", "short_and_long_requests",
            "burst_requests", "long_requests"]
 
@@ -114,29 +116,6 @@ def fit_without_preemption(pool_blocks: int, block_size: int, prompt_tokens: int
 # --------------------------------------------------------------------------------------------------
 # 2. The engine's own counters, and the running batch over time
 # --------------------------------------------------------------------------------------------------
-
-def counters(client) -> dict:
-    """The scheduler's counters now: engine ``steps`` and the ``step_tokens`` they computed (the histogram
-    :data:`STEPS`), ``preemptions``, ``generated`` tokens and ``finished`` requests (``vllm:request_success_total``,
-    as :func:`llmlab.kvcache.kv_snapshot` reads it), and ``preempted_again``: finished requests preempted more than
-    once (:data:`REQUEST_PREEMPTIONS`, whose lowest bucket is ``le="1.0"``: it cannot tell once from never, but with the
-    total it says whether the preemptions fell on different requests or on the same ones again).
-
-    A step's tokens are what vLLM credits it with: the answer tokens it gave, and a prompt's computed tokens in the
-    step that finishes the prompt (``vllm/v1/metrics/stats.py``), so one step of a chunked prompt can show more than
-    the budget; a preempted request's recomputation is not credited at all."""
-    m = fetch_metrics(str(client.base_url), client.api_key)
-    return {"steps": m.value(STEPS + "_count", default=0.0), "step_tokens": m.value(STEPS + "_sum", default=0.0),
-            "preemptions": m.value(PREEMPTIONS, default=0.0), "generated": m.value(GENERATED, default=0.0),
-            "finished": m.value(FINISHED, default=0.0),
-            "preempted_again": m.value(REQUEST_PREEMPTIONS + "_count", default=0.0)
-            - m.value(REQUEST_PREEMPTIONS + "_bucket", default=0.0, le="1.0")}
-
-
-def difference(before: dict, after: dict) -> dict:
-    """What a run added to each counter of :func:`counters` (whole numbers)."""
-    return {k: int(after[k] - before[k]) for k in before}
-
 
 class Sampler:
     """Scrape a server's ``/metrics`` every ``every`` seconds in a thread, keeping :mod:`llmlab.top`'s points
@@ -227,30 +206,44 @@ def continuous(client, model: str, jobs: list, n: int, **sampling) -> loadtest.L
     return loadtest.run(client, model, jobs, concurrency=n, **sampling).raise_on_failure()
 
 
-def measure(client, send, *args, every: float | None = 0.1, **kwargs) -> dict:
+@dataclass(frozen=True)
+class Measured:
+    """A run and the server around it (:func:`measure`): the client's ``result`` and its ``summary``, ``delta`` --
+    the server's :class:`~llmlab.serve.metrics.Counters` after the run less before it (engine ``steps`` and the
+    ``step_tokens`` vLLM credits them with, ``preemptions``, ``generated``, ``finished``) -- the ``sampler``'s points,
+    and ``alone``: the server generated exactly this run's tokens meanwhile, so its counters are this run's only (on
+    a server others share, they add everyone's requests).
+
+    A step's tokens are what vLLM credits it with: the answer tokens it gave, and a prompt's computed tokens in the
+    step that finishes the prompt (``vllm/v1/metrics/stats.py``), so one step of a chunked prompt can show more than
+    the budget; a preempted request's recomputation is not credited at all."""
+
+    result: loadtest.LoadResult
+    summary: dict
+    delta: Counters
+    sampler: Sampler
+    alone: bool
+
+
+def measure(client, send, *args, every: float | None = 0.1, **kwargs) -> Measured:
     """``send(*args, **kwargs)`` (one of the senders above) while a :class:`Sampler` watches the server, and its
-    counters around it.  Returns ``{"result", "summary", "delta" (the counters' differences), "sampler",
-    "alone"}``; ``alone``: the server generated exactly this run's tokens meanwhile, so its counters are this
-    run's only (on a server others share, they add everyone's requests)."""
+    counters around it."""
     before = counters(client)
     with Sampler(client, every) as sampler:
         result = send(*args, **kwargs)
-    after = _settled(client, before, len(result.records))
-    delta = difference(before, after)
-    return {"result": result, "summary": result.summary(), "delta": delta, "sampler": sampler,
-            "alone": delta["generated"] == sum(r.output_tokens for r in result.records)}
+    delta = _settled(client, before, len(result.records)) - before
+    return Measured(result, result.summary(), delta, sampler,
+                    alone=delta.generated == sum(r.output_tokens for r in result.records))
 
 
-def _settled(client, before: dict, requests: int, timeout: float = 30.0) -> dict:
-    """:func:`counters` once the server has counted ``requests`` more finished requests
-    (:func:`llmlab.kvcache.wait_for_request`: vLLM records a request just after its answer may have reached the
-    client); after ``timeout`` seconds, the counters as they are."""
+def _settled(client, before: Counters, requests: int, timeout: float = 30.0) -> Counters:
+    """The server's counters once it has counted ``requests`` more finished requests
+    (:func:`~llmlab.serve.metrics.wait_for_request`: vLLM records a request just after its answer may have reached
+    the client); after ``timeout`` seconds, the counters as they are."""
     try:
-        wait_for_request(str(client.base_url), client.api_key, {"requests_finished": before["finished"]}, requests,
-                         timeout)
+        return wait_for_request(client, before, requests, timeout)
     except TimeoutError:
-        pass
-    return counters(client)
+        return counters(client)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,7 +260,7 @@ def in_flight(result: loadtest.LoadResult) -> float:
     return sum(r.end - r.start for r in ok) / duration
 
 
-def compare_table(runs: dict[str, dict]) -> pd.DataFrame:
+def compare_table(runs: dict[str, Measured]) -> pd.DataFrame:
     """One row per :func:`measure` result: wall time, output tokens/s, TTFT, TPOT and latency (p50), the engine's
     steps and tokens per step, the most requests running and waiting at one scrape (none for a run measured with
     ``every=None``), and preemptions."""
@@ -276,19 +269,19 @@ def compare_table(runs: dict[str, dict]) -> pd.DataFrame:
 
     rows = {}
     for name, run in runs.items():
-        s, d = run["summary"], run["delta"]
+        s, d = run.summary, run.delta
         rows[name] = {"wall (s)": s["duration_s"], "output tok/s": s["output_tokens_per_s"],
                       "TTFT p50 (ms)": scaled(s["ttft_p50"], 1e3), "TPOT p50 (ms)": scaled(s["tpot_p50"], 1e3),
                       "latency p50 (s)": scaled(s["latency_p50"]),
-                      "engine steps": d["steps"], "tokens/step": d["step_tokens"] / d["steps"] if d["steps"] else 0,
-                      **{f"peak {g}": math.nan if run["sampler"].every is None else run["sampler"].peak(g)
+                      "engine steps": d.steps, "tokens/step": d.step_tokens / d.steps if d.steps else 0,
+                      **{f"peak {g}": math.nan if run.sampler.every is None else run.sampler.peak(g)
                          for g in ("running", "waiting")},
-                      "preemptions": d["preemptions"]}
+                      "preemptions": d.preemptions}
     return pd.DataFrame(rows).T.round({"wall (s)": 2, "output tok/s": 0, "TTFT p50 (ms)": 0, "TPOT p50 (ms)": 1,
                                        "latency p50 (s)": 2, "tokens/step": 1})
 
 
-def plot_timeline(run: dict, ax=None, title: str = ""):
+def plot_timeline(run: Measured, ax=None, title: str = ""):
     """Above: each request as a bar, from its sending to its first token (light: waiting and prefill) and on to its
     last (dark: decoding).  Below: the running and waiting requests the server reported at each scrape."""
     import matplotlib.pyplot as plt
@@ -296,7 +289,7 @@ def plot_timeline(run: dict, ax=None, title: str = ""):
     if ax is None:
         _, ax = plt.subplots(2, 1, figsize=(9, 5), sharex=True, height_ratios=[3, 2], layout="constrained")
     bars, gauges = ax
-    records = sorted(run["result"].records, key=lambda r: r.start)
+    records = sorted(run.result.records, key=lambda r: r.start)
     t0 = records[0].start
     for i, r in enumerate(records):
         first = r.start + (r.ttft or 0.0)
@@ -306,7 +299,7 @@ def plot_timeline(run: dict, ax=None, title: str = ""):
     bars.yaxis.get_major_locator().set_params(integer=True)
     bars.invert_yaxis()
     bars.set_title(title or "light: sent -> first token, dark: decoding", fontsize=9)
-    points = [p for p in run["sampler"].points if p.running is not None]
+    points = [p for p in run.sampler.points if p.running is not None]
     x = [p.t - t0 for p in points]
     gauges.step(x, [p.running for p in points], where="post", label="running")
     gauges.step(x, [p.waiting for p in points], where="post", label="waiting")

@@ -35,21 +35,21 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from llmlab import loadtest, memory
-from llmlab.batching import STEPS
 from llmlab.cluster.layouts import IB_GBPS, NVLINK_GBPS
 from llmlab.connection import connect
 from llmlab.replicas import split_cores
 from llmlab.serve.embedded import EmbeddedServer
-from llmlab.serve.metrics import GENERATED, ITL, PROMPT_BY_SOURCE, RUNNING, fetch_metrics, histogram
+from llmlab.serve.metrics import counters
 from llmlab.serve.vllm import BIND, log_messages
 
 __all__ = ["LINKS", "MATMUL_FLOPS", "ROLES", "WHEN_MOVED", "connector_args", "Pair", "kept_tokens", "stored",
-           "by_source", "decoder_counts", "decode_beside_prefills", "beside_table", "kv_bytes", "prefill_flops",
+           "by_source", "Beside", "decode_beside_prefills", "beside_table", "kv_bytes", "prefill_flops",
            "transfer_table", "break_even_bytes_per_s", "ttft_apart", "pd_ratio"]
 
 # Per direction, nominal (bytes/s).  NVLink and one InfiniBand NDR port as lesson 08 counts them
@@ -183,27 +183,28 @@ def stored(folder: Path | str) -> pd.DataFrame:
 def by_source(client) -> dict[str, int]:
     """The engine's prompt tokens so far by where their KV came from (``vllm:prompt_tokens_by_source``): computed
     here, found in its own prefix cache, or loaded through the KV connector."""
-    return _by_source(fetch_metrics(str(client.base_url), client.api_key))
+    found = counters(client).by_source
+    return {s: found.get(s, 0) for s in SOURCES}
 
 
-def _by_source(m) -> dict[str, int]:
-    return {s: int(m.value(PROMPT_BY_SOURCE, default=0.0, source=s)) for s in SOURCES}
+@dataclass(frozen=True)
+class Beside:
+    """One :func:`decode_beside_prefills` run: what the decode engine's counters grew by meanwhile, and the answer.
 
+    ``steps``: as vLLM counts them in ``vllm:iteration_tokens_total``, the steps that gave some request output (a
+    step that computed only a chunk of a prompt is not one; these prompts fit one step each); ``mixed_steps``: those
+    that computed more than one token (a decode step of one running answer computes 1, so a step above 1 on an engine
+    that runs one answer carried prompt tokens beside it); ``computed``: the prompt tokens it computed; ``gaps``: the
+    answer's gaps between tokens per range (``vllm:inter_token_latency_seconds``, timed inside the engine core, so a
+    slow client cannot blur it); ``answer``: the answer's client record; ``prefill_s``: each prompt's seconds to its
+    one token."""
 
-def decoder_counts(client) -> dict:
-    """One scrape of the counters :func:`decode_beside_prefills` compares: engine ``steps`` so far (as vLLM counts
-    them, :data:`STEPS`: the steps that gave some request output, so a step that computed only a chunk of a prompt
-    is not one; these prompts fit one step each), ``mixed_steps``
-    (those that computed more than one token: a decode step of one running answer computes 1, so a step above 1 on
-    an engine that runs one answer carried prompt tokens beside it), the prompt tokens it ``computed``, the answer
-    tokens it ``generated``, and ``gaps``, its histogram of the gaps between a request's tokens
-    (``vllm:inter_token_latency_seconds``, timed inside the engine core, so a slow client cannot blur it: how many
-    fell at or under each bound, in seconds)."""
-    m = fetch_metrics(str(client.base_url), client.api_key)
-    steps = int(m.value(STEPS + "_count", default=0.0))
-    return {"steps": steps, "mixed_steps": steps - int(m.value(STEPS + "_bucket", default=0.0, le="1.0")),
-            "computed": _by_source(m)["local_compute"], "generated": m.value(GENERATED, default=0.0),
-            "gaps": pd.Series(histogram(m, ITL).buckets).sort_index()}
+    steps: int
+    mixed_steps: int
+    computed: int
+    gaps: pd.Series
+    answer: loadtest.Record
+    prefill_s: list[float]
 
 
 def decode_beside_prefills(decoder, prefiller, *, answer_tokens: int = 300, prompts: int = 4,
@@ -214,12 +215,11 @@ def decode_beside_prefills(decoder, prefiller, *, answer_tokens: int = 300, prom
     another (disaggregated).  The prompts fit one step together (4 x 481 tokens under
     the CPU build's 2,048-token budget): the ExampleConnector cannot store a prompt split over steps.
 
-    Returns what the decoder's :func:`decoder_counts` grew by meanwhile (``gaps``: the answer's gaps per range), the
-    answer's client record and each prompt's seconds to its one token."""
+    Returns a :class:`Beside`."""
     (dec, model), (pre, _) = decoder, prefiller
     answer = loadtest.synthetic_workload(1, input_len=16, output_len=answer_tokens, seed=seed)
     long = loadtest.synthetic_workload(prompts, input_len=prompt_tokens, output_len=1, seed=seed + 1)
-    before = decoder_counts(dec)
+    before = counters(dec)
 
     def prefill(job):
         t = time.perf_counter()
@@ -227,8 +227,8 @@ def decode_beside_prefills(decoder, prefiller, *, answer_tokens: int = 300, prom
         return time.perf_counter() - t
 
     def started() -> bool:  # running now, or already past its first tokens (a slow scrape can miss it running)
-        m = fetch_metrics(str(dec.base_url), dec.api_key)
-        return m.value(RUNNING, default=0.0) >= 1 or m.value(GENERATED, default=0.0) > before["generated"]
+        now = counters(dec)
+        return now.running >= 1 or now.generated > before.generated
 
     def send_prompts():  # once the answer runs (so its own prompt's step is behind it), plus ``delay``
         deadline = time.monotonic() + 120
@@ -248,17 +248,17 @@ def decode_beside_prefills(decoder, prefiller, *, answer_tokens: int = 300, prom
     thread.join()
     if out.get("error"):
         raise out["error"]
-    after = decoder_counts(dec)
-    return {**{k: after[k] - before[k] for k in ("steps", "mixed_steps", "computed")},
-            "gaps": _ranges(after["gaps"] - before["gaps"]), "answer": record, "prefill_s": out["prefill_s"]}
+    grew = counters(dec) - before
+    return Beside(grew.steps, grew.mixed_steps, grew.computed, _ranges(pd.Series(grew.itl.buckets).sort_index()),
+                  record, out["prefill_s"])
 
 
-def beside_table(runs: dict[str, dict]) -> pd.DataFrame:
+def beside_table(runs: dict[str, Beside]) -> pd.DataFrame:
     """:func:`decode_beside_prefills` runs side by side: the decode engine's counts, and the answer's gaps by range."""
-    rows = {name: {"decoder steps": r["steps"], "steps with prompt tokens": r["mixed_steps"],
-                   "prompt tokens it computed": r["computed"], "answer s": round(r["answer"].latency, 2),
-                   "prompt s (median)": round(float(pd.Series(r["prefill_s"]).median()), 3),
-                   **{f"gaps {k}": v for k, v in r["gaps"].items() if v}} for name, r in runs.items()}
+    rows = {name: {"decoder steps": r.steps, "steps with prompt tokens": r.mixed_steps,
+                   "prompt tokens it computed": r.computed, "answer s": round(r.answer.latency, 2),
+                   "prompt s (median)": round(float(pd.Series(r.prefill_s).median()), 3),
+                   **{f"gaps {k}": v for k, v in r.gaps.items() if v}} for name, r in runs.items()}
     return pd.DataFrame(rows, dtype=object).fillna(0)  # a column per run; object: counts stay whole numbers
 
 

@@ -12,8 +12,9 @@ The layers, pure first (as everywhere in llmlab):
 2. paged KV memory in numbers: :func:`blocks_for`, :class:`BlockAllocator` (block tables),
    :func:`allocation_table` and :func:`waste_summary` (max-length pre-allocation vs paging), and
    :func:`prefix_cache_hit_tokens` (what vLLM's prefix cache can reuse);
-3. the server's own counters: :func:`kv_snapshot` with the cache figures a lesson needs from one scrape of
-   vLLM's ``/metrics`` (:func:`fetch_metrics` and the Prometheus parser live in ``llmlab.serve.metrics``);
+3. the server's own counters: :func:`counters` reads one scrape of vLLM's ``/metrics`` into
+   :class:`Counters`, and ``after - before`` is what some requests did (the type, the parser and vLLM's names live
+   in ``llmlab.serve.metrics``, for every lesson that subtracts);
 4. at the edges, I/O: :func:`greedy` (transformers, on CPU) and :func:`timed_completion` (HTTP to a vLLM
    server).
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmlab.memory import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE
-from llmlab.serve.metrics import (  # noqa: F401 -- vLLM's names, re-exported: lessons 02, 12, 16 read them here
+from llmlab.serve.metrics import (  # noqa: F401 -- vLLM's names and the snapshot, re-exported: notebooks read them here
     CACHE_CONFIG,
     FINISHED,
     GENERATED,
@@ -37,21 +38,23 @@ from llmlab.serve.metrics import (  # noqa: F401 -- vLLM's names, re-exported: l
     PROMPT_TOKENS,
     RUNNING,
     TTFT,
+    Counters,
     Metrics,
     Sample,
+    counters,
     fetch_metrics,
     metrics_url,
     parse_prometheus,
+    read_counters,
+    wait_for_request,
 )
 from llmlab.serve.paths import TINY_MODEL
-
-GAUGES = ("kv_cache_usage", "requests_running")      # kv_snapshot's values now, not totals
 
 __all__ = [
     "attend", "decode_uncached", "decode_cached",
     "blocks_for", "BlockAllocator", "allocation_table", "waste_summary", "requests_that_fit", "prefix_cache_hit_tokens",
-    "Sample", "Metrics", "parse_prometheus", "metrics_url", "fetch_metrics", "kv_snapshot", "snapshot_delta",
-    "wait_for_request", "blocks_in_use", "usage_while_running",
+    "Sample", "Metrics", "parse_prometheus", "metrics_url", "fetch_metrics", "Counters", "read_counters", "counters",
+    "wait_for_request", "blocks_in_use", "Usage", "usage_while_running",
     "load_model", "Generation", "greedy", "cache_tensors", "cache_bytes", "tokens_processed", "timed_completion",
     "server_token_ids",
     "GPU_BLOCK_SIZE", "CPU_BLOCK_SIZE",
@@ -247,100 +250,57 @@ def prefix_cache_hit_tokens(prompt_tokens: int, shared_tokens: int, block_size: 
 
 
 # --------------------------------------------------------------------------------------------------
-# 3. vLLM's /metrics: the KV-cache figures of one scrape (llmlab.serve.metrics reads the Prometheus text)
+# 3. vLLM's /metrics: the KV-cache figures of a scrape (llmlab.serve.metrics reads it into Counters)
 # --------------------------------------------------------------------------------------------------
 
-def kv_snapshot(metrics: Metrics) -> dict:
-    """The KV-cache figures of one ``/metrics`` scrape of a vLLM (v1) server, summed over engines.
-
-    ``ttft_sum``/``ttft_count`` and ``prefill_computed_sum`` are histogram totals: the difference of two
-    snapshots taken around a single request gives that request's server-side time to first token and
-    the prompt tokens it really computed.
-    """
-    snap = {
-        "prefix_cache_queries": metrics.value(PREFIX_QUERIES),
-        "prefix_cache_hits": metrics.value(PREFIX_HITS),
-        "kv_cache_usage": metrics.value(KV_USAGE),
-        "prompt_tokens": metrics.value(PROMPT_TOKENS),
-        "ttft_sum": metrics.value(TTFT + "_sum"),
-        "ttft_count": metrics.value(TTFT + "_count"),
-        "prefill_computed_sum": metrics.value(PREFILL_COMPUTED + "_sum", default=0.0),
-        "requests_finished": metrics.value(FINISHED, default=0.0),
-        "requests_running": metrics.value(RUNNING, default=0.0),
-    }
-    if CACHE_CONFIG in metrics:
-        info = metrics[CACHE_CONFIG][0].labels
-        for key in ("block_size", "num_gpu_blocks", "num_cpu_blocks"):
-            if info.get(key, "None") not in ("None", ""):
-                snap[key] = int(info[key])
-        snap["prefix_caching"] = info.get("enable_prefix_caching") == "True"
-    return snap
-
-
-def snapshot_delta(before: dict, after: dict) -> dict:
-    """What happened between two :func:`kv_snapshot` s: counter differences, and the gauge as it is now."""
-    delta = {k: after[k] - before[k] for k in before
-             if isinstance(before[k], float) and k not in GAUGES and k in after}
-    delta.update({k: after[k] for k in GAUGES})
-    return delta
-
-
-def wait_for_request(base_url: str, api_key: str | None, before: dict, requests: int = 1,
-                     timeout: float = 30.0) -> dict:
-    """Scrape until ``requests`` more requests have finished than in ``before``; return that snapshot.
-
-    Why: vLLM records a request's statistics in its output loop, just after the response may already have
-    reached the client, so a scrape at once can miss the last request.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        snap = kv_snapshot(fetch_metrics(base_url, api_key))
-        if snap["requests_finished"] - before["requests_finished"] >= requests:
-            return snap
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{metrics_url(base_url)} did not count {requests} more finished request(s) within "
-                               f"{timeout:.0f} s: is another client using this server, or did the request fail?")
-        time.sleep(0.05)
-
-
-def blocks_in_use(snapshot: dict) -> int:
-    """Blocks that running requests hold, from a :func:`kv_snapshot`: vLLM's usage gauge is
+def blocks_in_use(now: Counters) -> int:
+    """Blocks that running requests hold, from one scrape's :class:`Counters`: vLLM's usage gauge is
     ``1 - free / (num_gpu_blocks - 1)`` (one block is kept aside as a null block), so this inverts it."""
-    if "num_gpu_blocks" not in snapshot:
-        raise KeyError("this snapshot has no num_gpu_blocks: the server exports no vllm:cache_config_info")
-    return round(snapshot["kv_cache_usage"] * (snapshot["num_gpu_blocks"] - 1))
+    if now.num_gpu_blocks is None:
+        raise ValueError("this server exports no vllm:cache_config_info, so its pool's size (num_gpu_blocks) is "
+                         "unknown: blocks in use cannot be counted from the usage gauge alone.")
+    return round(now.kv_usage * (now.num_gpu_blocks - 1))
 
 
-def usage_while_running(client, model: str, prompt, max_tokens: int = 64, attempts: int = 8) -> dict:
+@dataclass(frozen=True)
+class Usage:
+    """The KV usage gauge read while one request generated (``during``) and once it finished (``after``):
+    ``blocks_held`` at ``during``; ``alone``: only this request ran at that scrape and none finished between the
+    scrapes before and during, so every block the gauge counted was its own; ``tries``: (requests running, requests
+    finished meanwhile) at each reading -- why none was alone, on a shared server."""
+
+    during: Counters
+    after: Counters
+    blocks_held: int
+    alone: bool
+    tries: list
+
+
+def usage_while_running(client, model: str, prompt, max_tokens: int = 64, attempts: int = 8) -> Usage:
     """Read the KV usage gauge while one streamed request is generating, and again once it has finished.
 
     Why a helper: the gauge counts only blocks of *running* requests, and the tiny model finishes in a fraction
     of a second, so the scrape happens at the first streamed token.  The gauge is the server's, so the reading is
     this request's alone only when the server ran exactly one request at that scrape and no request finished
-    between the scrapes before and during (so that one was still this one): ``alone``.  On a shared server that
-    may never happen; after ``attempts`` readings the last is returned with ``alone=False``.
-    Returns ``{"during": snapshot, "after": snapshot, "blocks_held": blocks in use during, "alone": bool,
-    "tries": [(requests running, requests finished meanwhile) at each reading]}``: the tries say why none was alone.
+    between the scrapes before and during (so that one was still this one).  On a shared server that may never
+    happen; after ``attempts`` readings the last is returned with ``alone=False``.
     """
-    url, key = str(client.base_url), client.api_key
     reading, tries = None, []
     for _ in range(attempts):
-        before = kv_snapshot(fetch_metrics(url, key))
+        before = counters(client)
         during = None
         stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         for _chunk in stream:
             if during is None:
-                during = kv_snapshot(fetch_metrics(url, key))
-        after = wait_for_request(url, key, before)
+                during = counters(client)
+        after = wait_for_request(client, before)
         if during is None:
             continue
-        finished = during["requests_finished"] - before["requests_finished"]
-        tries.append((during["requests_running"], finished))
-        alone = finished == 0 and during["requests_running"] == 1
-        reading = {"during": during, "after": after, "blocks_held": blocks_in_use(during), "alone": alone,
-                   "tries": tries}
-        if alone:
+        finished = during.finished - before.finished
+        tries.append((during.running, finished))
+        reading = Usage(during, after, blocks_in_use(during), finished == 0 and during.running == 1, tries)
+        if reading.alone:
             return reading
     if reading is None:
         raise RuntimeError(f"the request sent no token in {attempts} tries: check the server's log.")

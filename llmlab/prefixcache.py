@@ -23,21 +23,14 @@ import os
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 
 import pandas as pd
 
 from llmlab import kvcache, loadtest, memory
-from llmlab.kvcache import (
-    GENERATED,
-    RUNNING,
-    blocks_for,
-    blocks_in_use,
-    kv_snapshot,
-    prefix_cache_hit_tokens,
-    wait_for_request,
-)
+from llmlab.kvcache import blocks_for, blocks_in_use, prefix_cache_hit_tokens
 from llmlab.memory import GPU_BLOCK_SIZE
-from llmlab.serve.metrics import fetch_metrics
+from llmlab.serve.metrics import Counters, counters, wait_for_request
 
 # The workshop's system prompt: 384 tokens of the tiny model's tokenizer, so with its start token three whole CPU
 # blocks of 128 (twelve of the cluster-mode model's 32).  Another model's tokenizer splits it differently: the
@@ -94,10 +87,9 @@ def salted_request(client, model: str, prompt, salt: str) -> dict:
     (``counted``).  Why both: ``cached_tokens`` is this request's alone but None from a server started without
     ``--enable-prompt-tokens-details``; the counter is there on every vLLM server, and adds everyone's requests
     that finished meanwhile."""
-    before = _scrape(client)
+    before = counters(client)
     answer = kvcache.timed_completion(client, model, prompt, max_tokens=1, extra_body={"cache_salt": salt})
-    after = wait_for_request(str(client.base_url), client.api_key, before)
-    return {**answer, "counted": int(after["prefix_cache_hits"] - before["prefix_cache_hits"])}
+    return {**answer, "counted": (wait_for_request(client, before) - before).prefix_hits}
 
 
 def server_lengths(client, model: str, prompts: list[str]) -> tuple[list[int], int]:
@@ -135,10 +127,6 @@ def expected_blocks(prompt_tokens: list[int], shared_tokens: int, block_size: in
     return sum(blocks_for(n + max_tokens - 1, block_size) for n in prompt_tokens) - hits // block_size
 
 
-def _scrape(client) -> dict:
-    return kv_snapshot(fetch_metrics(str(client.base_url), client.api_key))
-
-
 class _Watch:
     """Scrape ``/metrics`` in a thread until stopped, keeping the most KV blocks and running requests seen:
     the gauges count only requests running at the moment of the scrape."""
@@ -151,13 +139,11 @@ class _Watch:
         self.thread = threading.Thread(target=self._run, name="llmlab-kv-watch", daemon=True)
 
     def _run(self) -> None:
-        url, key = str(self.client.base_url), self.client.api_key
         while not self.stop.is_set():
             sent = time.time()
-            metrics = fetch_metrics(url, key)
-            snap = kv_snapshot(metrics)
-            blocks = blocks_in_use(snap) if "num_gpu_blocks" in snap else 0
-            running = int(metrics.value(RUNNING, default=0.0))
+            now = counters(self.client)
+            blocks = blocks_in_use(now) if now.num_gpu_blocks is not None else 0
+            running = int(now.running)
             self.samples.append((sent, time.time(), blocks, running))
             self.peak_blocks, self.peak_running = max(self.peak_blocks, blocks), max(self.peak_running, running)
             self.stop.wait(self.every)
@@ -169,6 +155,35 @@ class _Watch:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join()
+
+
+@dataclass(frozen=True)
+class Room:
+    """A room's run (:func:`run_room`) and the server around it.
+
+    ``hits`` and ``computed``: prompt tokens the room's requests found in the prefix cache and computed; ``reported``:
+    whether every request reported its cached tokens; ``peak_blocks`` and ``peak_running``: the most KV blocks held
+    and requests running at one scrape; ``others``: a scrape saw more requests running than the room had in flight;
+    ``delta``: the server's :class:`~llmlab.serve.metrics.Counters` after the run less before it; ``salts``: each
+    learner's ``cache_salt``, as sent.
+
+    Why two sources: ``hits`` and ``computed`` add the requests' own ``usage`` (cached tokens), so they are the
+    room's whatever else the server does; the KV gauges and the ``delta`` counters are the server's.  Where
+    ``others`` is true, another client ran requests meanwhile and the peak blocks include theirs.  A server started
+    without vLLM's ``--enable-prompt-tokens-details`` reports no request's cached tokens (``reported`` is False,
+    :data:`llmlab.kvcache.NOT_REPORTED` says how to turn it on): ``hits`` is then the server's hit counter around the
+    run, the room's own only where nobody else used the server meanwhile."""
+
+    result: loadtest.LoadResult
+    summary: dict
+    hits: int
+    reported: bool
+    computed: int
+    peak_blocks: int
+    peak_running: int
+    others: bool
+    delta: Counters
+    salts: list[str]
 
 
 async def _send_room(client, model, prompts, salts, max_tokens, progress, sampling):
@@ -194,40 +209,24 @@ async def _send_room(client, model, prompts, salts, max_tokens, progress, sampli
 
 
 def run_room(client, model: str, prompts: list[str], salts: list[str], max_tokens: int = 32,
-             progress: bool = True, **sampling) -> dict:
+             progress: bool = True, **sampling) -> Room:
     """Send every learner's prompt at once (each with its ``cache_salt``), greedily and ``ignore_eos`` (every
-    answer ``max_tokens`` long), and read the server around it.
-
-    Returns ``{"result": LoadResult, "summary": its summary, "hits": prompt tokens the room's requests found in
-    the prefix cache, "computed": prompt tokens they computed, "peak_blocks": most KV blocks held at one scrape,
-    "peak_running": most requests running at one scrape, "others": whether a scrape saw more requests running than
-    the room had in flight, "delta": the server's counters around the run}``.
-
-    Why two sources: ``hits`` and ``computed`` add the requests' own ``usage`` (cached tokens), so they are the
-    room's whatever else the server does; the KV gauges and the ``delta`` counters are the server's.  Where
-    ``others`` is true, another client ran requests meanwhile and the peak blocks include theirs.
-
-    A server started without vLLM's ``--enable-prompt-tokens-details`` reports no request's cached tokens
-    (``reported`` is False, :data:`llmlab.kvcache.NOT_REPORTED` says how to turn it on): ``hits`` is then the
-    server's hit counter around the run, the room's own only where nobody else used the server meanwhile."""
+    answer ``max_tokens`` long), and read the server around it (:class:`Room`)."""
     if len(prompts) != len(salts) or not prompts:
         raise ValueError(f"{len(prompts)} prompts and {len(salts)} salts: give one salt per prompt "
                          "(room_salts(len(prompts), shared=...)).")
     _count(max_tokens, "max_tokens")
     sampling = {"temperature": 0, "ignore_eos": True, **sampling}
-    before = _scrape(client)
+    before = counters(client)
     with _Watch(client) as watch:
         result = loadtest.in_a_loop(_send_room(client, model, prompts, salts, max_tokens, progress, sampling))
     result.raise_on_failure()
-    after = wait_for_request(str(client.base_url), client.api_key, before, len(prompts), timeout=30)
-    delta = {k: after[k] - before[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens",
-                                               "prefill_computed_sum")}
+    delta = wait_for_request(client, before, len(prompts), timeout=30) - before
     records = result.records
     reported = all(r.cached_tokens is not None for r in records)
-    hits = sum(r.cached_tokens for r in records) if reported else int(delta["prefix_cache_hits"])
-    return {"result": result, "summary": result.summary(), "hits": hits, "reported": reported,
-            "computed": sum(r.prompt_tokens for r in records) - hits, "peak_blocks": watch.peak_blocks,
-            "peak_running": watch.peak_running, "others": _others_ran(watch.samples, records), "delta": delta}
+    hits = sum(r.cached_tokens for r in records) if reported else delta.prefix_hits
+    return Room(result, result.summary(), hits, reported, sum(r.prompt_tokens for r in records) - hits,
+                watch.peak_blocks, watch.peak_running, _others_ran(watch.samples, records), delta, list(salts))
 
 
 GAUGE_LAG_S = 0.5  # how far behind a scrape the running gauge may be: the engine's last step, under a loaded CPU
@@ -241,22 +240,22 @@ def _others_ran(samples: list[tuple[float, float, int, int]], records) -> bool:
                for sent, answered, _, running in samples)
 
 
-def room_table(rooms: dict[str, dict]) -> pd.DataFrame:
+def room_table(rooms: dict[str, Room]) -> pd.DataFrame:
     """One row per :func:`run_room` result: hit rate, prompt tokens computed, TTFT p50/p99 and peak KV blocks."""
     rows = {}
     for name, room in rooms.items():
-        s = room["summary"]
-        rows[name] = {"hit rate": room["hits"] / (room["hits"] + room["computed"]),
-                      "prompt tokens computed": room["computed"],
+        s = room.summary
+        rows[name] = {"hit rate": room.hits / (room.hits + room.computed),
+                      "prompt tokens computed": room.computed,
                       "TTFT p50 (ms)": s["ttft_p50"] * 1e3, "TTFT p99 (ms)": s["ttft_p99"] * 1e3,
-                      "peak KV blocks": room["peak_blocks"]}
+                      "peak KV blocks": room.peak_blocks}
     return pd.DataFrame(rows).T.round({"hit rate": 3, "TTFT p50 (ms)": 0, "TTFT p99 (ms)": 0})
 
 
 # --- chunked prefill: the running requests' tokens while a long prompt arrives --------------------------------
 
-def _generated(client) -> float:
-    return fetch_metrics(str(client.base_url), client.api_key).value(GENERATED, default=0.0)
+def _generated(client) -> int:
+    return counters(client).generated
 
 
 class DecodersEnded(RuntimeError):

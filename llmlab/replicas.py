@@ -22,15 +22,16 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from llmlab import kvcache, loadtest, prefixcache
+from llmlab import loadtest, prefixcache
 from llmlab.connection import connect
 from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.info import ServerError, llmlab_home, new_key_file, read_key
-from llmlab.serve.metrics import fetch_metrics
+from llmlab.serve.metrics import Counters, fetch_metrics, read_counters
 from llmlab.serve.paths import RESULTS_DIR
 from llmlab.serve.proxy.command import proxy_command, wait_bound
 from llmlab.serve.proxy.router import BALANCE, PREFIX_CHARS, ROUTES, home_replica, prefix_key
@@ -173,9 +174,9 @@ class Replicas:
         """``llmlab.connect()`` to the router: ``(client, model)``."""
         return connect(self.router.base_url, self.router.api_key, quiet=True)
 
-    def metrics(self) -> list[dict]:
-        """Each replica's KV-cache counters (:func:`llmlab.kvcache.kv_snapshot`), read from the replica itself."""
-        return [kvcache.kv_snapshot(fetch_metrics(s.base_url, s.api_key)) for s in self.servers]
+    def metrics(self) -> list[Counters]:
+        """Each replica's :class:`~llmlab.serve.metrics.Counters`, read from the replica itself."""
+        return [read_counters(fetch_metrics(s.base_url, s.api_key)) for s in self.servers]
 
     def stop(self) -> None:
         if self.router is not None:
@@ -224,14 +225,14 @@ def course_prompts(courses: list[str], learners: int) -> list[str]:
     return [per_course[c][i] for i in range(learners) for c in courses]
 
 
-def counted(pool: Replicas, before: list[dict], requests: int, timeout: float = 30.0) -> list[dict]:
-    """Each replica's counters since ``before`` (a :meth:`Replicas.metrics`), once together they have counted
-    ``requests`` more finished requests: vLLM counts a request just after it answered
-    (:func:`llmlab.kvcache.wait_for_request`)."""
+def counted(pool: Replicas, before: list[Counters], requests: int, timeout: float = 30.0) -> list[Counters]:
+    """Each replica's counters since ``before`` (a :meth:`Replicas.metrics`: after less before), once together
+    they have counted ``requests`` more finished requests: vLLM counts a request just after it answered
+    (:func:`llmlab.serve.metrics.wait_for_request`)."""
     deadline = time.monotonic() + timeout
     while True:
-        per = [kvcache.snapshot_delta(b, a) for b, a in zip(before, pool.metrics(), strict=True)]
-        done = sum(d["requests_finished"] for d in per)
+        per = [after - b for b, after in zip(before, pool.metrics(), strict=True)]
+        done = sum(d.finished for d in per)
         if done >= requests:
             return per
         if time.monotonic() > deadline:
@@ -240,28 +241,46 @@ def counted(pool: Replicas, before: list[dict], requests: int, timeout: float = 
         time.sleep(0.05)
 
 
-def run_room(pool: Replicas, prompts: list[str], salt: str, max_tokens: int = 32) -> dict:
+@dataclass(frozen=True)
+class Room:
+    """A room sent through the router (:func:`run_room`): its ``route``, the client's ``summary`` and each replica's
+    counters around it (``per``, after less before), read as requests, prefix-cache hits and look-ups per replica."""
+
+    route: str
+    summary: dict
+    per: list[Counters]
+
+    @property
+    def requests(self) -> list[int]:
+        return [d.finished for d in self.per]
+
+    @property
+    def hits(self) -> list[int]:
+        return [d.prefix_hits for d in self.per]
+
+    @property
+    def queries(self) -> list[int]:
+        return [d.prefix_queries for d in self.per]
+
+
+def run_room(pool: Replicas, prompts: list[str], salt: str, max_tokens: int = 32) -> Room:
     """Send ``prompts`` all at once through ``pool``'s router (greedy, one ``cache_salt`` for the room) and read
     every replica's counters around it: requests and prefix-cache hits per replica, and the client's summary."""
     client, model = pool.connect()
     before = pool.metrics()
     result = loadtest.run(client, model, prompts, concurrency=len(prompts), max_tokens=max_tokens, progress=False,
                           temperature=0, ignore_eos=True, extra_body={"cache_salt": salt}).raise_on_failure()
-    per = counted(pool, before, len(prompts))
-    return {"route": pool.route, "summary": result.summary(), "requests": [int(d["requests_finished"]) for d in per],
-            "hits": [int(d["prefix_cache_hits"]) for d in per],
-            "queries": [int(d["prefix_cache_queries"]) for d in per]}
+    return Room(pool.route, result.summary(), counted(pool, before, len(prompts)))
 
 
-def room_table(rooms: list[dict]) -> pd.DataFrame:
+def room_table(rooms: list[Room]) -> pd.DataFrame:
     """One row per :func:`run_room`: requests per replica, prefix-cache hit rate, TTFT p50/p99."""
     rows = {}
     for room in rooms:
-        s = room["summary"]
-        rows[room["route"]] = {"requests per replica": " / ".join(map(str, room["requests"])),
-                               "hit rate": round(sum(room["hits"]) / max(1, sum(room["queries"])), 3),
-                               "TTFT p50 (ms)": round(1000 * s["ttft_p50"]),
-                               "TTFT p99 (ms)": round(1000 * s["ttft_p99"])}
+        s = room.summary
+        rows[room.route] = {"requests per replica": " / ".join(map(str, room.requests)),
+                            "hit rate": round(sum(room.hits) / max(1, sum(room.queries)), 3),
+                            "TTFT p50 (ms)": round(1000 * s["ttft_p50"]), "TTFT p99 (ms)": round(1000 * s["ttft_p99"])}
     return pd.DataFrame(rows).T.rename_axis("route")
 
 

@@ -10,30 +10,21 @@ the prompt or the answer and proposes what followed them there.
 A **draft model** guesses from the language instead: a smaller model of the same vocabulary (the course ships
 ``llmlab-tiny-draft``) runs ``k`` cheap passes per step.  The server's ``--speculative-config`` takes the method and
 ``k``; :func:`ngram_args` and :func:`draft_args` build it and refuse a bad one before vLLM does.  vLLM counts
-drafts, drafted and accepted tokens on ``/metrics``; :func:`spec_snapshot` reads them, :func:`spec_delta` turns two
-snapshots into the acceptance rate and tokens per step, and :func:`expected_tokens_per_step` is the textbook
-prediction to hold them against.
+drafts, drafted and accepted tokens on ``/metrics``; :func:`scrape` reads them, :func:`speculation` turns the
+difference of two scrapes into the acceptance rate and tokens per step, and :func:`expected_tokens_per_step` is
+the textbook prediction to hold them against.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from llmlab import loadtest
-from llmlab.kvcache import wait_for_request
-from llmlab.serve.metrics import (
-    ACCEPTED,
-    ACCEPTED_AT,
-    DRAFT_TOKENS,
-    DRAFTS,
-    FINISHED,
-    GENERATED,
-    Metrics,
-    fetch_metrics,
-)
+from llmlab.serve.metrics import Counters, counters, wait_for_request
 from llmlab.serve.paths import DRAFT_MODEL
 
 
@@ -70,29 +61,16 @@ def draft_args(k: int = 4, model: str | Path = DRAFT_MODEL) -> list[str]:
     return ["--speculative-config", json.dumps(config)]
 
 
-def spec_snapshot(metrics: Metrics) -> dict:
-    """The speculative-decoding counters of one ``/metrics`` scrape, summed over engines; all zero on a server
-    that does not speculate (it exports none of them)."""
-    positions: dict[int, float] = {}
-    for s in metrics[ACCEPTED_AT]:
-        positions[int(s.labels["position"])] = positions.get(int(s.labels["position"]), 0.0) + s.value
-    return {"drafts": metrics.value(DRAFTS, default=0.0), "draft_tokens": metrics.value(DRAFT_TOKENS, default=0.0),
-            "accepted": metrics.value(ACCEPTED, default=0.0), "generated": metrics.value(GENERATED, default=0.0),
-            "accepted_at": [positions[p] for p in sorted(positions)],
-            "requests_finished": metrics.value(FINISHED, default=0.0)}
+def scrape(client, before: Counters | None = None, requests: int = 1) -> Counters:
+    """The server's :class:`~llmlab.serve.metrics.Counters` now.  Given the scrape ``before`` some requests, it first
+    waits until the server has counted ``requests`` more finished ones: vLLM records a request just after answering.
+    A server that does not speculate exports no drafting counters: they read 0."""
+    return counters(client) if before is None else wait_for_request(client, before, requests)
 
 
-def scrape(client, before: dict | None = None, requests: int = 1) -> dict:
-    """:func:`spec_snapshot` of the client's server.  Given the snapshot ``before`` some requests, it first waits
-    until the server has counted ``requests`` more finished ones: vLLM records a request just after answering."""
-    url, key = str(client.base_url), client.api_key
-    if before is not None:
-        wait_for_request(url, key, before, requests)
-    return spec_snapshot(fetch_metrics(url, key))
-
-
-def spec_delta(before: dict, after: dict) -> dict:
-    """What the requests between two :func:`spec_snapshot` s did.
+@dataclass(frozen=True)
+class Speculation:
+    """What the requests between two scrapes drafted and accepted (:func:`speculation` of ``after - before``).
 
     - ``acceptance_rate``: accepted / drafted tokens;
     - ``mean_accepted``: accepted tokens per draft (0 to k);
@@ -101,16 +79,27 @@ def spec_delta(before: dict, after: dict) -> dict:
     - ``accepted_at``: per draft position, the share of drafts accepted *up to* that position (falling: a
       rejection ends the draft).
     """
-    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted", "generated")}
-    if d["generated"] <= 0:
-        raise ValueError("no output tokens between these snapshots: send the requests between the two scrapes.")
-    earlier = before["accepted_at"] or [0.0] * len(after["accepted_at"])  # a server's first scrape may have none
-    at = [a - b for a, b in zip(after["accepted_at"], earlier, strict=True)]
-    d["acceptance_rate"] = d["accepted"] / d["draft_tokens"] if d["draft_tokens"] else 0.0
-    d["mean_accepted"] = d["accepted"] / d["drafts"] if d["drafts"] else 0.0
-    d["tokens_per_step"] = d["generated"] / (d["generated"] - d["accepted"])
-    d["accepted_at"] = [a / d["drafts"] if d["drafts"] else 0.0 for a in at]
-    return d
+
+    drafts: int
+    draft_tokens: int
+    accepted: int
+    generated: int
+    acceptance_rate: float
+    mean_accepted: float
+    tokens_per_step: float
+    accepted_at: list[float]
+
+
+def speculation(delta: Counters) -> Speculation:
+    """The drafting figures of ``after - before``, two :func:`scrape` s around some requests."""
+    if delta.generated <= 0:
+        raise ValueError("no output tokens between these scrapes: send the requests between `before` and `after`.")
+    drafts = delta.drafts
+    return Speculation(drafts, delta.draft_tokens, delta.accepted, delta.generated,
+                       acceptance_rate=delta.accepted / delta.draft_tokens if delta.draft_tokens else 0.0,
+                       mean_accepted=delta.accepted / drafts if drafts else 0.0,
+                       tokens_per_step=delta.generated / (delta.generated - delta.accepted),
+                       accepted_at=[a / drafts if drafts else 0.0 for a in delta.accepted_at])
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
@@ -129,22 +118,22 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def conditional_acceptance(delta: dict) -> list[float]:
+def conditional_acceptance(spec: Speculation) -> list[float]:
     """Per draft position p, the share of drafts accepted at p among those accepted up to p - 1: ``s_p /
     s_(p-1)`` (``s_0`` at position 0), Leviathan's alpha measured at each position.  Independent acceptance
     keeps it constant; a rise along the draft means acceptance comes in runs."""
-    shares = delta["accepted_at"]
+    shares = spec.accepted_at
     return [s / prev if prev else 0.0 for s, prev in zip(shares, [1.0, *shares[:-1]], strict=True)]
 
 
-def position_table(delta: dict) -> pd.DataFrame:
+def position_table(spec: Speculation) -> pd.DataFrame:
     """Per draft position: the share of drafts accepted up to it (``s_p``), the share accepted there among those
     that got there (:func:`conditional_acceptance`), and what independent acceptance at position 0's rate would
     give (``s_0 ** (p + 1)``): the test of independence."""
-    shares = delta["accepted_at"]
+    shares = spec.accepted_at
     first = shares[0] if shares else 0.0
     return pd.DataFrame({"accepted up to here": shares,
-                         "given the one before": conditional_acceptance(delta),
+                         "given the one before": conditional_acceptance(spec),
                          "if independent": [first ** (p + 1) for p in range(len(shares))]},
                         index=pd.Index(range(len(shares)), name="draft position")).round(3)
 
@@ -161,9 +150,9 @@ def measure(client, model: str, prompts: list[str], concurrency: int, max_tokens
     if result["errors"]:
         raise RuntimeError(f"{result['errors']} of {result['requests']} requests failed: see the records of "
                            "llmlab.loadtest.run for the reasons.")
-    delta = spec_delta(before, scrape(client, before, len(prompts)))
+    spec = speculation(scrape(client, before, len(prompts)) - before)
     return {"latency p50 (ms)": result["latency_p50"] * 1e3, "tokens/s": result["output_tokens_per_s"],
-            "acceptance": delta["acceptance_rate"], "tokens per step": delta["tokens_per_step"]}
+            "acceptance": spec.acceptance_rate, "tokens per step": spec.tokens_per_step}
 
 
 def compare(servers: dict, workloads: dict[str, list[str]], concurrencies=(1, 32), max_tokens: int = 64,

@@ -6,8 +6,9 @@ tokens per second rising with the load and falling back to zero after it, a pree
 
 The layers, pure first (as everywhere in llmlab):
 
-1. :func:`read` turns one scrape (a :class:`~llmlab.serve.metrics.Metrics`) into a :class:`Reading`: the gauges
-   (running, waiting, KV-cache use) and the counters (tokens, preemptions, prefix-cache look-ups and hits);
+1. :func:`read` turns one scrape (a :class:`~llmlab.serve.metrics.Metrics`) into a :class:`Reading`: its time and
+   its :class:`~llmlab.serve.metrics.Counters` (gauges: running, waiting, KV-cache use; counters: tokens,
+   preemptions, prefix-cache look-ups and hits) -- the one snapshot type of every lesson that subtracts;
 2. :func:`step` turns two readings into a :class:`Point`: gauges as they are, rates from counter *differences*
    over the time between the scrapes.  A counter that went down, or a new ``process_start_time_seconds``, means
    the server restarted: its counters began again at zero, so the increase is the new value (Prometheus' rule in
@@ -28,7 +29,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from llmlab.serve.info import ServerUnavailable
-from llmlab.serve.metrics import (
+from llmlab.serve.metrics import (  # noqa: F401 -- STARTED re-exported: the version tests check every vLLM has it
     FINISHED,
     GENERATED,
     KV_USAGE,
@@ -37,19 +38,23 @@ from llmlab.serve.metrics import (
     PREFIX_QUERIES,
     PROMPT_TOKENS,
     RUNNING,
+    STARTED,
     WAITING,
+    Counters,
     Metrics,
     fetch_metrics,
+    read_counters,
 )
 
-STARTED = "process_start_time_seconds"         # prometheus_client's own: when the server process started
-
-# Our names for the series -> vLLM's metric (vLLM 0.26-0.32 export all of them; tests/fixtures/vllm/).
+# The series top follows: our name (the key of ``--json``'s totals) -> the Counters field, and the vLLM metric behind
+# it (vLLM 0.26-0.32 export all of them; tests/fixtures/vllm/).
 GAUGES = {"running": RUNNING, "waiting": WAITING, "kv_usage": KV_USAGE}
 COUNTERS = {"prompt_tokens": PROMPT_TOKENS, "generation_tokens": GENERATED, "preemptions": PREEMPTIONS,
             "prefix_queries": PREFIX_QUERIES, "prefix_hits": PREFIX_HITS, "finished": FINISHED}
+FIELDS = {"prompt_tokens": "prompt_tokens", "generation_tokens": "generated", "preemptions": "preemptions",
+          "prefix_queries": "prefix_queries", "prefix_hits": "prefix_hits", "finished": "finished"}
 
-__all__ = ["Reading", "Point", "History", "Target", "Top", "Widget", "read", "step", "increase", "restarted",
+__all__ = ["Reading", "Point", "History", "Target", "Top", "Widget", "read", "step", "restarted",
            "sparkline", "panel", "plot", "target", "watch"]
 
 
@@ -59,36 +64,22 @@ __all__ = ["Reading", "Point", "History", "Target", "Top", "Widget", "read", "st
 
 @dataclass(frozen=True)
 class Reading:
-    """What one scrape says, at wall-clock time ``t`` (seconds): gauges and counters summed over engines, and when
-    the server process started (None where the exposition lacks it)."""
+    """What one scrape says (:class:`~llmlab.serve.metrics.Counters`, summed over engines), at wall-clock time ``t``
+    (seconds).  A metric this vLLM does not export reads 0: a live picture with one flat line beats none."""
 
     t: float
-    gauges: dict
-    counters: dict
-    started: float | None = None
+    counters: Counters
 
 
 def read(metrics: Metrics, t: float) -> Reading:
-    """The figures :class:`Top` follows, from one parsed scrape taken at time ``t``.  A metric this vLLM does not
-    export counts as 0 rather than failing the view: a live picture with one flat line beats none."""
-    started = metrics.value(STARTED, default=math.nan)
-    return Reading(t, {k: metrics.value(name, default=0.0) for k, name in GAUGES.items()},
-                   {k: metrics.value(name, default=0.0) for k, name in COUNTERS.items()},
-                   None if math.isnan(started) else started)
+    """The figures :class:`Top` follows, from one parsed scrape taken at time ``t``."""
+    return Reading(t, read_counters(metrics))
 
 
 def restarted(before: Reading, after: Reading) -> bool:
     """Whether the server restarted between two readings: a new process start time, or any counter that went down
     (a counter only ever grows while its process lives)."""
-    if before.started is not None and after.started is not None and after.started != before.started:
-        return True
-    return any(after.counters[k] < before.counters[k] for k in before.counters if k in after.counters)
-
-
-def increase(before: float, after: float, reset: bool = False) -> float:
-    """How much a counter grew between two readings.  After a reset it started again from zero, so it grew by its
-    new value (what Prometheus' ``rate()`` assumes too): never a negative number."""
-    return after if reset or after < before else after - before
+    return after.counters.restarted_since(before.counters)
 
 
 @dataclass(frozen=True)
@@ -116,18 +107,21 @@ class Point:
 
 
 def step(before: Reading | None, after: Reading) -> Point:
-    """The point of ``after``: its gauges, and the rates since ``before`` (rates need two readings)."""
-    g = after.gauges
-    base = dict(t=after.t, running=g["running"], waiting=g["waiting"], kv_usage=g["kv_usage"], totals=after.counters)
+    """The point of ``after``: its gauges, and the rates since ``before`` (rates need two readings).  After a restart
+    the counters began again at zero, so they grew by their new values (what Prometheus' ``rate()`` assumes too):
+    never a negative rate."""
+    now = after.counters
+    base = dict(t=after.t, running=now.running, waiting=now.waiting, kv_usage=now.kv_usage,
+                totals={name: getattr(now, f) for name, f in FIELDS.items()})
     dt = after.t - before.t if before is not None else 0.0
     if before is None or dt <= 0:
         return Point(**base)
     reset = restarted(before, after)
-    grew = {k: increase(before.counters[k], after.counters[k], reset) for k in after.counters}
-    hits, queries = grew["prefix_hits"], grew["prefix_queries"]
-    return Point(**base, prompt_tokens_per_s=grew["prompt_tokens"] / dt,
-                 generation_tokens_per_s=grew["generation_tokens"] / dt, preemptions_per_s=grew["preemptions"] / dt,
-                 prefix_hit_rate=hits / queries if queries else None, restarted=reset)
+    grew = now if reset else now - before.counters
+    return Point(**base, prompt_tokens_per_s=grew.prompt_tokens / dt, generation_tokens_per_s=grew.generated / dt,
+                 preemptions_per_s=grew.preemptions / dt,
+                 prefix_hit_rate=grew.prefix_hits / grew.prefix_queries if grew.prefix_queries else None,
+                 restarted=reset)
 
 
 class History:

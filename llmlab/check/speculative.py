@@ -8,18 +8,18 @@ import math
 from llmlab.check.verdict import _number, _whole, require, right
 
 
-def spec_savings(saved, wasted, before: dict, after: dict) -> None:
+def spec_savings(saved, wasted, before, after) -> None:
     """12: from two ``speculative.scrape`` snapshots, the share of the model's passes that drafting saved against
     plain decoding, and the drafted tokens the model verified and threw away (the lesson gives the rates; this
     asks what they cost and buy)."""
-    from llmlab.speculative import spec_delta
+    from llmlab.speculative import speculation
 
     saved, wasted = _number(saved, "saved"), _number(wasted, "wasted")
-    d = spec_delta(before, after)
-    require(d["drafts"] > 0, "the drafting server counted no drafts between your two scrapes: send the requests "
+    d = speculation(after - before)
+    require(d.drafts > 0, "the drafting server counted no drafts between your two scrapes: send the requests "
             "to spec_client after `before` and scrape `after` once they have finished.")
-    generated, accepted, drafted = d["generated"], d["accepted"], d["draft_tokens"]
-    require(not math.isclose(saved, d["acceptance_rate"]) or math.isclose(accepted / generated, d["acceptance_rate"]),
+    generated, accepted, drafted = d.generated, d.accepted, d.draft_tokens
+    require(not math.isclose(saved, d.acceptance_rate) or math.isclose(accepted / generated, d.acceptance_rate),
             "that is the acceptance rate, a share of the drafted tokens; the passes saved are a share of the passes "
             "plain decoding would run: one per generated token.")
     require(not math.isclose(saved, (generated - accepted) / generated),

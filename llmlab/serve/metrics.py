@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import re
+import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from llmlab.serve.info import AuthenticationFailed, ServerError, ServerUnavailable
 
@@ -205,6 +206,167 @@ def histogram(metrics: Metrics, name: str, **labels) -> Histogram:
         raise KeyError(f"no histogram {name!r} in this scrape (it has {', '.join(have) or 'none'})")
     return Histogram(buckets, metrics.value(name + "_sum", default=0.0, **labels),
                      metrics.value(name + "_count", default=0.0, **labels))
+
+
+# --- One snapshot type for every lesson that subtracts: vLLM's counters only grow while its process lives ---------
+
+STARTED = "process_start_time_seconds"  # prometheus_client's own: when the server process started
+EMPTY = Histogram({})
+
+
+def _histogram_or_empty(metrics: Metrics, name: str) -> Histogram:
+    """A histogram this server does not export reads as one without observations: a lesson's figure is then 0."""
+    return histogram(metrics, name) if name + "_bucket" in metrics else EMPTY
+
+
+def _grew(after: Histogram, before: Histogram) -> Histogram:
+    """``after - before``, where a first scrape without the histogram counts as all zeros."""
+    return after - (before if before.buckets else Histogram(dict.fromkeys(after.buckets, 0.0)))
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The figures of one ``/metrics`` scrape that the lessons follow, summed over engines.
+
+    Why one type: what some requests did on a server is ``after - before`` of its counters, and lessons 02 (the prefix
+    cache), 12 (drafts), 13 (a room), 15 (replicas), 16 (engine steps, preemptions), 18 (the decoder's steps) and
+    ``llmlab top`` (rates) all subtract.  ``after - before`` subtracts the counters and the histograms; the gauges
+    (``running``, ``waiting``, ``kv_usage``) and the cache's configuration are the later scrape's, as they are *now*.
+    A metric this server does not export reads 0 (or ``None`` for the configuration), so a lesson can say what the
+    server does not report and go on.  Counters are whole numbers: tokens, requests, steps."""
+
+    prompt_tokens: int = 0                # prompt tokens of finished and running requests
+    generated: int = 0                    # output tokens
+    finished: int = 0                     # requests finished, every finish reason
+    prefix_queries: int = 0               # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0                  # of those, found there
+    preemptions: int = 0                  # running requests pushed out when the KV cache ran out
+    drafts: int = 0                       # speculative decoding: steps that proposed a draft
+    draft_tokens: int = 0                 # tokens proposed
+    accepted: int = 0                     # of those, accepted
+    accepted_at: tuple[int, ...] = ()     # accepted at draft position 0, 1, ...
+    by_source: dict = field(default_factory=dict)  # prompt tokens by where their KV came from (computed, cache, ...)
+    ttft: Histogram = EMPTY               # time to first token, inside the server
+    itl: Histogram = EMPTY                # gaps between a request's tokens, inside the engine core
+    prefill_computed: Histogram = EMPTY   # per request: prompt tokens really computed
+    step_sizes: Histogram = EMPTY         # per engine step that gave some request output: its tokens
+    preemptions_per_request: Histogram = EMPTY  # per finished request: how often it was preempted
+    running: float = 0.0                  # gauge: requests in the running batch
+    waiting: float = 0.0                  # gauge: requests queued
+    kv_usage: float = 0.0                 # gauge: share of KV blocks held by running requests, 0..1
+    block_size: int | None = None         # the cache's configuration (vllm:cache_config_info)
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+    prefix_caching: bool | None = None
+    started: float | None = None          # when the server process started (None where not exported)
+
+    GAUGES = ("running", "waiting", "kv_usage", "block_size", "num_gpu_blocks", "num_cpu_blocks", "prefix_caching",
+              "started")
+
+    @property
+    def steps(self) -> int:
+        """Engine steps that gave some request output (a step computing only a chunk of a prompt is not one)."""
+        return int(self.step_sizes.count)
+
+    @property
+    def step_tokens(self) -> int:
+        """The tokens vLLM credits those steps with: answers' tokens, and a prompt's in the step that finishes it."""
+        return int(self.step_sizes.sum)
+
+    @property
+    def mixed_steps(self) -> int:
+        """Steps that computed more than one token: beside one running answer, a step above 1 carried a prompt."""
+        return self.steps - int(self.step_sizes.buckets.get(1.0, 0.0))
+
+    @property
+    def preempted_again(self) -> int:
+        """Finished requests preempted more than once (the histogram's lowest bucket, ``le="1.0"``, cannot tell once
+        from never; with ``preemptions`` it says whether preemptions fell on different requests or the same)."""
+        return int(self.preemptions_per_request.count - self.preemptions_per_request.buckets.get(1.0, 0.0))
+
+    @property
+    def computed(self) -> int:
+        """Prompt tokens computed here (not found in the prefix cache, not loaded through a KV connector)."""
+        return int(self.by_source.get("local_compute", 0))
+
+    def restarted_since(self, before: Counters) -> bool:
+        """Whether the server restarted between two scrapes: a new process start time, or a counter that went down
+        (a counter only grows while its process lives; after a restart it begins again at zero)."""
+        if None not in (before.started, self.started) and self.started != before.started:
+            return True
+        return any(getattr(self, f.name) < getattr(before, f.name) for f in fields(self)
+                   if f.name not in self.GAUGES and isinstance(getattr(self, f.name), int))
+
+    def __sub__(self, before: Counters) -> Counters:
+        changes = {}
+        for f in fields(self):
+            now, then = getattr(self, f.name), getattr(before, f.name)
+            if f.name in self.GAUGES:
+                continue
+            if isinstance(now, Histogram):
+                changes[f.name] = _grew(now, then)
+            elif isinstance(now, tuple):
+                then = then + (0,) * (len(now) - len(then))  # a first scrape may not have every position yet
+                changes[f.name] = tuple(a - b for a, b in zip(now, then, strict=False))
+            elif isinstance(now, dict):
+                changes[f.name] = {k: v - then.get(k, 0) for k, v in now.items()}
+            else:
+                changes[f.name] = now - then
+        return replace(self, **changes)
+
+
+def read_counters(metrics: Metrics) -> Counters:
+    """The :class:`Counters` of one parsed scrape."""
+    def count(name: str, **labels) -> int:
+        return int(metrics.value(name, default=0.0, **labels))
+
+    positions: dict[int, float] = {}
+    for s in metrics[ACCEPTED_AT]:
+        positions[int(s.labels["position"])] = positions.get(int(s.labels["position"]), 0.0) + s.value
+    sources = sorted({s.labels["source"] for s in metrics[PROMPT_BY_SOURCE] if "source" in s.labels})
+    config = metrics[CACHE_CONFIG][0].labels if CACHE_CONFIG in metrics else {}
+
+    def setting(key: str) -> int | None:
+        return int(config[key]) if config.get(key, "None") not in ("None", "") else None
+
+    started = metrics.value(STARTED, default=math.nan)
+    return Counters(
+        prompt_tokens=count(PROMPT_TOKENS), generated=count(GENERATED), finished=count(FINISHED),
+        prefix_queries=count(PREFIX_QUERIES), prefix_hits=count(PREFIX_HITS), preemptions=count(PREEMPTIONS),
+        drafts=count(DRAFTS), draft_tokens=count(DRAFT_TOKENS), accepted=count(ACCEPTED),
+        accepted_at=tuple(int(positions[p]) for p in sorted(positions)),
+        by_source={s: count(PROMPT_BY_SOURCE, source=s) for s in sources},
+        ttft=_histogram_or_empty(metrics, TTFT), itl=_histogram_or_empty(metrics, ITL),
+        prefill_computed=_histogram_or_empty(metrics, PREFILL_COMPUTED), step_sizes=_histogram_or_empty(metrics, STEPS),
+        preemptions_per_request=_histogram_or_empty(metrics, REQUEST_PREEMPTIONS),
+        running=metrics.value(RUNNING, default=0.0), waiting=metrics.value(WAITING, default=0.0),
+        kv_usage=metrics.value(KV_USAGE, default=0.0), block_size=setting("block_size"),
+        num_gpu_blocks=setting("num_gpu_blocks"), num_cpu_blocks=setting("num_cpu_blocks"),
+        prefix_caching=config["enable_prefix_caching"] == "True" if "enable_prefix_caching" in config else None,
+        started=None if math.isnan(started) else started)
+
+
+def counters(client, timeout: float = 30.0) -> Counters:
+    """The :class:`Counters` of the server a client (``llmlab.connect()``'s, or anything with ``base_url`` and
+    ``api_key``) talks to, scraped now."""
+    return read_counters(fetch_metrics(str(client.base_url), client.api_key, timeout))
+
+
+def wait_for_request(client, before: Counters, requests: int = 1, timeout: float = 30.0) -> Counters:
+    """Scrape until the server has counted ``requests`` more finished requests than ``before``; return that scrape.
+
+    Why: vLLM records a request's statistics in its output loop, just after its answer may already have reached the
+    client, so a scrape at once can miss the last request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = counters(client)
+        if now.finished - before.finished >= requests:
+            return now
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{metrics_url(str(client.base_url))} did not count {requests} more finished "
+                               f"request(s) within {timeout:.0f} s: is another client using this server, or did the "
+                               "request fail?")
+        time.sleep(0.05)
 
 
 def metrics_url(base_url: str) -> str:

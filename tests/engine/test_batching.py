@@ -28,10 +28,10 @@ def test_static_and_continuous_batching_each_take_at_least_their_minimum_of_step
     for name, predicted in (("static", batching.static_steps(lengths, 4)),
                             ("continuous", batching.continuous_steps(lengths, 4))):
         run = runs[name]
-        assert run["alone"], "the session's server ran someone else's requests meanwhile"
-        assert [r.output_tokens for r in run["result"].records] == lengths
-        assert run["delta"]["generated"] == sum(lengths) and run["delta"]["finished"] == len(lengths)
-        assert run["delta"]["steps"] >= predicted, (name, run["delta"]["steps"], predicted)
-        assert run["summary"]["max_outstanding"] <= 4
+        assert run.alone, "the session's server ran someone else's requests meanwhile"
+        assert [r.output_tokens for r in run.result.records] == lengths
+        assert run.delta.generated == sum(lengths) and run.delta.finished == len(lengths)
+        assert run.delta.steps >= predicted, (name, run.delta.steps, predicted)
+        assert run.summary["max_outstanding"] <= 4
     # Which of the two took fewer steps is not asserted: on an overloaded machine a continuous client's next request
     # can reach the engine so late that the long requests no longer overlap (571 steps each, once, at a load of 9).

@@ -34,10 +34,10 @@ def test_live_metrics_parse_and_describe_the_cpu_cache(live):
     m = kc.fetch_metrics(url, key)
     for name in (kc.PREFIX_QUERIES, kc.PREFIX_HITS, kc.KV_USAGE, kc.PROMPT_TOKENS, kc.TTFT + "_sum"):
         assert name in m, f"{name} missing from vLLM's /metrics: names changed? ({len(m.names)} metrics)"
-    snap = kc.kv_snapshot(m)
-    assert snap["block_size"] == memory.CPU_BLOCK_SIZE and snap["prefix_caching"] is True
-    assert snap["num_gpu_blocks"] == memory.embedded_kv_capacity(1, "llmlab-tiny").blocks
-    assert 0.0 <= snap["kv_cache_usage"] <= 1.0
+    snap = kc.read_counters(m)
+    assert snap.block_size == memory.CPU_BLOCK_SIZE and snap.prefix_caching is True
+    assert snap.num_gpu_blocks == memory.embedded_kv_capacity(1, "llmlab-tiny").blocks
+    assert 0.0 <= snap.kv_usage <= 1.0
 
 
 @pytest.mark.server
@@ -45,19 +45,20 @@ def test_live_prefix_cache_hits_the_predicted_whole_blocks(live):
     client, model, url, key = live
     # token ids make the lengths exact; random first tokens make every block new to the cache
     prompt = [secrets.randbelow(4000) + 10 for _ in range(2)] + [(7 * i) % 4000 + 10 for i in range(298)]
-    before = kc.kv_snapshot(kc.fetch_metrics(url, key))
+    before = kc.counters(client)
     first = kc.timed_completion(client, model, prompt, max_tokens=2)
-    middle = kc.wait_for_request(url, key, before)
+    middle = kc.wait_for_request(client, before)
     second = kc.timed_completion(client, model, prompt, max_tokens=2)
-    after = kc.wait_for_request(url, key, middle)
-    d1, d2 = kc.snapshot_delta(before, middle), kc.snapshot_delta(middle, after)
+    after = kc.wait_for_request(client, middle)
+    d1, d2 = middle - before, after - middle
     assert first["prompt_tokens"] == second["prompt_tokens"] == 300
-    assert (d1["prefix_cache_queries"], d1["prefix_cache_hits"]) == (300, 0)
-    assert (d2["prefix_cache_queries"], d2["prefix_cache_hits"]) == (300, kc.prefix_cache_hit_tokens(300, 300))
-    assert d2["prefill_computed_sum"] == 300 - 256 and d1["prefill_computed_sum"] == 300
+    assert (d1.prefix_queries, d1.prefix_hits) == (300, 0)
+    assert (d2.prefix_queries, d2.prefix_hits) == (300, kc.prefix_cache_hit_tokens(300, 300))
+    assert d2.prefill_computed.sum == 300 - 256 and d1.prefill_computed.sum == 300
+    assert (d1.prefill_computed.count, d2.prefill_computed.count) == (1, 1)
     assert first["text"] == second["text"]  # the cached keys and values give the same greedy tokens
     # the same hit, read from the request's own usage: what a learner of a shared server counts
-    assert (first["cached_tokens"], second["cached_tokens"]) == (0, d2["prefix_cache_hits"])
+    assert (first["cached_tokens"], second["cached_tokens"]) == (0, d2.prefix_hits)
 
 
 @pytest.mark.server
@@ -67,10 +68,10 @@ def test_live_kv_usage_counts_the_blocks_of_the_running_request(live):
     # busy streaming) still counts 3; with 300 + 100 tokens a fourth block came at the 85th token
     prompt = [secrets.randbelow(4000) + 10 for _ in range(260)]
     reading = kc.usage_while_running(client, model, prompt, max_tokens=120)
-    assert reading["alone"], f"(running, finished meanwhile) at each reading: {reading['tries']}"
-    assert reading["during"]["requests_running"] == 1
-    assert reading["blocks_held"] == kc.blocks_for(260 + 120, memory.CPU_BLOCK_SIZE) == 3
-    assert reading["after"]["kv_cache_usage"] == 0.0
+    assert reading.alone, f"(running, finished meanwhile) at each reading: {reading.tries}"
+    assert reading.during.running == 1
+    assert reading.blocks_held == kc.blocks_for(260 + 120, memory.CPU_BLOCK_SIZE) == 3
+    assert reading.after.kv_usage == 0.0
 
 
 @pytest.mark.server
@@ -111,7 +112,7 @@ def test_live_kv_usage_is_not_called_alone_while_another_request_runs(live):
         done.set()
         for worker in workers:
             worker.join()
-    assert not reading["alone"], reading["tries"]
+    assert not reading.alone, reading.tries
 
 
 def test_lesson_02_holds_against_a_server_started_without_llmlabs_flags(tmp_path, monkeypatch):

@@ -34,9 +34,9 @@ def test_one_adapter_slot_makes_two_adapters_take_turns(served):
     one = batching.measure(client, lora.send_mixed, client, {"kjv": 8}, m)
     two = batching.measure(client, lora.send_mixed, client, {"kjv": 4, "rv1909": 4}, m)
     for run in (one, two):
-        assert run["alone"] and [r.output_tokens for r in run["result"].records] == [m] * 8
-    assert m <= one["delta"]["steps"] < 2 * m, one["delta"]
-    assert two["delta"]["steps"] >= 2 * m, two["delta"]
+        assert run.alone and [r.output_tokens for r in run.result.records] == [m] * 8
+    assert m <= one.delta.steps < 2 * m, one.delta
+    assert two.delta.steps >= 2 * m, two.delta
 
 
 def test_the_proxy_keeps_runtime_adapter_loading_closed(served):

@@ -18,7 +18,7 @@ from llmlab import kvcache, prefixcache
 @pytest.mark.server
 def test_one_salt_shares_the_system_prompt_a_salt_each_never(embedded):
     client, model = llmlab.connect(quiet=True)
-    block = kvcache.kv_snapshot(kvcache.fetch_metrics(client.base_url, client.api_key))["block_size"]
+    block = kvcache.counters(client).block_size
     # the peak is a sample of /metrics taken while the room runs: the room must outlast a slow scrape. 12 learners
     # x 64 tokens took 0.5 s here, and one of CI's runs saw no block held; 30 x 96 (prompt and answer fill the
     # 512-token context) keeps the engine busy several times longer
@@ -29,15 +29,16 @@ def test_one_salt_shares_the_system_prompt_a_salt_each_never(embedded):
              for shared in (True, False)}
     lengths, shared_tokens = prefixcache.server_lengths(client, model, prompts)
     for salts, room in rooms.values():
-        d = room["delta"]  # the server's counters (this server is the test's alone) and the requests' own usage agree
-        assert room["hits"] == d["prefix_cache_hits"] == prefixcache.expected_hits(lengths, shared_tokens, block, salts)
-        assert d["prefix_cache_queries"] == d["prompt_tokens"] == sum(lengths) == room["hits"] + room["computed"]
-        assert d["prefill_computed_sum"] == sum(lengths) - d["prefix_cache_hits"] == room["computed"]
-        assert not room["others"]
-        assert 0 < room["peak_blocks"] <= prefixcache.expected_blocks(lengths, shared_tokens, block, salts, answer)
-        assert [r.output_tokens for r in room["result"].records] == [answer] * learners
-    assert rooms[True][1]["hits"] == (learners - 1) * (shared_tokens // block * block) > 0
-    assert rooms[False][1]["hits"] == 0
+        d = room.delta  # the server's counters (this server is the test's alone) and the requests' own usage agree
+        assert room.hits == d.prefix_hits == prefixcache.expected_hits(lengths, shared_tokens, block, salts)
+        assert d.prefix_queries == d.prompt_tokens == sum(lengths) == room.hits + room.computed
+        assert d.prefill_computed.sum == sum(lengths) - d.prefix_hits == room.computed
+        assert d.finished == d.prefill_computed.count == learners
+        assert not room.others
+        assert 0 < room.peak_blocks <= prefixcache.expected_blocks(lengths, shared_tokens, block, salts, answer)
+        assert [r.output_tokens for r in room.result.records] == [answer] * learners
+    assert rooms[True][1].hits == (learners - 1) * (shared_tokens // block * block) > 0
+    assert rooms[False][1].hits == 0
 
 
 @pytest.mark.server
@@ -46,11 +47,10 @@ def test_a_salt_is_a_wall_between_learners(embedded):
     prompt, mine, theirs = prefixcache.room_prompts(prefixcache.SYSTEM, 1)[0], *prefixcache.room_salts(2, False)
     hits = []
     for salt in (mine, mine, theirs):
-        before = kvcache.kv_snapshot(kvcache.fetch_metrics(client.base_url, client.api_key))
+        before = kvcache.counters(client)
         client.completions.create(model=model, prompt=prompt, max_tokens=1,
                                   extra_body={"cache_salt": salt})
-        hits.append(kvcache.wait_for_request(client.base_url, client.api_key, before)["prefix_cache_hits"]
-                    - before["prefix_cache_hits"])
+        hits.append((kvcache.wait_for_request(client, before) - before).prefix_hits)
     assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0  # the same prompt: found under its salt only
     with pytest.raises(openai.BadRequestError, match="cache_salt"):  # vLLM refuses a salt with a '/'
         client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"cache_salt": "a/b"})

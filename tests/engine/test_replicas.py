@@ -22,9 +22,9 @@ import openai
 import pytest
 
 import llmlab
-from llmlab import engines, kvcache, replicas
+from llmlab import engines, replicas
 from llmlab.serve.info import ServerInfo
-from llmlab.serve.metrics import fetch_metrics
+from llmlab.serve.metrics import fetch_metrics, read_counters
 from llmlab.serve.proc import pid_alive
 
 
@@ -109,7 +109,7 @@ def two_models(embedded):
 
 def _finished(servers) -> list[float]:
     """Each engine's count of finished requests, read from the engine itself (its own /metrics, its own key)."""
-    return [kvcache.kv_snapshot(fetch_metrics(base_url, key))["requests_finished"] for base_url, key in servers]
+    return [read_counters(fetch_metrics(base_url, key)).finished for base_url, key in servers]
 
 
 @pytest.mark.server

@@ -9,6 +9,7 @@ the two ways of batching to the real engine, and lesson 16's cells assert its sm
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +18,7 @@ from check_helpers import not_yet, right
 
 from llmlab import batching, check
 from llmlab.loadtest import LoadResult, Record
-from llmlab.serve.metrics import parse_prometheus
+from llmlab.serve.metrics import Histogram, parse_prometheus, read_counters
 
 RECORDED = (Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "0.32.0" / "metrics.txt").read_text()
 
@@ -93,18 +94,17 @@ def test_the_lessons_workloads_are_the_ones_its_text_describes():
 
 # --- the counters, from a recorded scrape -------------------------------------------------------------------------
 
-def test_the_counters_come_from_vllms_own_metric_names(monkeypatch):
+def test_the_counters_come_from_vllms_own_metric_names():
     """The recorded scrape (vLLM 0.32, after one request: 6 prompt and 8 generated tokens) has every metric the
     lesson reads; a renamed one would read as 0 steps."""
-    metrics = parse_prometheus(RECORDED)
-    monkeypatch.setattr(batching, "fetch_metrics", lambda url, key: metrics)
-    now = batching.counters(SimpleNamespace(base_url="http://x/v1", api_key="k"))
-    assert now["steps"] >= 1 and now["step_tokens"] == 6 + 8 and now["generated"] == 8
-    assert now["finished"] == 1 and now["preemptions"] == 0 and now["preempted_again"] == 0
-    assert batching.difference(dict.fromkeys(now, 0.0), now) == {k: int(v) for k, v in now.items()}
+    now = read_counters(parse_prometheus(RECORDED))
+    assert now.steps >= 1 and now.step_tokens == 6 + 8 and now.generated == 8
+    assert now.finished == 1 and now.preemptions == 0 and now.preempted_again == 0
+    grew = now - batching.Counters()
+    assert (grew.steps, grew.step_tokens, grew.generated, grew.finished) == (now.steps, 14, 8, 1)
 
 
-def test_the_requests_preempted_more_than_once_come_from_the_per_request_histogram(monkeypatch):
+def test_the_requests_preempted_more_than_once_come_from_the_per_request_histogram():
     """vLLM observes each finished request's preemptions; its lowest bucket is le="1.0" (never or once), so the
     requests above it were preempted more than once: here 1 of 6, the 3 preemptions on 2 requests at most."""
     lines = [line for line in RECORDED.splitlines() if not line.startswith("vllm:request_num_preemptions")]
@@ -113,9 +113,7 @@ def test_the_requests_preempted_more_than_once_come_from_the_per_request_histogr
               f'{5.0 if le == "1.0" else 6.0}' for le in edges]
     lines += ['vllm:request_num_preemptions_count{engine="0",model_name="m"} 6.0',
               'vllm:request_num_preemptions_sum{engine="0",model_name="m"} 3.0']
-    metrics = parse_prometheus("\n".join(lines) + "\n")
-    monkeypatch.setattr(batching, "fetch_metrics", lambda url, key: metrics)
-    assert batching.counters(SimpleNamespace(base_url="http://x/v1", api_key="k"))["preempted_again"] == 1
+    assert read_counters(parse_prometheus("\n".join(lines) + "\n")).preempted_again == 1
 
 
 # --- a run's mean batch -------------------------------------------------------------------------------------------
@@ -188,15 +186,16 @@ def test_recomputed_tokens(capsys):
 
 # --- reading a run: the table and the picture, from made-up records and scrapes ----------------------------------
 
-def made_up_run(preemptions: int = 0, every: float | None = 0.1) -> dict:
+def made_up_run(preemptions: int = 0, every: float | None = 0.1) -> batching.Measured:
     from llmlab import top
 
     result = records((10.0, 11.0), (10.2, 12.0), (10.4, 11.5))
     sampler = SimpleNamespace(points=[top.Point(t=10.0 + i / 10, running=min(i, 3), waiting=max(0, 2 - i))
                                       for i in range(20)], every=every)
     sampler.peak = lambda name: int(max(getattr(p, name) for p in sampler.points))
-    delta = {"steps": 40, "step_tokens": 100, "preemptions": preemptions, "generated": 12, "finished": 3}
-    return {"result": result, "summary": result.summary(), "delta": delta, "sampler": sampler, "alone": True}
+    steps = Histogram({1.0: 10.0, 8.0: 40.0, math.inf: 40.0}, 100.0, 40.0)  # 40 steps of 100 tokens in all
+    delta = batching.Counters(step_sizes=steps, preemptions=preemptions, generated=12, finished=3)
+    return batching.Measured(result, result.summary(), delta, sampler, alone=True)
 
 
 def test_the_table_has_one_row_per_run_with_the_engines_steps_and_the_peaks():

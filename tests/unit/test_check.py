@@ -710,8 +710,10 @@ def test_step_overhead_check_names_each_mistake(capsys):
 
 def test_speculative_decoding_checks_name_what_is_wrong(capsys):
     """Notebook 12's checks: rates from the counters (per token drafted, per pass), and the formula's sum."""
-    before = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "generated": 0.0, "accepted_at": [0.0] * 4}
-    after = {"drafts": 10.0, "draft_tokens": 40.0, "accepted": 25.0, "generated": 60.0, "accepted_at": [8.0, 7, 5, 5]}
+    from llmlab.serve.metrics import Counters
+
+    before = Counters(accepted_at=(0,) * 4)
+    after = Counters(drafts=10, draft_tokens=40, accepted=25, generated=60, accepted_at=(8, 7, 5, 5))
     # 60 tokens in 35 passes: 25 passes saved of 60 (42 %); 40 drafted, 25 kept, 15 verified for nothing
     right(capsys, check.spec_savings, 25 / 60, 15, before, after)
     not_yet(check.spec_savings, 25 / 40, 15, before, after, hint="that is the acceptance rate")
@@ -720,7 +722,7 @@ def test_speculative_decoding_checks_name_what_is_wrong(capsys):
     not_yet(check.spec_savings, 25 / 60, 25, before, after, hint="the model kept")
     not_yet(check.spec_savings, 25 / 60, 40, before, after, hint="subtract them")
     not_yet(check.spec_savings, 25 / 60, 10, before, after, hint="verified 40 drafted tokens and kept 25")
-    not_yet(check.spec_savings, 0.5, 1.0, before, before | {"generated": 5.0}, hint="counted no drafts")
+    not_yet(check.spec_savings, 0.5, 1.0, before, Counters(generated=5), hint="counted no drafts")
     per_step = [sum(0.6 ** i for i in range(k + 1)) for k in range(1, 9)]
     right(capsys, check.draft_length, per_step, 5)
     not_yet(check.draft_length, per_step[:4], 5, hint="a list of 8 numbers")

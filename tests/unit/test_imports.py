@@ -137,6 +137,34 @@ def test_vllms_metric_names_are_spelled_in_one_module():
                      and node.value.startswith("vllm:") and " " not in node.value)
     assert not spelled, "vLLM metric names outside llmlab.serve.metrics:\n" + "\n".join(spelled)
 
+
+# vLLM's counters and histograms (llmlab/serve/metrics.py's names): they only grow, so a lesson subtracts two scrapes
+COUNTED = {"PROMPT_TOKENS", "PROMPT_BY_SOURCE", "GENERATED", "FINISHED", "PREFIX_QUERIES", "PREFIX_HITS", "PREEMPTIONS",
+           "REQUEST_PREEMPTIONS", "STEPS", "DRAFTS", "DRAFT_TOKENS", "ACCEPTED", "ACCEPTED_AT", "TTFT", "ITL", "E2E",
+           "PREFILL_COMPUTED"}
+
+
+def test_a_lesson_reads_vllms_counters_through_the_one_snapshot_type():
+    """One snapshot type (issue 49): every lesson that subtracts counters reads them as
+    ``llmlab.serve.metrics.Counters`` (``after - before``), so none picks a counter out of a scrape itself --
+    ``m.value(GENERATED)``, ``m[STEPS + "_bucket"]`` or ``histogram(m, ITL)`` -- and subtracts it its own way."""
+    def named(node) -> str | None:
+        node = node.left if isinstance(node, ast.BinOp) else node  # STEPS + "_count"
+        return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+    found = []
+    for m, path in MODULES.items():
+        if floor(m) != FLOOR["lesson"]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            picked = (isinstance(node, ast.Call) and node.args and named(node.args[-1 if named(node.func) ==
+                      "histogram" else 0]) in COUNTED and named(node.func) in ("value", "histogram")) or (
+                isinstance(node, ast.Subscript) and named(node.slice) in COUNTED)
+            if picked:
+                found.append(f"{m}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "counters read outside llmlab.serve.metrics.Counters:\n" + "\n".join(found)
+
+
 # --- the notebooks: a learner who follows an import lands in a lesson module -------------------------------------
 
 NOTEBOOK_ROOT = PACKAGE.parent

@@ -8,6 +8,7 @@ This file holds the pure tests (no engine, no SLURM, no root, no browser); the r
 tests/engine/test_kvcache.py (the tests that start the real engine).
 """
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -175,17 +176,22 @@ def test_prometheus_parser_names_a_bad_line_and_a_missing_metric():
     assert m.value("absent", default=0.0) == 0.0
 
 
-def test_kv_snapshot_and_delta():
-    m = kc.parse_prometheus(EXPOSITION)
-    snap = kc.kv_snapshot(m)
-    assert snap["prefix_cache_queries"] == 1500.0 and snap["prefix_cache_hits"] == 768.0
-    assert (snap["block_size"], snap["num_gpu_blocks"], snap["prefix_caching"]) == (128, 4096, True)
-    assert "num_cpu_blocks" not in snap and snap["requests_finished"] == 4.0
-    later = dict(snap, prefix_cache_queries=1900.0, prefix_cache_hits=1152.0, ttft_sum=0.3, kv_cache_usage=0.0)
-    d = kc.snapshot_delta(snap, later)
-    assert d["prefix_cache_queries"] == 400.0 and d["prefix_cache_hits"] == 384.0
-    assert d["ttft_sum"] == pytest.approx(0.05) and d["kv_cache_usage"] == 0.0
+def test_counters_of_a_scrape_and_their_difference():
+    from llmlab.serve.metrics import Histogram
 
+    m = kc.parse_prometheus(EXPOSITION)
+    snap = kc.read_counters(m)
+    assert (snap.prefix_queries, snap.prefix_hits) == (1500, 768)
+    assert (snap.block_size, snap.num_gpu_blocks, snap.prefix_caching) == (128, 4096, True)
+    assert snap.num_cpu_blocks is None and snap.finished == 4
+    later = dataclasses.replace(snap, prefix_queries=1900, prefix_hits=1152, kv_usage=0.0,
+                                ttft=Histogram({le: n + 1 for le, n in snap.ttft.buckets.items()}, 0.3,
+                                                  snap.ttft.count + 1))
+    d = later - snap
+    assert (d.prefix_queries, d.prefix_hits, d.finished) == (400, 384, 0)
+    assert d.ttft.sum == pytest.approx(0.05) and d.ttft.count == 1
+    assert d.kv_usage == 0.0 and d.num_gpu_blocks == 4096   # gauges and the configuration: the later scrape's
+    assert not later.restarted_since(snap) and snap.restarted_since(later)
 
 
 def test_a_histogram_between_two_scrapes_is_their_difference_with_an_exact_mean_and_a_bucketed_p50():
@@ -232,10 +238,10 @@ def test_a_histogram_sums_its_engines_and_says_what_it_lacks():
 
 def test_blocks_in_use_inverts_vllms_usage_gauge():
     # vLLM: usage = 1 - free / (num_gpu_blocks - 1); 4 blocks held of 4,096 (one is the null block)
-    assert kc.blocks_in_use({"kv_cache_usage": 4 / 4095, "num_gpu_blocks": 4096}) == 4
-    assert kc.blocks_in_use({"kv_cache_usage": 0.0, "num_gpu_blocks": 4096}) == 0
-    with pytest.raises(KeyError, match="cache_config_info"):
-        kc.blocks_in_use({"kv_cache_usage": 0.5})
+    assert kc.blocks_in_use(kc.Counters(kv_usage=4 / 4095, num_gpu_blocks=4096)) == 4
+    assert kc.blocks_in_use(kc.Counters(kv_usage=0.0, num_gpu_blocks=4096)) == 0
+    with pytest.raises(ValueError, match="cache_config_info"):
+        kc.blocks_in_use(kc.Counters(kv_usage=0.5))
 
 
 @pytest.mark.parametrize("url", ["http://h:8000/v1", "http://h:8000/v1/", "http://h:8000"])

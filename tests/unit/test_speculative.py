@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from llmlab import speculative
+from llmlab.serve.metrics import Counters
 from llmlab.serve.paths import TINY_MODEL
 
 
@@ -60,19 +61,19 @@ def test_expected_tokens_per_step_is_the_geometric_sum():
             speculative.expected_tokens_per_step(alpha, k)
 
 
-def test_a_delta_without_output_tokens_is_refused():
-    snap = {"drafts": 3.0, "draft_tokens": 12.0, "accepted": 5.0, "generated": 40.0,
-            "accepted_at": [2.0, 1.0, 1.0, 1.0]}
-    with pytest.raises(ValueError, match="no output tokens between these snapshots"):
-        speculative.spec_delta(snap, snap)
-    later = {"drafts": 5.0, "draft_tokens": 20.0, "accepted": 11.0, "generated": 60.0,
-             "accepted_at": [4.0, 3.0, 2.0, 2.0]}
-    d = speculative.spec_delta(snap, later)
-    assert (d["acceptance_rate"], d["mean_accepted"], d["tokens_per_step"]) == (6 / 8, 3.0, 20 / 14)
-    assert d["accepted_at"] == [1.0, 1.0, 0.5, 0.5]
+def test_a_difference_without_output_tokens_is_refused():
+    snap = Counters(drafts=3, draft_tokens=12, accepted=5, generated=40, accepted_at=(2, 1, 1, 1))
+    with pytest.raises(ValueError, match="no output tokens between these scrapes"):
+        speculative.speculation(snap - snap)
+    later = Counters(drafts=5, draft_tokens=20, accepted=11, generated=60, accepted_at=(4, 3, 2, 2))
+    d = speculative.speculation(later - snap)
+    assert (d.acceptance_rate, d.mean_accepted, d.tokens_per_step) == (6 / 8, 3.0, 20 / 14)
+    assert d.accepted_at == [1.0, 1.0, 0.5, 0.5]
     table = speculative.position_table(d)
     assert list(table["if independent"]) == [1.0] * 4  # position 0's share, 1.0 here, to the power p + 1
     assert list(table["given the one before"]) == [1.0, 1.0, 0.5, 1.0]
+    first = Counters(drafts=2, draft_tokens=8, accepted=3, generated=20)  # a server's first scrape: no positions yet
+    assert speculative.speculation(later - first).accepted_at == [4 / 3, 1.0, 2 / 3, 2 / 3]
 
 
 def test_tokens_per_drafting_step_are_one_plus_r_k_and_the_formula_needs_the_conditional_alpha():
@@ -82,13 +83,11 @@ def test_tokens_per_drafting_step_are_one_plus_r_k_and_the_formula_needs_the_con
     alpha, k, drafts = 0.6, 4, 1000.0
     shares = [alpha ** (p + 1) for p in range(k)]  # independent: accepted up to p with probability alpha^(p+1)
     accepted = drafts * sum(shares)
-    d = speculative.spec_delta({"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "generated": 0.0,
-                                "accepted_at": [0.0] * k},
-                               {"drafts": drafts, "draft_tokens": drafts * k, "accepted": accepted,
-                                "generated": 5000.0, "accepted_at": [drafts * s for s in shares]})
-    r = d["acceptance_rate"]
-    assert r == pytest.approx(0.3264) and 1 + r * k == pytest.approx(1 + d["mean_accepted"])
-    assert 1 + d["mean_accepted"] == pytest.approx(speculative.expected_tokens_per_step(alpha, k))  # 2.31
+    d = speculative.speculation(Counters(drafts=drafts, draft_tokens=drafts * k, accepted=accepted, generated=5000,
+                                         accepted_at=tuple(drafts * s for s in shares)) - Counters())
+    r = d.acceptance_rate
+    assert r == pytest.approx(0.3264) and 1 + r * k == pytest.approx(1 + d.mean_accepted)
+    assert 1 + d.mean_accepted == pytest.approx(speculative.expected_tokens_per_step(alpha, k))  # 2.31
     assert speculative.expected_tokens_per_step(r, k) == pytest.approx(1.48, abs=0.01)  # r is not alpha
     assert speculative.conditional_acceptance(d) == pytest.approx([alpha] * k)
     table = speculative.position_table(d)

@@ -312,14 +312,30 @@ def gaps_during(decoders, arrivals) -> tuple[list[float], list[float]]:
     return during, other
 
 
+@dataclass(frozen=True)
+class Arrivals:
+    """Long prompts arriving while others decode (:func:`itl_while_prompts_arrive`): the ``decoders``' and the
+    ``arrivals``' runs, the decoders' gaps between tokens that overlapped a long prompt's prefill (``during``) and
+    the ``other`` gaps, in seconds, and how many arrivals were prefilled while the decoders still ran
+    (``overlapped``).  ``+`` pools two rounds of one server."""
+
+    decoders: loadtest.LoadResult
+    arrivals: loadtest.LoadResult
+    during: list[float]
+    other: list[float]
+    overlapped: int
+
+    def __add__(self, more: Arrivals) -> Arrivals:
+        return Arrivals(loadtest.LoadResult(self.decoders.records + more.decoders.records),
+                        loadtest.LoadResult(self.arrivals.records + more.arrivals.records),
+                        self.during + more.during, self.other + more.other, self.overlapped + more.overlapped)
+
+
 def itl_while_prompts_arrive(client, model: str, long_prompts: list, decoders: int = 8,
-                             decode_tokens: int = 384, tries: int = 3) -> dict:
+                             decode_tokens: int = 384, tries: int = 3) -> Arrivals:
     """``decoders`` requests decode ``decode_tokens`` tokens each; once they are under way (the server has
     generated 4 tokens per decoder), the ``long_prompts`` arrive one after another (each asking for one token,
     under a fresh salt: no cache hits).
-
-    Returns ``{"decoders": LoadResult, "arrivals": LoadResult, "during": gaps overlapping a prefill,
-    "other": the other gaps, "overlapped": arrivals whose prefill fell inside the decoding}``.
 
     On a loaded machine a busy server may answer one ``/metrics`` scrape only after the decoders have finished (a
     clean clone's run saw it once, on two cores with another engine starting): such a round measured nothing and
@@ -342,42 +358,35 @@ def itl_while_prompts_arrive(client, model: str, long_prompts: list, decoders: i
     last_token = min(token_times(r)[-1] for r in running.ok)
     overlapped = sum(a.start + a.ttft <= last_token for a in arrivals.ok)
     during, other = gaps_during(running, arrivals)
-    return {"decoders": running, "arrivals": arrivals, "during": during, "other": other, "overlapped": overlapped}
+    return Arrivals(running, arrivals, during, other, overlapped)
 
 
 def compare_itl(servers: dict, long_prompts: list, rounds: int = 2, decoders: int = 8,
-                decode_tokens: int = 384) -> dict[str, dict]:
+                decode_tokens: int = 384) -> dict[str, Arrivals]:
     """:func:`itl_while_prompts_arrive` on every server (``{"name": (client, model)}``), ``rounds`` times,
     alternating the servers so that a busy moment of the machine does not land on one of them only; each
     server's rounds pooled into one result."""
     _count(rounds, "rounds")
-    pooled: dict[str, dict] = {}
+    pooled: dict[str, Arrivals] = {}
     for _ in range(rounds):
         for name, (client, model) in servers.items():
             run = itl_while_prompts_arrive(client, model, long_prompts, decoders, decode_tokens)
-            if name not in pooled:
-                pooled[name] = run
-                continue
-            into = pooled[name]
-            into["during"], into["other"] = into["during"] + run["during"], into["other"] + run["other"]
-            into["overlapped"] += run["overlapped"]
-            for key in ("decoders", "arrivals"):
-                into[key] = loadtest.LoadResult(into[key].records + run[key].records)
+            pooled[name] = pooled[name] + run if name in pooled else run
     return pooled
 
 
-def itl_table(runs: dict[str, dict]) -> pd.DataFrame:
+def itl_table(runs: dict[str, Arrivals]) -> pd.DataFrame:
     """One row per :func:`itl_while_prompts_arrive` result: the running requests' gaps (ms) while a long prompt
     was prefilled and otherwise, and the long prompts' own TTFT."""
     import numpy as np
 
     rows = {}
     for name, run in runs.items():
-        ttft = [a.ttft for a in run["arrivals"].ok]
-        rows[name] = {"gap p50, otherwise": np.median(run["other"]) * 1e3,
-                      "gap p50, during a prefill": np.median(run["during"]) * 1e3 if run["during"] else np.nan,
-                      "gap max": max(run["during"] + run["other"]) * 1e3,
-                      "gap p99": np.percentile(run["during"] + run["other"], 99) * 1e3,
+        ttft = [a.ttft for a in run.arrivals.ok]
+        rows[name] = {"gap p50, otherwise": np.median(run.other) * 1e3,
+                      "gap p50, during a prefill": np.median(run.during) * 1e3 if run.during else np.nan,
+                      "gap max": max(run.during + run.other) * 1e3,
+                      "gap p99": np.percentile(run.during + run.other, 99) * 1e3,
                       "long prompt TTFT p50": np.median(ttft) * 1e3}
     return pd.DataFrame(rows).T.round(1)
 

@@ -5,6 +5,8 @@ release's metric names -- all from one scrape.  The parser is our own (about 30 
 strict: a malformed line raises ``ValueError`` naming it rather than being skipped.  ``llmlab.kvcache``
 re-exports these names for the lesson.  ``histogram`` reads one histogram of a scrape; two scrapes' difference is
 what the server observed between them (``llmlab metrics``' quantiles, the GPU parity benchmark's server-side TTFT).
+:class:`Counters` is the one snapshot type of the lessons: the figures they follow, read from one scrape, and
+``after - before`` what happened in between.
 """
 
 from __future__ import annotations
@@ -229,9 +231,10 @@ class Counters:
     """The figures of one ``/metrics`` scrape that the lessons follow, summed over engines.
 
     Why one type: what some requests did on a server is ``after - before`` of its counters, and lessons 02 (the prefix
-    cache), 12 (drafts), 13 (a room), 15 (replicas), 16 (engine steps, preemptions), 18 (the decoder's steps) and
-    ``llmlab top`` (rates) all subtract.  ``after - before`` subtracts the counters and the histograms; the gauges
-    (``running``, ``waiting``, ``kv_usage``) and the cache's configuration are the later scrape's, as they are *now*.
+    cache), 12 (drafts), 13 (a room), 15 (replicas), 16, 17 and 19 (engine steps, preemptions), 18 (the decoder's
+    steps) and ``llmlab top`` (rates) all subtract.  ``after - before`` subtracts the counters and the histograms;
+    the gauges (``running``, ``waiting``, ``kv_usage``) and the cache's configuration are the later scrape's, as they
+    are *now*.
     A metric this server does not export reads 0 (or ``None`` for the configuration), so a lesson can say what the
     server does not report and go on.  Counters are whole numbers: tokens, requests, steps."""
 

@@ -76,7 +76,7 @@ def regenerate(folder: Path) -> None:
         if not (text := launch_logs(path)):
             continue
         result = json.loads(path.read_text())
-        job = jobs.settings(result["job"], **result.get("layout", {}))  # nodes, GPUs, tp, pp: as the run had them
+        job = cluster.settings(result["job"], **result.get("layout", {}))  # nodes, GPUs, tp, pp: as the run had them
         result["memory_log"], result["kv_tokens"] = rehearse.kv_record(text, kv_layout(job))
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"{path}: KV tokens {result['kv_tokens']}")
@@ -120,14 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     if not a.job:
         ap.error("name a job of slurm/models.toml (or --regenerate DIR)")
 
-    job = jobs.settings(a.job, nodes=a.nodes, gpus_per_node=a.gpus_per_node, tp=a.tp, pp=a.pp, backend=a.backend,
-                        gpu=a.gpu_type, max_model_len=a.max_model_len)
+    job = cluster.settings(a.job, nodes=a.nodes, gpus_per_node=a.gpus_per_node, tp=a.tp, pp=a.pp, backend=a.backend,
+                           gpu=a.gpu_type, max_model_len=a.max_model_len)
     plan = cluster.check_layout(job)  # what llmlab launch checks before it submits: refused here as there
     out = a.out
     (out / "states").mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="llmlab-home-"))
     settings = home / "models.toml"  # the layout the launcher reads, as llmlab launch writes it
-    settings.write_text(jobs.settings_toml(job))
+    settings.write_text(cluster.settings_toml(job))
     model_dir = home / "model"
     tok = rehearsal.make_dummy_model(job.model, model_dir)
     node = socket.gethostname()

@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmlab.ops import cli_jobs, cli_room, cli_top, cli_weights, course, doctor, exercises, jobs
+from llmlab.cluster import JobError
+from llmlab.ops import cli_jobs, cli_room, cli_top, cli_weights, course, doctor, exercises
 from llmlab.serve import embedded
 from llmlab.serve.info import ServerError
 
@@ -462,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         args.jupyter_args = args.jupyter_args[1:]
     try:
         return args.func(args)
-    except (ServerError, jobs.JobError) as e:
+    except (ServerError, JobError) as e:
         print(f"llmlab: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

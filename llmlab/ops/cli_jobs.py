@@ -13,7 +13,7 @@ import shlex
 import sys
 import time
 
-from llmlab import memory
+from llmlab import cluster, memory
 from llmlab.ops import jobs
 from llmlab.serve.vllm import installed_vllm, split_args, vllm_outside_range
 
@@ -26,7 +26,7 @@ def cmd_launch(a) -> int:
     try:
         extra = split_args(a.extra_vllm_args) if a.extra_vllm_args else None
     except ValueError as e:
-        raise jobs.JobError(f"--extra-vllm-args: {e}") from None
+        raise cluster.JobError(f"--extra-vllm-args: {e}") from None
     overrides = dict(nodes=a.nodes, gpus_per_node=a.gpus_per_node, gpu=a.gpu_type, tp=a.tp, pp=a.pp,
                      dtype=a.dtype, max_model_len=a.max_model_len, backend=a.backend,
                      expert_parallel=a.expert_parallel or None,
@@ -34,9 +34,9 @@ def cmd_launch(a) -> int:
     if len(a.model) > 1:
         return cmd_launch_set(a, overrides)
     a.model = a.model[0]
-    plan = jobs.prepare(a.model, account=a.account, partition=a.partition, time_limit=a.time,
-                        extra_sbatch=a.sbatch or [], command=shlex.join(sys.argv[2:]), share=a.share,
-                        share_dir=a.share_dir, rehearse=a.rehearse, **overrides)
+    plan = cluster.prepare(a.model, account=a.account, partition=a.partition, time_limit=a.time,
+                           extra_sbatch=a.sbatch or [], command=shlex.join(sys.argv[2:]), share=a.share,
+                           share_dir=a.share_dir, rehearse=a.rehearse, **overrides)
     if not a.dry_run:
         jobs.require_slurm("sbatch")  # before the plan: on a laptop, say so first
     check_weights(a, [plan])
@@ -51,7 +51,7 @@ def cmd_launch(a) -> int:
     if not a.json:
         against = plan.job.gpu if plan.job.engine == "gpu" else "the CPU engine"
         print(f"Plan for {plan.job.name} (checked against {against}):")
-        print(jobs.table(jobs.plan_rows(plan.report)))
+        print(cluster.table(cluster.plan_rows(plan.report)))
         print()
         print(dry.rstrip())
     if a.dry_run:
@@ -75,7 +75,7 @@ def check_weights(a, plans) -> None:
     for plan in plans:
         problem = None if plan.rehearse else preflight.weights_problem(plan.job, from_hub=a.from_hub)
         if problem and not a.dry_run:
-            raise jobs.JobError(problem)
+            raise cluster.JobError(problem)
         if problem:
             print(f"warning: the submission would be refused: {problem}", file=sys.stderr)
 
@@ -86,7 +86,7 @@ def check_compute_node(plan) -> None:
 
     problem, found = preflight.compute_node_problem(plan)
     if problem:
-        raise jobs.JobError(problem)
+        raise cluster.JobError(problem)
     print(f"pre-flight: {found}", file=sys.stderr)
 
 
@@ -97,12 +97,12 @@ def cmd_launch_set(a, overrides: dict) -> int:
     from llmlab.ops import front
 
     if a.rehearse or any(v is not None for v in overrides.values()):
-        raise jobs.JobError("--nodes, --tp, --pp, --gpu-type, --dtype, ... and --rehearse apply to one model: with "
-                            "several, each takes its layout from slurm/models.toml (`llmlab list`); launch a model "
-                            "alone to change it.")
+        raise cluster.JobError("--nodes, --tp, --pp, --gpu-type, --dtype, ... and --rehearse apply to one model: with "
+                               "several, each takes its layout from slurm/models.toml (`llmlab list`); launch a model "
+                               "alone to change it.")
     command = shlex.join(sys.argv[2:])
-    plans = [jobs.prepare(m, account=a.account, partition=a.partition, time_limit=a.time,
-                          extra_sbatch=a.sbatch or [], command=command) for m in a.model]
+    plans = [cluster.prepare(m, account=a.account, partition=a.partition, time_limit=a.time,
+                             extra_sbatch=a.sbatch or [], command=command) for m in a.model]
     front.check_set(plans)
     check_weights(a, plans)
     share = (a.share, share_directory(a.share, a.share_dir)) if a.share else None
@@ -114,7 +114,7 @@ def cmd_launch_set(a, overrides: dict) -> int:
             _json({"plans": [p.report for p in plans], "scripts": [p.script for p in plans], "front": script})
             return 0
         for plan in plans:
-            print(f"Plan for {plan.job.name}:\n{jobs.table(jobs.plan_rows(plan.report))}\n")
+            print(f"Plan for {plan.job.name}:\n{cluster.table(cluster.plan_rows(plan.report))}\n")
         print("--- the front job (not submitted: --dry-run): one endpoint for " + ", ".join(a.model) + " ---")
         print(script, end="")
         return 0
@@ -193,7 +193,7 @@ def cmd_metrics(a) -> int:
             print(json.dumps(mx), flush=True)
         else:
             print(f"[{time.strftime('%H:%M:%S')}] job {a.job_id}, {mx['url']}")
-            print(jobs.table(jobs.metrics_rows(mx)), flush=True)
+            print(cluster.table(jobs.metrics_rows(mx)), flush=True)
         if not a.watch:
             return 0
 

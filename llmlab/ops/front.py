@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from llmlab import cluster
-from llmlab.cluster.plan import DEFAULT_TIME, JobError, Launch, _quoted, one_line
+from llmlab.cluster.layouts import JobError
+from llmlab.cluster.plan import DEFAULT_TIME, Launch, _quoted, one_line
 from llmlab.serve.info import ServerError, ServerInfo, ended_marker, llmlab_home, new_key_file, write_private
 
 WAIT_POLL = 5.0  # seconds between two looks at the models' connection files
@@ -94,17 +95,17 @@ def launch_set(plans: list[Launch], options: dict[str, str], extra_sbatch: list[
     for plan in plans:
         try:
             members.append(jobs.launch(plan))
-        except jobs.JobError as e:
-            raise jobs.JobError(f"{e}{_left_running(members)} Nothing else was submitted.") from None
+        except JobError as e:
+            raise JobError(f"{e}{_left_running(members)} Nothing else was submitted.") from None
     script = front_script([m.job_id for m in members], [p.job.name for p in plans], options, extra_sbatch, share,
                           command=command)
     try:
         front = jobs.launch(Launch(plans[0].job, {"nodes": 1, "gpus": 0, "tp": 0, "pp": 0, "context": 0}, script,
                                    options, share=share), name="front: " + " + ".join(p.job.name for p in plans))
-    except jobs.JobError as e:  # the models' jobs run on: keep the front's script for a resubmission
+    except JobError as e:  # the models' jobs run on: keep the front's script for a resubmission
         saved = llmlab_home() / "logs" / f"front-{'-'.join(m.job_id for m in members)}.sbatch"
         saved.write_text(script)
-        raise jobs.JobError(f"{e} (the front job){_left_running(members)} The front's script is saved: once the "
+        raise JobError(f"{e} (the front job){_left_running(members)} The front's script is saved: once the "
                             f"cause is fixed, `sbatch {saved}` submits it as it is.") from None
     return members, front
 

@@ -7,7 +7,7 @@ address into a notebook.  Here each of those steps is one function (and one ``ll
 - :func:`launch`: submit what ``llmlab.cluster.prepare`` planned (per-model defaults from ``slurm/models.toml``,
   overridden by the caller; the layout checked by ``llmlab.memory`` *before* anything is submitted; a job script
   rendered with those settings embedded), and save the script beside the job's logs.  The planning is the
-  lesson's (``llmlab.cluster.plan``, pure); its names are importable from here too.
+  lesson's (``llmlab.cluster``: its ``layouts`` and ``plan``, pure).
 - :func:`status`: PENDING -> STARTING -> LOADING -> READY, or FAILED with the reason, or STOPPED -- from
   SLURM (``scontrol``), the launcher's output, the vLLM log and the connection file.
 - :func:`metrics`, :func:`logs`, :func:`stop`, :func:`listing`.
@@ -34,16 +34,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmlab import cluster
-from llmlab.cluster.plan import (  # noqa: F401 -- the planning moved to the lesson; the CLI and tests read it here
-    JobError,
-    Launch,
-    check_layout,
-    plan_rows,
-    prepare,
-    settings,
-    settings_toml,
-    table,
-)
+from llmlab.cluster.layouts import JobError, check_layout
+from llmlab.cluster.plan import Launch
 from llmlab.serve.info import ServerError, ServerInfo, ended_jobs, ended_marker, llmlab_home, write_private
 
 # SLURM states of a job that still holds its nodes, and those that mean it ended badly.

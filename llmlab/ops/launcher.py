@@ -4,8 +4,8 @@ Why here, not in the lesson: notebook 08 teaches the layouts (``llmlab.cluster``
 flags, TP vs PP, what a job renders, a server's load progress); this module starts what the rendering says and
 watches it come up.  It is the launcher's own code, run by ``python -m llmlab.ops.launcher``:
 
-- **Rendering** is ``llmlab.cluster.render`` (:func:`render`, :class:`RenderedJob`, :class:`RayLayout`, pure, and
-  importable from here as before); this module adds the node's own addresses (``hostname -I``) for the head.
+- **Rendering** is ``llmlab.cluster.render`` (:func:`render`, :class:`RenderedJob`, :class:`RayLayout`,
+  pure); this module adds the node's own addresses (``hostname -I``) for the head.
 - **Ray** (:func:`wait_for_ray`): a wait that fails fast, with the node's log, when a node's Ray exits.
 - **Readiness** (:func:`wait_until_ready`): poll ``/health`` through the proxy, print the load progress in the
   job's output, end before the job's time limit, then write the connection file.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from llmlab import memory
 from llmlab.cluster import SettingsError, load_progress
-from llmlab.cluster.render import (  # noqa: F401 -- moved to the lesson; tests read these two here too
+from llmlab.cluster.render import (
     LOOPBACK_RAY_IP,
     RenderedJob,
     parse_ray_status,

@@ -184,9 +184,10 @@ def create_accounts(room: Room) -> None:
 
 def start_server(room: Room, timeout: float = 900) -> dict:
     """``llmlab launch llmlab-tiny-cpu --share GROUP``, followed until READY; returns the instructor's view of it."""
+    from llmlab import cluster
     from llmlab.ops import jobs
 
-    plan = jobs.prepare(JOB, nodes=1, share=room.group, share_dir=str(room.share_dir))
+    plan = cluster.prepare(JOB, nodes=1, share=room.group, share_dir=str(room.share_dir))
     room.job_id = jobs.launch(plan).job_id
     say(room, f"job {room.job_id} ({JOB}, shared with {room.group}) submitted; waiting until it serves")
     st = jobs.wait(room.job_id, timeout=timeout, poll=2,

@@ -104,7 +104,7 @@ def launched(slurm_env):
         use_testbed(mp, slurm_env)
         mp.setenv("LLMLAB_STAGE_DIR", str(stage_dir))
         t0 = time.monotonic()
-        record = jobs.launch(jobs.prepare(CPU_JOB))
+        record = jobs.launch(cluster.prepare(CPU_JOB))
         job_id, seen = record.job_id, []
         conn = servers_dir() / f"job-{job_id}.json"
         watch = FileWatch(conn)
@@ -322,7 +322,7 @@ class TestALaunchedJob:
 def test_a_wrong_model_path_fails_with_that_reason(slurm_env, monkeypatch):
     use_testbed(monkeypatch, slurm_env)
     monkeypatch.setenv("LLMLAB_MODEL_PATH", "/nonexistent/llmlab-model")
-    record = jobs.launch(jobs.prepare(CPU_JOB, nodes=1))  # one node: no Ray, so it fails sooner
+    record = jobs.launch(cluster.prepare(CPU_JOB, nodes=1))  # one node: no Ray, so it fails sooner
     out = llmlab_cli("status", record.job_id, "--wait", "--timeout", "600", "--poll", "1")
     assert out.returncode == 1, out.stdout + out.stderr
     st = jobs.status(record.job_id)
@@ -347,7 +347,7 @@ def test_a_queued_job_is_announced_as_loading_and_forgotten_when_cancelled(slurm
     use_testbed(monkeypatch, slurm_env)
     monkeypatch.delenv("LLMLAB_CONNECTION_FILE", raising=False)
     monkeypatch.setattr(embedded, "ensure_embedded", no_fallback)
-    held = [jobs.launch(jobs.prepare(CPU_JOB, nodes=1, extra_sbatch=["--hold"])).job_id for _ in range(2)]
+    held = [jobs.launch(cluster.prepare(CPU_JOB, nodes=1, extra_sbatch=["--hold"])).job_id for _ in range(2)]
     try:
         conn = [cluster.connection_file_of(job_id) for job_id in held]
         info = json.loads(conn[1].read_text())
@@ -380,7 +380,7 @@ def test_a_queued_job_is_announced_as_loading_and_forgotten_when_cancelled(slurm
 @needs_slurm
 def test_launch_rehearse_runs_llmlab_rehearse_in_the_allocation(slurm_env, monkeypatch):
     use_testbed(monkeypatch, slurm_env)
-    record = jobs.launch(jobs.prepare(CPU_JOB, nodes=1, rehearse=True))
+    record = jobs.launch(cluster.prepare(CPU_JOB, nodes=1, rehearse=True))
     done = jobs.wait(record.job_id, timeout=900, poll=2)
     assert done.state == "STOPPED" and done.detail.startswith("rehearsal done"), str(done)
     folder = cluster.job_log_dir(record.job_id) / "rehearsal"
@@ -399,8 +399,8 @@ def test_launch_rehearse_runs_llmlab_rehearse_in_the_allocation(slurm_env, monke
     assert r["vllm_version"] and r["serve_line"].endswith("--load-format dummy") and r["server_stopped"]
     assert (folder / "rehearsal.png").stat().st_size > 10_000
     wait_for(lambda: not job_processes(record.job_id), 60, f"job {record.job_id}'s processes to end")
-    with pytest.raises(jobs.JobError, match="A rehearsal runs on one node"):
-        jobs.prepare(CPU_JOB, rehearse=True)  # two nodes
+    with pytest.raises(cluster.JobError, match="A rehearsal runs on one node"):
+        cluster.prepare(CPU_JOB, rehearse=True)  # two nodes
 
 
 def test_a_refused_front_names_the_models_jobs_left_running_and_keeps_its_script(slurm_env, monkeypatch):
@@ -411,9 +411,9 @@ def test_a_refused_front_names_the_models_jobs_left_running_and_keeps_its_script
     from llmlab.serve.info import llmlab_home
 
     use_testbed(monkeypatch, slurm_env)
-    plans = [jobs.prepare(m, nodes=1, extra_sbatch=["--hold"]) for m in (CPU_JOB, "llmlab-wide-cpu")]
+    plans = [cluster.prepare(m, nodes=1, extra_sbatch=["--hold"]) for m in (CPU_JOB, "llmlab-wide-cpu")]
     before = {p.stem for p in jobs.jobs_dir().glob("*.json")}
-    with pytest.raises(jobs.JobError) as refused:
+    with pytest.raises(cluster.JobError) as refused:
         front.launch_set(plans, front.front_options(None, "no-such-partition", None, plans))
     held = sorted(({p.stem for p in jobs.jobs_dir().glob("*.json")} - before), key=int)
     try:
@@ -435,7 +435,7 @@ def test_the_launch_checks_from_a_compute_node_that_the_jobs_files_are_there(slu
     from llmlab.ops import preflight
 
     use_testbed(monkeypatch, slurm_env)
-    plan = jobs.prepare(CPU_JOB, nodes=1)
+    plan = cluster.prepare(CPU_JOB, nodes=1)
     problem, found = preflight.compute_node_problem(plan)
     assert problem is None and found.startswith("a compute node sees ") and str(cluster.slurm_dir()) in found
     monkeypatch.setenv("LLMLAB_PYTHON", str(tmp_path / "login-node-only" / "python3"))

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from slurm_helpers import needs_slurm, wait_for
 
+from llmlab import cluster
 from llmlab.ops import jobs, room
 
 pytestmark = [
@@ -85,7 +86,7 @@ def learner_connects(r: room.Room) -> dict:
 
 def launch_shared(r: room.Room) -> str:
     """``llmlab launch llmlab-tiny-cpu --share GROUP --share-dir DIR`` on one node: the job id."""
-    return jobs.launch(jobs.prepare(room.JOB, nodes=1, share=r.group, share_dir=str(r.share_dir))).job_id
+    return jobs.launch(cluster.prepare(room.JOB, nodes=1, share=r.group, share_dir=str(r.share_dir))).job_id
 
 
 def ready(job_id: str) -> str:

@@ -207,7 +207,7 @@ def ray_head():
     port_base = 32000  # above the launcher's job blocks (20000-31999), below the ephemeral range
     env = {**{k: v for k, v in os.environ.items() if k != "LLMLAB_RAY_TMPDIR"}, "LLMLAB_HOME": str(home),
            "LLMLAB_RAY_PORT_BASE": str(port_base), "LLMLAB_RAY_DIR": ray_dir}
-    rendered = launcher.render("llmlab-tiny-cpu", job_id="sec", nodes=["node1", "node2"], port=1, env=env)
+    rendered = cluster.render("llmlab-tiny-cpu", job_id="sec", nodes=["node1", "node2"], port=1, env=env)
     token_file = Path(rendered.env["RAY_AUTH_TOKEN_PATH"])
     write_private(token_file, os.urandom(32).hex() + "\n")
     cmd = rendered.ray.head_command()
@@ -225,7 +225,7 @@ def ray_head():
         assert attempt < 2, f"Ray's head did not start 3 times; its last log:\n{log.read_text()}"
         shutil.rmtree(rendered.ray.temp_dir, ignore_errors=True)
         time.sleep(5)
-    yield {"ip": launcher.LOOPBACK_RAY_IP, "gcs": rendered.ray.gcs_port, "client": port_base + 1,
+    yield {"ip": cluster.LOOPBACK_RAY_IP, "gcs": rendered.ray.gcs_port, "client": port_base + 1,
            "dashboard": port_base + 2, "raylet": port_base + 100, "runtime_env_agent": port_base + 100 + 5,
            "token_file": token_file, "temp_dir": Path(rendered.ray.temp_dir),
            "token": read_key(token_file), "env": {**env, **rendered.env}, "cmd": cmd}
@@ -304,7 +304,7 @@ def test_ps_shows_no_ray_token(attacker, ray_head):
 # --------------------------------------------------------------------------------------------------
 
 def test_launcher_puts_vllm_on_a_socket_and_ray_on_tokens():
-    r = launcher.render("llama3.1-405b", job_id="77", nodes=["a", "b"], port=9000,
+    r = cluster.render("llama3.1-405b", job_id="77", nodes=["a", "b"], port=9000,
                        env={"LLMLAB_RAY_HEAD_IP": "10.0.0.1", "LLMLAB_RUN_DIR": "/tmp/llmlab-run-77.x",
                             "LLMLAB_HOME": "/home/u/.llmlab"})
     assert "--host" not in r.flags and "--port" not in r.flags
@@ -316,12 +316,12 @@ def test_launcher_puts_vllm_on_a_socket_and_ray_on_tokens():
 
 def test_launcher_refuses_multi_node_without_ray_tokens():
     with pytest.raises(cluster.SettingsError, match=r"Ray 2.51.0 has no token authentication.*one-node layout"):
-        launcher.render("llama3.1-405b", nodes=["a", "b"], port=9000,
+        cluster.render("llama3.1-405b", nodes=["a", "b"], port=9000,
                        env={"LLMLAB_RAY_HEAD_IP": "x", "LLMLAB_RAY_VERSION": "2.51.0"})
     with pytest.raises(cluster.SettingsError, match="RAY_AUTH_MODE=disabled"):
-        launcher.render("llama3.1-405b", nodes=["a", "b"], port=9000,
+        cluster.render("llama3.1-405b", nodes=["a", "b"], port=9000,
                        env={"LLMLAB_RAY_HEAD_IP": "x", "RAY_AUTH_MODE": "disabled"})
-    one_node = launcher.render("llama3.1-70b", nodes=["a"], port=9000, env={"LLMLAB_RAY_VERSION": "2.40.0"})
+    one_node = cluster.render("llama3.1-70b", nodes=["a"], port=9000, env={"LLMLAB_RAY_VERSION": "2.40.0"})
     assert one_node.ray is None  # one node needs no Ray, so no Ray version is required
 
 

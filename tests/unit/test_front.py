@@ -27,17 +27,17 @@ def publish(job_id: str, model: str, status: str, port: int = 8000, **extra) -> 
 
 
 def test_a_set_is_two_models_or_more_each_once():
-    eight, seventy = jobs.prepare("llama3.1-8b"), jobs.prepare("llama3.1-70b")
+    eight, seventy = cluster.prepare("llama3.1-8b"), cluster.prepare("llama3.1-70b")
     front.check_set([eight, seventy])
-    with pytest.raises(jobs.JobError, match="llama3.1-8b given twice"):
+    with pytest.raises(cluster.JobError, match="llama3.1-8b given twice"):
         front.check_set([eight, seventy, eight])
-    with pytest.raises(jobs.JobError, match="a set is two models or more"):
+    with pytest.raises(cluster.JobError, match="a set is two models or more"):
         front.check_set([eight])
 
 
 def test_the_front_job_is_one_cpu_task_that_names_its_models_jobs(tmp_path):
-    short = jobs.prepare("llama3.1-8b", time_limit="02:00:00")
-    long = jobs.prepare("llama3.1-70b", time_limit="1-00:00:00")
+    short = cluster.prepare("llama3.1-8b", time_limit="02:00:00")
+    long = cluster.prepare("llama3.1-70b", time_limit="1-00:00:00")
     assert front.front_options(None, None, None, [short, long])["time"] == "1-00:00:00"  # not before the models end
     assert front.front_options(None, None, "03:00:00", [short, long])["time"] == "03:00:00"
     options = front.front_options("course", "gpu", None)
@@ -48,7 +48,7 @@ def test_the_front_job_is_one_cpu_task_that_names_its_models_jobs(tmp_path):
            "(llama3.1-8b), job 102 (llama3.1-70b)" in script
     assert "#SBATCH --job-name=llmlab-front" in script and f"export LLMLAB_SHARE_DIR={tmp_path / 'ws'}" in script
     assert script.rstrip().endswith('-m llmlab.ops.front --job 101 --job 102')
-    with pytest.raises(jobs.JobError, match="a newline"):
+    with pytest.raises(cluster.JobError, match="a newline"):
         front.front_script(["101"], ["bad\nname"], options)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmlab.ops import jobs
+from llmlab import cluster
 from llmlab.ops.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +87,7 @@ def test_every_llmlab_command_in_the_guides_parses(guide, line, cmd, whole, caps
         except SystemExit:
             pytest.fail(f"{guide}:{line}: `{cmd}` does not parse: {capsys.readouterr().err.strip()}")
         for model in getattr(args, "model", None) or [] if words[0] == "launch" else []:
-            jobs.settings(model)  # a model the launcher knows (JobError names the fix otherwise)
+            cluster.settings(model)  # a model the launcher knows (JobError names the fix otherwise)
         return
     try:
         parser, rest = subparser(words)

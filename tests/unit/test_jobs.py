@@ -42,14 +42,14 @@ def llmlab_cli(*args: str, env: dict | None = None, timeout: float = 900) -> sub
 # --------------------------------------------------------------------------------------------------
 
 def test_overrides_keep_tp_inside_a_node_and_round_trip_through_the_job_script(tmp_path):
-    job = jobs.settings("llama3.1-405b", tp=8, pp=2, dtype="bf16", max_model_len=8192, extra_args=["--x", "a b"])
+    job = cluster.settings("llama3.1-405b", tp=8, pp=2, dtype="bf16", max_model_len=8192, extra_args=["--x", "a b"])
     assert (job.nodes, job.gpus_per_node, job.tp, job.pp, job.dtype, job.max_model_len) == (2, 8, 8, 2, "bfloat16",
                                                                                              8192)
     assert job.extra_args[-2:] == ("--x", "a b")
     path = tmp_path / "settings.toml"
-    path.write_text(jobs.settings_toml(job))
+    path.write_text(cluster.settings_toml(job))
     assert cluster.load_settings(path)[job.name] == job  # what the job reads is exactly what was planned
-    plan = jobs.prepare("llama3.1-70b", account="acct", partition="gpu", time_limit="01:00:00")
+    plan = cluster.prepare("llama3.1-70b", account="acct", partition="gpu", time_limit="01:00:00")
     assert "#SBATCH --account=acct\n#SBATCH --partition=gpu\n" in plan.script
     assert "#SBATCH --gpus-per-node=4\n" in plan.script and "#SBATCH --time=01:00:00\n" in plan.script
     embedded = plan.script.split("<<'LLMLAB_SETTINGS'\n", 1)[1].split("LLMLAB_SETTINGS\n", 1)[0]
@@ -64,13 +64,13 @@ def test_a_value_with_a_newline_never_reaches_the_job_script(tmp_path, monkeypat
     in a sentence naming the field."""
     from dataclasses import replace
 
-    shipped = jobs.settings("llama3.1-70b")
-    (tmp_path / "models.toml").write_text(jobs.settings_toml(replace(shipped, description="70B\ntouch /tmp/pwned")))
+    shipped = cluster.settings("llama3.1-70b")
+    (tmp_path / "models.toml").write_text(cluster.settings_toml(replace(shipped, description="70B\ntouch /tmp/pwned")))
     job = cluster.load_settings(tmp_path / "models.toml")["llama3.1-70b"]
     assert job.description == "70B\ntouch /tmp/pwned"  # TOML's escape: a real newline once loaded
-    with pytest.raises(jobs.JobError, match=r"^the description of job 'llama3.1-70b' \(models.toml's `description`\) "
-                                            r"holds a newline \('70B\\ntouch /tmp/pwned'\): every value goes on one "
-                                            r"line of the job script"):
+    with pytest.raises(cluster.JobError, match=r"^the description of job 'llama3.1-70b' \(models.toml's "
+                                               r"`description`\) holds a newline \('70B\\ntouch /tmp/pwned'\): every "
+                                               r"value goes on one line of the job script"):
         cluster.render_script(job, {"time": "01:00:00"})
     env = {**os.environ, "LLMLAB_SLURM_DIR": str(tmp_path), "LLMLAB_HOME": str(tmp_path / "home")}
     out = llmlab_cli("launch", "llama3.1-70b", "--dry-run", env=env)
@@ -81,12 +81,12 @@ def test_a_value_with_a_newline_never_reaches_the_job_script(tmp_path, monkeypat
                           ("#SBATCH --time", {"time_limit": "1:00:00\x1b[2J"}),
                           ("the --sbatch option", {"extra_sbatch": ["--mail-user=a\nrm -rf ~"]}),
                           ("the `llmlab launch` command line", {"command": "llama3.1-70b --account 'a\nb'"})):
-        with pytest.raises(jobs.JobError, match=f"^{re.escape(field)} holds "):
-            jobs.prepare("llama3.1-70b", **kwargs)
-    with pytest.raises(jobs.JobError, match="^the Python of the job holds a newline"):
+        with pytest.raises(cluster.JobError, match=f"^{re.escape(field)} holds "):
+            cluster.prepare("llama3.1-70b", **kwargs)
+    with pytest.raises(cluster.JobError, match="^the Python of the job holds a newline"):
         cluster.render_script(shipped, {}, python="/usr/bin/python3\nid")
     monkeypatch.setenv("LLMLAB_HOME", str(tmp_path / "a\nb"))
-    with pytest.raises(jobs.JobError, match="^LLMLAB_HOME holds a newline"):
+    with pytest.raises(cluster.JobError, match="^LLMLAB_HOME holds a newline"):
         cluster.render_script(shipped, {})
 
 

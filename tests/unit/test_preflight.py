@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from llmlab import memory
-from llmlab.ops import jobs, preflight
+from llmlab import cluster, memory
+from llmlab.ops import preflight
 from llmlab.ops.cli_jobs import check_weights
 
 TINY = memory.MODELS_DIR / memory.TINY_NAME
@@ -20,7 +20,7 @@ CLEAN = {"LLMLAB_MODEL_PATH": "", "LLMLAB_MODEL_DIR": "", "LLMLAB_STAGE_DIR": ""
 
 
 def job(name: str = "llama3.1-8b", **overrides):
-    return jobs.settings(name, **overrides)
+    return cluster.settings(name, **overrides)
 
 
 def test_a_gpu_job_with_no_weights_folder_in_its_shell_is_refused_before_sbatch_unless_the_hub_is_asked_for(
@@ -31,8 +31,8 @@ def test_a_gpu_job_with_no_weights_folder_in_its_shell_is_refused_before_sbatch_
     assert "meta-llama/Llama-3.1-8B-Instruct from the Hugging Face hub" in problem
     assert "LLMLAB_MODEL_DIR" in problem and "--from-hub" in problem
     assert preflight.weights_problem(job(), {}, from_hub=True) is None
-    plans = [jobs.prepare("llama3.1-8b")]
-    with pytest.raises(jobs.JobError, match="from the Hugging Face hub"):
+    plans = [cluster.prepare("llama3.1-8b")]
+    with pytest.raises(cluster.JobError, match="from the Hugging Face hub"):
         check_weights(Namespace(from_hub=False, dry_run=False), plans)
     check_weights(Namespace(from_hub=True, dry_run=False), plans)
 
@@ -54,7 +54,7 @@ def test_a_missing_or_broken_weights_folder_is_refused_naming_the_folder_and_the
 def test_dummy_weights_and_cpu_jobs_need_no_folder():
     assert preflight.weights_problem(job(extra_args=["--load-format", "dummy"]), {}) is None
     assert preflight.weights_problem(job(), {"LLMLAB_EXTRA_VLLM_ARGS": "--load-format=dummy"}) is None
-    assert preflight.weights_problem(jobs.settings("llmlab-tiny-cpu"), {}) is None
+    assert preflight.weights_problem(cluster.settings("llmlab-tiny-cpu"), {}) is None
 
 
 def test_a_dry_run_says_the_submission_would_be_refused_and_the_script_records_the_weights_settings(tmp_path):

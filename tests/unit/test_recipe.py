@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from llmlab import cluster, memory, offline
-from llmlab.ops import generate, launcher, rehearsal
+from llmlab.ops import generate, rehearsal
 from llmlab.serve import vllm
 from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.proc import pid_alive
@@ -28,10 +28,10 @@ RECIPE = ["VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_RPC_BASE_PATH", "VLLM_CPU
           "TRANSFORMERS_OFFLINE"]
 
 
-def render(name: str, **env) -> launcher.RenderedJob:
+def render(name: str, **env) -> cluster.RenderedJob:
     job = cluster.job_settings(name) if isinstance(name, str) else name
-    return launcher.render(job, job_id="7", port=4000, python="/py",
-                           env={"TMPDIR": "/t", "LLMLAB_HOME": "/h", "LLMLAB_RAY_VERSION": "2.60",
+    return cluster.render(job, job_id="7", port=4000, python="/py",
+                          env={"TMPDIR": "/t", "LLMLAB_HOME": "/h", "LLMLAB_RAY_VERSION": "2.60",
                                 "LLMLAB_RAY_HEAD_IP": "10.0.0.1", **env})
 
 

@@ -58,7 +58,7 @@ def test_every_gpu_job_passes_the_installed_vllms_own_checks_of_its_flags_and_qu
     from vllm.model_executor.layers.quantization import DEPRECATED_QUANTIZATION_METHODS, QUANTIZATION_METHODS
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    job = launcher.render(name)
+    job = cluster.render(name)
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", job.model_path, *job.flags])
     settings = cluster.job_settings(name)
     method = args.quantization or memory.model_spec(settings.model).quant_method
@@ -243,11 +243,11 @@ def mp_job():
 def test_mp_master_port_is_drawn_at_random_not_derived_from_the_public_job_id():
     """Finding 7: the master port was 20000 + (job id % 6) * 2000, the job id is public (squeue), and the headless
     workers connect to whoever listens there.  Now it is drawn with secrets from a documented range, per job."""
-    ports = [launcher.render(mp_job(), job_id="12345", nodes=["a", "b"], env=MP_ENV).mp_port for _ in range(6)]
+    ports = [cluster.render(mp_job(), job_id="12345", nodes=["a", "b"], env=MP_ENV).mp_port for _ in range(6)]
     assert len(set(ports)) > 1, ports  # the same job id, different ports
     lo, hi = MP_PORTS
     assert all(lo <= p <= hi for p in ports) and hi < 32768  # below Linux's ephemeral range
-    r = launcher.render(mp_job(), job_id="12345", nodes=["a", "b"], env=MP_ENV)
+    r = cluster.render(mp_job(), job_id="12345", nodes=["a", "b"], env=MP_ENV)
     assert r.flags[r.flags.index("--master-port") + 1] == str(r.mp_port) and r.mp_master == f"10.1.2.3:{r.mp_port}"
     assert f"mp_port={r.mp_port}" in r.shell().splitlines()
     assert all(w[w.index("--master-port") + 1] == str(r.mp_port) for w in r.mp_workers)
@@ -325,15 +325,15 @@ def test_mp_binds_vllms_queues_on_each_nodes_address_on_the_interface_the_admin_
     set none.  Now the head exports its own (the address of LLMLAB_HOST_IFACE, e.g. ib0) and every other node's
     vLLM starts through `on-node`, which sets that node's own before it execs vLLM."""
     env = {"LLMLAB_HOST_IFACE": "ib0"}
-    r = launcher.render(mp_job(), nodes=["a", "b"], env=env, python="/py", iface_address=lambda i: f"10.10.0.1-{i}")
+    r = cluster.render(mp_job(), nodes=["a", "b"], env=env, python="/py", iface_address=lambda i: f"10.10.0.1-{i}")
     assert r.env["VLLM_HOST_IP"] == "10.10.0.1-ib0" and r.mp_master.startswith("10.10.0.1-ib0:")
     assert "export VLLM_HOST_IP=10.10.0.1-ib0" in r.shell().splitlines()
     (worker,) = r.mp_workers
     assert worker[:7] == ["/py", "-m", "llmlab.ops.launcher", "on-node", "--iface", "ib0", "--"]
     assert worker[7:] == r.worker_argv(1)
-    shown = launcher.render(mp_job(), nodes=["a", "b"], env=env)  # a dry run looks nothing up
+    shown = cluster.render(mp_job(), nodes=["a", "b"], env=env)  # a dry run looks nothing up
     assert shown.env["VLLM_HOST_IP"] == "<ib0 address of a>"
-    loop = launcher.render(dataclasses.replace(mp_job(), engine="cpu", gpus_per_node=0), nodes=["a", "b"], env={})
+    loop = cluster.render(dataclasses.replace(mp_job(), engine="cpu", gpus_per_node=0), nodes=["a", "b"], env={})
     assert loop.env["VLLM_HOST_IP"] == cluster.LOOPBACK_RAY_IP
     assert loop.mp_workers[0][4:7] == ["--ip", cluster.LOOPBACK_RAY_IP, "--"]
 
@@ -356,7 +356,7 @@ def test_rendered_shell_survives_quotes_and_spaces():
     """The launcher evals the renderer's output: every value must come back exactly."""
     env = {"LLMLAB_EXTRA_VLLM_ARGS": "--chat-template '/a dir/t.jinja' --x \"$(touch /tmp/pwned)\" ;ls",
            "LLMLAB_RAY_HEAD_IP": "10.1.2.3"}
-    r = launcher.render("llama3.1-405b", job_id="77", nodes=["gpu-a", "gpu-b"], port=9000, env=env)
+    r = cluster.render("llama3.1-405b", job_id="77", nodes=["gpu-a", "gpu-b"], port=9000, env=env)
     script = r.shell() + 'printf "%s\\n" "${serve_argv[@]}"; echo ---; eval "w=(${ray_worker_cmds[0]})"; ' \
                          'printf "%s\\n" "${w[@]}"'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
@@ -368,7 +368,7 @@ def test_rendered_shell_survives_quotes_and_spaces():
 
 
 def test_ray_ports_are_disjoint_per_node_and_outside_ephemeral_range():
-    r = launcher.render("llama3.1-405b", job_id="12345", nodes=["a", "b"], port=9000, env={"LLMLAB_RAY_HEAD_IP": "x"})
+    r = cluster.render("llama3.1-405b", job_id="12345", nodes=["a", "b"], port=9000, env={"LLMLAB_RAY_HEAD_IP": "x"})
     ports = []
     for cmd in [r.ray.head_command(), r.ray.worker_command(1)]:
         lo = hi = None
@@ -381,7 +381,7 @@ def test_ray_ports_are_disjoint_per_node_and_outside_ephemeral_range():
         ports += range(lo, hi + 1)
     assert len(ports) == len(set(ports)), "two Ray components of one job share a port"
     assert max(ports) < 32768 and min(ports) >= 20000
-    other = launcher.render("llama3.1-405b", job_id="12346", nodes=["a", "b"], port=9000,
+    other = cluster.render("llama3.1-405b", job_id="12346", nodes=["a", "b"], port=9000,
                            env={"LLMLAB_RAY_HEAD_IP": "x"})
     assert other.ray.port_base != r.ray.port_base
 
@@ -412,9 +412,9 @@ Total Usage:
 
 
 def test_parse_ray_status():
-    assert launcher.parse_ray_status(RAY_STATUS) == (2, 16.0)
-    assert launcher.parse_ray_status(RAY_STATUS.replace(" 0.0/16.0 GPU\n", "")) == (2, 0.0)
-    assert launcher.parse_ray_status("") == (0, 0.0)
+    assert cluster.parse_ray_status(RAY_STATUS) == (2, 16.0)
+    assert cluster.parse_ray_status(RAY_STATUS.replace(" 0.0/16.0 GPU\n", "")) == (2, 0.0)
+    assert cluster.parse_ray_status("") == (0, 0.0)
 
 
 def test_wait_for_ray_times_out_with_the_numbers(tmp_path, capsys):
@@ -561,17 +561,17 @@ def test_rays_folder_is_the_launchers_private_one_not_a_name_made_of_the_job_id(
     """Ray makes its --temp-dir and its session/sockets/logs folders 0777; /tmp/llmlab-ray-<job id> was also
     predictable.  Now the folder is ray/ inside the launcher's mktemp -d (LLMLAB_RAY_DIR), on every node."""
     env = {"LLMLAB_RAY_HEAD_IP": "10.0.0.1", "LLMLAB_RAY_DIR": "/tmp/llmlab-ray.Ab3dE9"}
-    r = launcher.render("llama3.1-405b", job_id="4242", nodes=["a", "b"], port=9000, env=env)
+    r = cluster.render("llama3.1-405b", job_id="4242", nodes=["a", "b"], port=9000, env=env)
     assert r.ray.temp_dir == "/tmp/llmlab-ray.Ab3dE9/ray"
     for cmd in (r.ray.head_command(), r.ray.worker_command(1)):
         assert [a for a in cmd if a.startswith("--temp-dir")] == ["--temp-dir=/tmp/llmlab-ray.Ab3dE9/ray"]
     assert "ray_temp_dir=/tmp/llmlab-ray.Ab3dE9/ray" in r.shell()
-    shown = launcher.render("llama3.1-405b", job_id="4242", nodes=["a", "b"], port=9000,
-                            env={"LLMLAB_RAY_HEAD_IP": "x", "TMPDIR": "/local"})
+    shown = cluster.render("llama3.1-405b", job_id="4242", nodes=["a", "b"], port=9000,
+                           env={"LLMLAB_RAY_HEAD_IP": "x", "TMPDIR": "/local"})
     assert shown.ray.temp_dir == "/local/llmlab-ray.XXXXXX/ray"  # what the launcher's mktemp makes
     with pytest.raises(cluster.SettingsError, match="too long for Ray's Unix sockets.*LLMLAB_RAY_TMPDIR"):
-        launcher.render("llama3.1-405b", nodes=["a", "b"], port=9000,
-                        env={"LLMLAB_RAY_HEAD_IP": "x", "LLMLAB_RAY_DIR": "/scratch/" + "x" * 40})
+        cluster.render("llama3.1-405b", nodes=["a", "b"], port=9000,
+                       env={"LLMLAB_RAY_HEAD_IP": "x", "LLMLAB_RAY_DIR": "/scratch/" + "x" * 40})
     dry = dry_run("llama3.1-405b")
     assert "llmlab-ray.XXXXXX/ray --block" in dry.stdout, dry.stdout
 

@@ -165,6 +165,20 @@ def test_a_lesson_reads_vllms_counters_through_the_one_snapshot_type():
     assert not found, "counters read outside llmlab.serve.metrics.Counters:\n" + "\n".join(found)
 
 
+# --- the cluster lesson: a job's settings are decided in one module, which calls nothing back (issue 49) ---------
+
+def test_a_jobs_settings_are_called_and_call_no_cluster_module_back():
+    """``cluster.layouts`` holds a job's settings from models.toml to the checked layout (read, changed by the
+    caller, checked, reported) and imports no other cluster module; no cluster module imports ``plan`` (the job
+    script), which only the package's face and the tools call.  So a launch's settings are decided in one file
+    and the arrows between the lesson's files point one way: plan, render -> layouts."""
+    inside = {m: sorted(t for t in GRAPH[m] if t.startswith("llmlab.cluster.")) for m in MODULES
+              if m.startswith("llmlab.cluster.")}
+    assert inside["llmlab.cluster.layouts"] == [], f"layouts imports {inside['llmlab.cluster.layouts']}"
+    back = sorted(m for m, ts in inside.items() if "llmlab.cluster.plan" in ts)
+    assert not back, f"{back} import llmlab.cluster.plan: the job script is called by the tools, not by the lesson"
+
+
 # --- the notebooks: a learner who follows an import lands in a lesson module -------------------------------------
 
 NOTEBOOK_ROOT = PACKAGE.parent

@@ -75,10 +75,12 @@ def _find_max(args) -> int:
         return 2
     counts = _counts(args.learners if args.learners != "3" else "30")
     bracket = _counts(args.bracket) if args.bracket else None
-    if bracket is not None and (len(bracket) != 2 or bracket[0] >= bracket[1]):
+    if bracket is not None and (len(bracket) > 2 or len(bracket) == 2 and bracket[0] >= bracket[1]):
         print(f"llmlab room: --bracket {args.bracket!r}: give the room an earlier search met and the one it missed, "
-              "MET,MISSED (e.g. 30,45).", file=sys.stderr)
+              "MET,MISSED (e.g. 30,45), or the room it met alone (44).", file=sys.stderr)
         return 2
+    if bracket is not None and len(bracket) == 1:
+        bracket = (bracket[0], None)  # only a room that met: climb from it
     try:
         parse_slo(args.slo)
         report = find_max_room(args.replay, args.slo, start=counts[0], highest=counts[1] if len(counts) > 1 else None,
@@ -140,6 +142,6 @@ def add_commands(sub) -> None:
                    help="--find-max: stop when the room that missed is within this share of the one that met (0.25)")
     p.add_argument("--bracket", metavar="MET,MISSED", help="--find-max: start from an earlier search's bracket "
                                                            "(30,45: 30 met, 45 missed) and bisect it, running neither "
-                                                           "again")
+                                                           "again; or from a room it met (44), climbing from there")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON")
     p.set_defaults(func=cmd_room)

@@ -175,6 +175,16 @@ def test_a_replay_without_out_writes_under_build_never_into_the_traces_folder(fa
     assert (tmp_path / "build" / "room-replay" / "replay.json").is_file()
 
 
+def test_find_max_bracket_is_met_then_missed_or_a_room_met_alone(tmp_path, capsys):
+    """``--bracket 30,45`` (30 met, 45 missed earlier) or ``--bracket 44`` (44 met): anything else is one sentence,
+    before any server is reached."""
+    from llmlab.ops.cli import main
+
+    for bad in ("45,30", "30,30", "30,40,45"):
+        assert main(["room", "--replay", str(tmp_path), "--find-max", "--slo", "ttft_p99<2s", "--bracket", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"--bracket '{bad}': give the room an earlier search met and the one it missed" in err
+
 def test_the_committed_gpu_replays_are_the_workshop_guides_sizing_table():
     """benchmarks/results/h100x2-llama3.1-8b-room-replay (issue 36): every replayed request answered, and each run's
     TTFT p50 / p99 is the row docs/workshop.md sizes rooms from."""

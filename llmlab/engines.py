@@ -27,17 +27,20 @@ __all__ = ["start", "embedded", "unused_port", "TINY_MODEL", "TINY_NAME", "DRAFT
 
 def start(extra_args: list[str] = (), *, model: Path | str = TINY_MODEL, name: str | None = None,
           kv_cache_gib: int = 1, max_model_len: int | None = None, env: Mapping[str, str] | None = None,
-          log_path: Path | None = None, timeout: float = DEFAULT_TIMEOUT, progress: bool = True) -> EmbeddedServer:
+          log_path: Path | None = None, timeout: float = DEFAULT_TIMEOUT, progress: bool = True,
+          keys: Path | str | None = None) -> EmbeddedServer:
     """Start an engine of ``model`` (default: the tiny model) with ``extra_args`` added to its ``vllm serve`` line,
     and return it once it answers.  A start that fails stops what it started and says why (with its log).
 
-    ``env``: vLLM's environment on top of this process's (lesson 15 binds a replica to a core).  The engine keeps
-    running until ``.stop()`` (or the end of a ``with`` block); it outlives the kernel otherwise, like the embedded
-    server."""
+    ``env``: vLLM's environment on top of this process's (lesson 15 binds a replica to a core).  ``keys``: a file or
+    folder of registered learners' key digests (a room's ``keys/``, :mod:`llmlab.serve.keyring`'s rules), which the
+    engine's proxy accepts besides the owner's key and re-reads as it changes: a learner registered, then revoked
+    (lesson 19).  The engine keeps running until ``.stop()`` (or the end of a ``with`` block); it outlives the kernel
+    otherwise, like the embedded server."""
     model = Path(model)
     server = EmbeddedServer(model, name or (TINY_NAME if model == TINY_MODEL else model.name),
                             kv_cache_gib=kv_cache_gib, max_model_len=max_model_len, extra_args=list(extra_args),
-                            log_path=log_path, env=env)
+                            log_path=log_path, env=env, keys=keys)
     try:
         return server.start().wait_ready(timeout, progress)
     except BaseException:

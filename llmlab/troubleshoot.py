@@ -20,6 +20,7 @@ import importlib.util
 import math
 import os
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -31,13 +32,15 @@ from pathlib import Path
 import pandas as pd
 
 from llmlab import memory
+from llmlab.serve import metrics
 from llmlab.serve.paths import RESULTS_DIR, TINY_MODEL
 from llmlab.serve.proc import group_alive, terminate
 from llmlab.serve.vllm import VLLMProcess, cpu_flags, engine_env, log_messages, serve_line, vllm_serve
 
 __all__ = ["Sign", "SIGNS", "sign", "signs", "diagnose", "source_line", "Attempt", "try_starts", "LONG_CONTEXT",
            "refusal", "refusal_sentence", "Reply", "ask", "ask_without_key", "LogMark", "engine_core_pid",
-           "die_mid_stream", "PENDING_REASONS", "committed"]
+           "die_mid_stream", "room", "register_learner", "revoke_learner", "learners", "ask_until", "stop_reading",
+           "never_read", "PENDING_REASONS", "committed"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,16 @@ SIGNS = [
          "no key, or not the server's key: llmlab's proxy refuses the request before vLLM sees it (401)",
          "the key of the server's key file (llmlab.connect() reads it; a room's learners get theirs from "
          "connect() too)"),
+    Sign("revoked", "your access to this server was revoked by its owner", "llmlab/serve/proxy/policy.py:140",
+         "request", "the learner's key was registered and worked, then the server's owner revoked it (`llmlab revoke "
+         "JOB USER`): the proxy refuses it, and closes the connections it had open (401)",
+         "ask the instructor: `llmlab revoke JOB USER --undo` gives the learner back, and their next "
+         "llmlab.connect() registers their key again"),
+    Sign("unread", "left its answers unread for", "llmlab/serve/proxy/relay.py:226", "running",
+         "a client stopped reading its streamed answer and kept the connection (a loop left with break, the stream "
+         "never closed): the proxy stopped reading vLLM, waited SEND_TIMEOUT, then dropped it",
+         "close a stream you stop reading (`with client.completions.create(..., stream=True) as stream:`, or "
+         "stream.close()): vLLM then aborts the generation at once; or stream=False when every token is wanted"),
     Sign("engine-died", "EngineCore encountered an issue", "vllm/v1/engine/exceptions.py:16", "running",
          "the engine core process died under the server (killed, out of host memory, a GPU fault)",
          "the log above this line, and the system's (dmesg: the OOM killer); then start the server again"),
@@ -377,6 +390,137 @@ def die_mid_stream(client, model: str, server, after: int = 20, max_tokens: int 
         time.sleep(0.2)
     return {"pieces": len(texts), "asked": max_tokens, "ended": ended, "killed": pid,
             "server_running": group_alive(server.engine.pid)}
+
+
+# --------------------------------------------------------------------------------------------------
+# A room's learner: a key registered, then revoked
+# --------------------------------------------------------------------------------------------------
+
+def room() -> Path:
+    """A new private folder laid out as a room's share directory (``DIR/keys/``, :mod:`llmlab.serve.share`), for an
+    engine of the lesson's own: ``engines.start(keys=room / "keys")``; its proxy re-reads ``keys/`` as it changes."""
+    root = Path(tempfile.mkdtemp(prefix="llmlab-room-"))
+    (root / "keys").mkdir(mode=0o700)
+    return root
+
+
+def register_learner(room_dir: Path | str, base_url: str | None = None, timeout: float = 15.0) -> str:
+    """A learner's key, made and registered as a learner's ``llmlab.connect()`` does it in a room: only the key's
+    digest goes into ``keys/<login>`` (the login of whoever registers: here you, as your own learner).  With
+    ``base_url``, return once that server accepts the key (its proxy re-reads ``keys/`` about every second)."""
+    import urllib.error
+    import urllib.request
+
+    from llmlab.serve import share
+
+    key = secrets.token_urlsafe(32)
+    path = Path(room_dir) / "keys" / share.user()
+    path.write_text(share.key_line(key))
+    path.chmod(0o640)
+    deadline = time.monotonic() + timeout
+    while base_url:
+        request = urllib.request.Request(base_url.rstrip("/") + "/models", headers={"Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10):
+                break
+        except urllib.error.HTTPError as e:
+            if e.code != 401 or time.monotonic() > deadline:
+                raise RuntimeError(f"The server at {base_url} did not accept the registered key within {timeout:g} s "
+                                   f"({e.code}): was it started with keys={path.parent}?") from None
+        time.sleep(0.2)
+    return key
+
+
+def revoke_learner(room_dir: Path | str) -> None:
+    """What ``llmlab revoke JOB USER`` does to the room's ``keys/`` (:func:`llmlab.serve.share.revoke`): the learner's
+    file gives way to one of the owner's that lists their digest as revoked.  The proxy notices within about a
+    second, refuses the key with a sentence of its own and closes the connections that showed it."""
+    from llmlab.serve import share
+
+    share.revoke(room_dir, share.user())
+
+
+def learners(room_dir: Path | str) -> dict[str, str]:
+    """The room's learners, "registered" or "revoked", read as the proxy reads ``keys/``: what ``llmlab status JOB``
+    counts for a shared server ("N learner(s) registered, M revoked")."""
+    from llmlab.serve import share
+
+    return share.learners(room_dir)
+
+
+def ask_until(client, status: int, timeout: float = 15.0, **request) -> Reply:
+    """:func:`ask` again every 0.2 s until the answer's status is ``status`` (a revocation takes about a second to
+    reach the proxy), for at most ``timeout`` seconds; the last reply."""
+    deadline = time.monotonic() + timeout
+    while (reply := ask(client, **request)).status != status and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return reply
+
+
+# --------------------------------------------------------------------------------------------------
+# A client that stops reading
+# --------------------------------------------------------------------------------------------------
+
+def _server_counts(client) -> tuple[float, int]:
+    """(requests running, tokens generated so far) from the server's ``/metrics``."""
+    c = metrics.counters(client)
+    return c.running, c.generated
+
+
+def stop_reading(client, model: str, *, read: int = 5, max_tokens: int = 600, close: bool = False,
+                 timeout: float = 60.0) -> dict:
+    """Stream an answer of ``max_tokens`` (no early end), read ``read`` pieces, then stop reading: keep the stream
+    (a loop left with ``break``, the stream still held: ``close=False``) or close it.  Then watch the server's
+    ``/metrics`` until no request runs (at most ``timeout`` s): the tokens the engine generated since the request
+    was sent, and the seconds it kept running after the client stopped.  ``stream``: close it when done."""
+    _, generated_before = _server_counts(client)
+    stream = client.with_options(max_retries=0).completions.create(
+        model=model, prompt="Once upon a time", max_tokens=max_tokens, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    pieces = 0
+    for _ in stream:
+        pieces += 1
+        if pieces == read:
+            break
+    if close:
+        stream.close()
+    stopped = time.monotonic()
+    while (counts := _server_counts(client))[0] > 0 and time.monotonic() - stopped < timeout:
+        time.sleep(0.1)
+    return {"read": pieces, "asked": max_tokens, "generated": round(counts[1] - generated_before),
+            "ran_on_s": time.monotonic() - stopped, "running": counts[0], "stream": stream}
+
+
+def never_read(base_url: str, api_key: str, model: str, *, wait: float, max_tokens: int = 1000, n: int = 3,
+               logprobs: int = 20) -> dict:
+    """A client that sends a streamed request and reads nothing of the answer for ``wait`` seconds (on a socket of
+    its own, as a stuck program would), then reads what it can: the bytes, and whether the answer ended whole (the
+    SSE stream's ``data: [DONE]``) or the connection closed before.  ``n`` answers of ``logprobs`` 20 a token make
+    the stream about 2 MB, more than the sockets' buffers between it and vLLM hold (about 0.6 MB on this machine)."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(base_url)
+    body = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens, "n": n,
+                       "temperature": 1.0, "seed": 0, "stream": True, "ignore_eos": True,  # n > 1: sampled, not greedy
+                       "logprobs": logprobs}).encode()
+    head = (f"POST {url.path.rstrip('/')}/completions HTTP/1.1\r\nhost: {url.netloc}\r\n"
+            f"authorization: Bearer {api_key}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+        s.sendall(head + body)
+        time.sleep(wait)
+        received, tail, ended = 0, b"", "the server closed the connection"
+        s.settimeout(5)
+        try:
+            while chunk := s.recv(2**20):
+                received, tail = received + len(chunk), (tail + chunk)[-64:]
+        except ConnectionResetError:
+            ended = "the server reset the connection"
+        except TimeoutError:
+            ended = "still open 5 s after the last byte"
+    return {"received_bytes": received, "whole": b"data: [DONE]" in tail, "ended": ended}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from llmlab.check.replicas import cold_prefills, replica_crossover, replica_kv  
 from llmlab.check.sampling import same_text, survivors  # noqa: F401
 from llmlab.check.speculative import draft_length, spec_savings  # noqa: F401
 from llmlab.check.structured import parsed_reference, verse_regex  # noqa: F401
-from llmlab.check.troubleshoot import longest_context, never_starts, oom_at_start  # noqa: F401
+from llmlab.check.troubleshoot import cut_off, longest_context, never_starts, oom_at_start  # noqa: F401
 
 # /course:checks
 from llmlab.check.verdict import NotYet, _number, _whole, require, right  # noqa: F401

@@ -1,6 +1,7 @@
 """Checks of notebook 19, troubleshooting (``llmlab.troubleshoot``): the cause of the committed H100 job that never
 started and the memory share vLLM was given, the longest context vLLM accepts on a given KV pool, and which pending
-SLURM job never starts by itself."""
+SLURM job never starts by itself; and which sign each of three excerpts shows (a revoked key, a client that stopped
+reading, a wrong key) with the fix of the cell behind the second."""
 
 from __future__ import annotations
 
@@ -81,3 +82,42 @@ def never_starts(reason) -> None:
     require(reason == EX3_NEVER, "which limit does no amount of waiting change?")
     right(f"PartitionTimeLimit: {troubleshoot.PENDING_REASONS[EX3_NEVER][0]} It waits forever: cancel it "
           "(scancel) and launch again with a --time the partition allows.")
+
+
+# Exercise 4: three excerpts (a learner's error, the proxy's log, another learner's error) and the cell behind the
+# second; each excerpt's sign, and the fix of that cell.
+EX4_CAUSES = {"A": "revoked", "B": "unread", "C": "bad-key"}
+EX4_FIXES = {"a": "raise the proxy's SEND_TIMEOUT so that the learner is not dropped",
+             "b": "open the stream with `with ... as stream:` so that leaving the loop closes it",
+             "c": "ask for fewer max_tokens",
+             "d": "restart the server"}
+EX4_FIX = "b"
+
+
+def cut_off(causes, fix) -> None:
+    """19: the sign of each of exercise 4's excerpts (``{"A": name, "B": name, "C": name}``) and the letter of the
+    fix for the cell behind excerpt B."""
+    from llmlab import troubleshoot
+
+    names = [s.name for s in troubleshoot.SIGNS]
+    require(isinstance(causes, dict) and set(causes) == set(EX4_CAUSES),
+            'causes should be a dict with the excerpts\' letters: {"A": ..., "B": ..., "C": ...}.')
+    require(all(c in names for c in causes.values()), f"each cause should be one of the signs' names: "
+            f"{', '.join(names)}.")
+    require(causes["A"] != "bad-key", "A's key is not wrong: the sentence says its owner revoked it (a key that was "
+            "registered and worked); a wrong key reads 'missing or wrong API key'.")
+    require(causes["C"] != "revoked", "C's sentence is the one of a key the proxy never knew (a typo, another "
+            "server's key), not one its owner revoked.")
+    require(causes["B"] not in ("engine-died", "core-exited"), "B is the proxy's line, and the engine is fine: "
+            "the proxy dropped one client, the one that read nothing for 60 s.")
+    require(causes == EX4_CAUSES, "match each excerpt's sentence with a sign's (troubleshoot.diagnose does it).")
+    require(fix in EX4_FIXES, f"fix should be one of the letters {', '.join(EX4_FIXES)}.")
+    require(fix != "a", "a longer time-out keeps the connection longer; the learner's cell still never reads the "
+            "rest, and vLLM still generates all 800 tokens for nobody.")
+    require(fix != "c", "fewer tokens only makes the waste smaller: the cell still leaves the stream open and "
+            "unread.")
+    require(fix != "d", "the server is fine: one client left its stream open; nothing a restart changes.")
+    require(fix == EX4_FIX, "which fix makes leaving the loop close the stream?")
+    right("A revoked (the instructor's `llmlab revoke JOB USER --undo` gives them back), B unread, C a wrong key. "
+          "For B: `with client.completions.create(..., stream=True) as stream:` closes the stream when the block "
+          "ends, break or not; vLLM aborts the request at once instead of generating the rest for nobody.")

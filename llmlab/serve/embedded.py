@@ -44,7 +44,7 @@ class EmbeddedServer:
     def __init__(self, model: Path = TINY_MODEL, name: str = TINY_NAME, *, port: int | None = None,
                  host: str = "127.0.0.1", kv_cache_gib: float = 1.0, max_model_len: int | None = None,
                  extra_args: list[str] = (), log_path: Path | None = None, publish: bool = False,
-                 env: Mapping[str, str] | None = None):
+                 env: Mapping[str, str] | None = None, keys: Path | None = None):
         cpu_kv_space(kv_cache_gib)  # a KV space vLLM cannot read fails here, not minutes into the start
         self.model, self.name, self.host = Path(model), name, host
         self.port = port or free_port(host)
@@ -56,6 +56,7 @@ class EmbeddedServer:
         self.env = dict(env or {})  # vLLM's environment on top of ours, e.g. VLLM_CPU_OMP_THREADS_BIND (notebook 15)
         self.engine: VLLMProcess | None = None  # vLLM, with its proxy in the same process group
         self.run_dir: Path | None = None  # the private (0700) directory of vLLM's socket
+        self.keys = Path(keys) if keys else None  # registered learners' keys (a room's keys/): the proxy's --keys
 
     @property
     def uds(self) -> Path:
@@ -91,7 +92,8 @@ class EmbeddedServer:
         self.run_dir = Path(tempfile.mkdtemp(prefix="llmlab-vllm-"))
         cmd = engine_command(self.model, self.name, self.uds, self.max_model_len, self.extra_args)
         ready = self.run_dir / "proxy.ready"  # in the 0700 folder: only we can write it
-        proxy = proxy_command(f"{self.host}:{self.port}", self.uds, self.key_file, cpus=proxy_cpus(), ready_file=ready)
+        proxy = proxy_command(f"{self.host}:{self.port}", self.uds, self.key_file, self.keys, cpus=proxy_cpus(),
+                              ready_file=ready)
         # vLLM and its proxy as one process group; vLLM starts only once the proxy listens (proxy.PAIR)
         self.engine = VLLMProcess(pair_command(proxy, cmd, self.proxy_log, ready),
                                   engine_env(self.run_dir, self.kv_cache_gib, self.extra_args, self.env),

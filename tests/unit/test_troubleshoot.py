@@ -87,3 +87,21 @@ def test_llmlab_status_names_the_start_failures_the_lesson_shows():
         assert troubleshoot.sign(name).matches(line), name
         found = jobs.failure("[llmlab 10:00:00] FAILED: vLLM exited while starting.\n", line + "\n")
         assert found[0].startswith(reason), (name, found[0])
+
+
+def test_a_learner_registered_then_revoked_as_the_proxy_reads_the_room(tmp_path):
+    """troubleshoot.register_learner and revoke_learner write a room's keys/ as connect() and `llmlab revoke` do: the
+    proxy's KeyRing accepts the key, then refuses it as revoked (its own sentence), and share.learners says so."""
+    from llmlab.serve.proxy.keys import KeyRing
+
+    room = troubleshoot.room()
+    key = troubleshoot.register_learner(room)
+    owner = tmp_path / "owner.key"
+    owner.write_text("owner-key-0123456789abcdef\n")
+    ring = KeyRing(owner, room / "keys", recheck=0)
+    assert ring.accepts(f"Bearer {key}") and set(troubleshoot.learners(room).values()) == {"registered"}
+    assert key not in "".join(p.read_text() for p in (room / "keys").iterdir())  # only its digest is written
+    troubleshoot.revoke_learner(room)
+    ring.refresh(force=True)
+    assert not ring.accepts(f"Bearer {key}") and ring.revoked(f"Bearer {key}")
+    assert set(troubleshoot.learners(room).values()) == {"revoked"}

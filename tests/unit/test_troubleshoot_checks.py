@@ -46,3 +46,18 @@ def test_never_starts(capsys):
     not_yet(check.never_starts, "Priority", hint="in its turn")
     not_yet(check.never_starts, "QOSGrp*Limit", hint="when one of them ends")
     not_yet(check.never_starts, "ReqNodeNotAvail", hint="one of the four lines' reasons")
+
+
+def test_cut_off(capsys):
+    good = {"A": "revoked", "B": "unread", "C": "bad-key"}
+    assert "with client.completions.create" in right(capsys, check.cut_off, good, "b")
+    not_yet(check.cut_off, {**good, "A": "bad-key"}, "b", hint="its owner revoked it")
+    not_yet(check.cut_off, {**good, "C": "revoked"}, "b", hint="never knew")
+    not_yet(check.cut_off, {**good, "B": "engine-died"}, "b", hint="the engine is fine")
+    not_yet(check.cut_off, {"A": "revoked", "B": "unread", "C": "no-model"}, "b", hint="match each excerpt")
+    not_yet(check.cut_off, {"A": "revoked"}, "b", hint="a dict with the excerpts")
+    not_yet(check.cut_off, {**good, "B": "back-pressure"}, "b", hint="one of the signs' names")
+    not_yet(check.cut_off, good, "a", hint="a longer time-out")
+    not_yet(check.cut_off, good, "c", hint="fewer tokens")
+    not_yet(check.cut_off, good, "d", hint="the server is fine")
+    not_yet(check.cut_off, good, "e", hint="one of the letters")

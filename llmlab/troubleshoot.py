@@ -12,6 +12,8 @@ Each has one sentence of its own in vLLM's log or in the error the client gets; 
     attempts = troubleshoot.try_starts({"TP=3": ["--tensor-parallel-size", "3"]})   # vLLM refuses: its log
     troubleshoot.diagnose(attempts["TP=3"].error)                                 # which sign, cause, fix
     reply = troubleshoot.ask(client, model="llama3.1-8b", prompt="Hi")            # the client's side: 404
+    troubleshoot.revoke_learner(room)                                             # a room's learner shut out: 401
+    troubleshoot.stop_reading(client, model)                                      # vLLM generates on for nobody
 """
 
 from __future__ import annotations
@@ -491,12 +493,15 @@ def stop_reading(client, model: str, *, read: int = 5, max_tokens: int = 600, cl
             "ran_on_s": time.monotonic() - stopped, "running": counts[0], "stream": stream}
 
 
-def never_read(base_url: str, api_key: str, model: str, *, wait: float, max_tokens: int = 1000, n: int = 3,
-               logprobs: int = 20) -> dict:
+def never_read(base_url: str, api_key: str, model: str, *, wait: float, max_tokens: int = 600, n: int = 2,
+               logprobs: int = 20, rcvbuf: int = 4096) -> dict:
     """A client that sends a streamed request and reads nothing of the answer for ``wait`` seconds (on a socket of
     its own, as a stuck program would), then reads what it can: the bytes, and whether the answer ended whole (the
-    SSE stream's ``data: [DONE]``) or the connection closed before.  ``n`` answers of ``logprobs`` 20 a token make
-    the stream about 2 MB, more than the sockets' buffers between it and vLLM hold (about 0.6 MB on this machine)."""
+    SSE stream's ``data: [DONE]``) or the connection closed before.  ``n`` answers with the ``logprobs`` 20 top tokens
+    of each token (about 700 bytes a token) make the stream about 0.8 MB, more than the buffers between the client and
+    vLLM's proxy hold: the proxy's send buffer for this client (about 0.5 MB, ``limits.CLIENT_SNDBUF`` doubled by
+    Linux) and its transport's 64 KiB; ``rcvbuf`` keeps the client's own receive buffer small (the system's default
+    would take about 0.1 MB more).  ``n`` x ``max_tokens`` fits lesson 19's 12-block pool without preemption."""
     import json
     import socket
     from urllib.parse import urlsplit
@@ -508,7 +513,10 @@ def never_read(base_url: str, api_key: str, model: str, *, wait: float, max_toke
     head = (f"POST {url.path.rstrip('/')}/completions HTTP/1.1\r\nhost: {url.netloc}\r\n"
             f"authorization: Bearer {api_key}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode()
-    with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connecting: the window is agreed then
+        s.settimeout(30)
+        s.connect((url.hostname, url.port))
         s.sendall(head + body)
         time.sleep(wait)
         received, tail, ended = 0, b"", "the server closed the connection"

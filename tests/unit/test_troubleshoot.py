@@ -4,6 +4,8 @@ GPU failure; the start-up refusal's arithmetic.  Notebook 19 produces the faults
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from llmlab import memory, troubleshoot
@@ -105,3 +107,4 @@ def test_a_learner_registered_then_revoked_as_the_proxy_reads_the_room(tmp_path)
     ring.refresh(force=True)
     assert not ring.accepts(f"Bearer {key}") and ring.revoked(f"Bearer {key}")
     assert set(troubleshoot.learners(room).values()) == {"revoked"}
+    shutil.rmtree(room)

@@ -14,14 +14,14 @@ LEARNERS, SYSTEM, QUESTION, ANSWER, BLOCK = 24, 1_500, 56, 300, 16
 LESSON_ROOM = (30, 2_010, 40, 200)
 
 
-def room_hit_rate(hit_rate, computed, room: dict) -> None:
+def room_hit_rate(hit_rate, computed, room) -> None:
     """13: the share of the room's prompt tokens found in the prefix cache, and the prompt tokens computed, from
     the room's own requests (``run_room``'s records: ``prompt_tokens`` and ``cached_tokens`` each)."""
     hit_rate, computed = _number(hit_rate, "hit_rate"), _number(computed, "computed")
-    records = room["result"].records
+    records = room.result.records
     queries = sum(r.prompt_tokens or 0 for r in records)
     hits = sum(r.cached_tokens or 0 for r in records)
-    require(queries > 0, "the room's records hold no prompt tokens: pass the dict run_room returned.")
+    require(queries > 0, "the room's records hold no prompt tokens: pass the Room that run_room returned.")
     require(not (hits and math.isclose(hit_rate, queries / hits, rel_tol=1e-6)),
             "that is looked-up / found: the rate divides the tokens found by the tokens looked up, so it lies "
             "between 0 and 1.")

@@ -739,16 +739,22 @@ def test_speculative_decoding_checks_name_what_is_wrong(capsys):
 def test_prefix_caching_at_scale_checks_name_what_is_wrong(capsys):
     """Notebook 13's checks: the room's hit rate from its requests' usage, a GPU room's blocks (shared counted once)."""
     from llmlab.loadtest import LoadResult, Record
+    from llmlab.prefixcache import Room
+    from llmlab.serve.metrics import Counters
 
-    sent = [Record(id=i, prompt_tokens=410, cached_tokens=0 if i == 0 else 384) for i in range(10)]
-    room = {"result": LoadResult(sent, concurrency=10)}  # the room: 4,100 sent, 3,456 found
+    def room_of(records) -> Room:  # what run_room returns, its server figures left empty: the check reads records
+        result = LoadResult(records, concurrency=max(1, len(records)))
+        return Room(result, result.summary(), 0, True, 0, 0, 0, False, Counters(), [""] * len(records))
+
+    room = room_of([Record(id=i, prompt_tokens=410, cached_tokens=0 if i == 0 else 384) for i in range(10)])
+    # the room: 4,100 sent, 3,456 found
     right(capsys, check.room_hit_rate, 3456 / 4100, 644, room)
     not_yet(check.room_hit_rate, 4100 / 3456, 644, room, hint="looked-up / found")
     not_yet(check.room_hit_rate, 100 * 3456 / 4100, 644, room, hint="not a percentage")
     not_yet(check.room_hit_rate, 0.5, 644, room, hint="found / sent")
     not_yet(check.room_hit_rate, 3456 / 4100, 3456, room, hint="the server computed the others")
     not_yet(check.room_hit_rate, 3456 / 4100, 600, room, hint="were not computed again")
-    not_yet(check.room_hit_rate, 0.5, 10, {"result": LoadResult([], concurrency=1)}, hint="hold no prompt tokens")
+    not_yet(check.room_hit_rate, 0.5, 10, room_of([]), hint="hold no prompt tokens")
     # 24 requests of 1,556 + 299 tokens: 116 blocks each; the 23 later ones find 93 whole system-prompt blocks
     right(capsys, check.room_blocks, 24 * 116 - 23 * 93, 24 * 116)
     not_yet(check.room_blocks, 645, 2783, hint="round up per request")

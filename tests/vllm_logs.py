@@ -44,6 +44,9 @@ def check_metrics(text: str) -> None:
     missing = [name for name in METRICS if name + "_bucket" not in m and name not in m]
     assert not missing, f"/metrics lacks {missing}"
     assert m.value(kvcache.PROMPT_TOKENS, default=0.0) > 0, "the request was not counted"
+    c = kvcache.read_counters(m)  # the lessons' one snapshot type reads this release's scrape: one request, counted
+    assert c.finished >= 1 and c.generated > 0 and c.steps > 0 and c.ttft.count >= 1, c
+    assert c.block_size and c.num_gpu_blocks and c.prefix_caching is not None, "no vllm:cache_config_info labels"
 
 
 def fixture_text(log: str, tmp: Path) -> str:

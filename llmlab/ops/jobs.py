@@ -251,6 +251,11 @@ FAILURES = [
     (re.compile(r"api_server\.py: error:|error: unrecognized arguments|error: argument |invalid choice"),
      "vLLM rejected an argument (check --extra-vllm-args / LLMLAB_EXTRA_VLLM_ARGS)"),
     (re.compile(r"did not answer /health within"), "vLLM did not become ready in time (LLMLAB_READY_TIMEOUT)"),
+    # vLLM's words when its engine core process ends without a word (vllm/v1/engine/core_client.py:818; lesson 19
+    # kills one live, llmlab.troubleshoot's "core-exited" sign): something outside ended it
+    (re.compile(r"engine core exited unexpectedly"),
+     "vLLM's engine core was killed from outside, most often by the out-of-memory killer (`dmesg` on the node, "
+     "`sacct -j JOB -o JobID,State,MaxRSS`)"),
     (re.compile(r"vLLM exited on its own"), "vLLM exited after it was ready"),
 ]
 ERROR_LINE = re.compile(r"Error|FAILED|Traceback|Exception")

@@ -230,6 +230,9 @@ def test_histogram_quantile_interpolates_like_prometheus():
      "api_server.py: error: unrecognized arguments: --bogus\n", "vLLM rejected an argument"),
     ("[llmlab 10:00:00] READY: m at http://h:1/v1\n[llmlab 11:00:00] FAILED: vLLM exited on its own (code 1). Last "
      "lines of x:\n", "INFO ... Application startup complete.\n", "vLLM exited after it was ready"),
+    ("[llmlab 10:00:00] READY: m at http://h:1/v1\n[llmlab 11:00:00] FAILED: vLLM exited on its own (code 1). Last "
+     "lines of x:\n", "(APIServer pid=7) WARNING 11-29 [core_client.py:818] [shutdown] MPClient: engine core exited "
+     "unexpectedly; starting cleanup\n", "vLLM's engine core was killed from outside"),
     ("[llmlab 10:00:00] FAILED: vLLM exited while starting.\n",  # vLLM 0.32's words (lesson 19 makes it live)
      "  Value error, Total number of attention heads (64) must be divisible by tensor parallel size (6). "
      "[type=value_error]\n", "the tensor-parallel size does not divide the model's attention heads"),

@@ -86,3 +86,19 @@ def test_metrics_are_refused_by_a_router_of_several_replicas_and_gathered_paths_
     assert policy.judge(request(b"/metrics", OWNER, b"GET"), ring, {}, replicas=1) is None
     models = request(b"/v1/models", OWNER, b"GET")
     assert policy.judge(models, ring, {}, by_model=True) is None and models.gather == "/v1/models"
+
+
+@pytest.mark.parametrize("value, ok", [("2", True), ("", True), ("abc", False), ("0", False), ("-5", False)])
+def test_the_send_timeout_from_the_environment_is_a_number_of_seconds_or_one_sentence(value, ok):
+    """LLMLAB_PROXY_SEND_TIMEOUT (lesson 19 and the tests shorten it): a bad value stops the proxy at its start with
+    the variable named, not with Python's float() error or a timer that never waits."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", "from llmlab.serve.proxy import limits; print(limits.SEND_TIMEOUT)"],
+                         env={"PATH": "/usr/bin:/bin", "LLMLAB_PROXY_SEND_TIMEOUT": value}, capture_output=True,
+                         text=True)
+    if ok:
+        assert run.returncode == 0 and float(run.stdout) == (float(value) if value else 60.0)
+    else:
+        assert run.returncode == 1 and f"LLMLAB_PROXY_SEND_TIMEOUT={value!r}: give a number of seconds" in run.stderr

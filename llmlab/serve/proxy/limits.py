@@ -22,7 +22,19 @@ HEAD_SLICE = 4096  # bytes of heads parsed at once: between two slices the pipel
 # Seconds a client may leave its answers unread before it is dropped (nginx's send_timeout): between two requests and
 # in the middle of a streamed answer alike (relay.Client.pause_writing).  LLMLAB_PROXY_SEND_TIMEOUT sets it for a
 # server started with it in its environment (lesson 19 shows the drop in a few seconds; the tests too).
-SEND_TIMEOUT = float(os.environ.get("LLMLAB_PROXY_SEND_TIMEOUT") or 60.0)
+def _seconds(name: str, default: float) -> float:
+    """A number of seconds from the environment; anything else stops the proxy with a sentence naming the variable."""
+    text = os.environ.get(name) or str(default)
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise SystemExit(f"{name}={text!r}: give a number of seconds above 0 (default {default:g}).")
+    return value
+
+
+SEND_TIMEOUT = _seconds("LLMLAB_PROXY_SEND_TIMEOUT", 60.0)
 CLIENT_SNDBUF = 256 * 1024  # the kernel's send buffer per client socket (autotuned up to 4 MiB otherwise)
 IDLE_TIMEOUT = 30.0  # seconds a connection may sit without a request (uvicorn's keep-alive is 5 s, nginx's 75 s)
 LINGER = 2.0  # seconds a client refused part way may go on sending, read and dropped (nginx's lingering_close)

@@ -26,6 +26,7 @@ def _counts(text: str) -> list[int]:
 # A replay's report and records go here unless --out says otherwise: never into the traces' folder (issue 47), which
 # may be a committed result or the instructor's only copy of a room's recording.
 REPLAY_OUT = "build/room-replay"
+SEARCH_OPTIONS = ("slo", "repeats", "resolution", "bracket")  # --find-max's own options (None unless given)
 
 
 def cmd_room(args) -> int:
@@ -33,9 +34,10 @@ def cmd_room(args) -> int:
 
     if getattr(args, "find_max", False):
         return _find_max(args)
-    if getattr(args, "slo", None):
-        print("llmlab room: --slo is the objective of --find-max: add --find-max (with --replay TRACE_DIR).",
-              file=sys.stderr)
+    searching = [f"--{name}" for name in SEARCH_OPTIONS if getattr(args, name, None) is not None]
+    if searching:  # a search's option without the search would be ignored: say so rather than run something else
+        print(f"llmlab room: {', '.join(searching)} belong{'s' if len(searching) == 1 else ''} to --find-max: add "
+              "--find-max (with --replay TRACE_DIR and --slo), or leave them out.", file=sys.stderr)
         return 2
     counts = _counts(args.learners)
     try:
@@ -84,9 +86,10 @@ def _find_max(args) -> int:
     try:
         parse_slo(args.slo)
         report = find_max_room(args.replay, args.slo, start=counts[0], highest=counts[1] if len(counts) > 1 else None,
-                               stagger=args.stagger if args.stagger is not None else 1.0, repeats=args.repeats,
-                               resolution=args.resolution, out=args.out or REPLAY_OUT, bracket=bracket,
-                               progress=lambda s: print(s, flush=True))
+                               stagger=args.stagger if args.stagger is not None else 1.0,
+                               repeats=2 if args.repeats is None else args.repeats,
+                               resolution=0.25 if args.resolution is None else args.resolution,
+                               out=args.out or REPLAY_OUT, bracket=bracket, progress=lambda s: print(s, flush=True))
     except SloError as e:
         print(f"llmlab room: --slo: {e}", file=sys.stderr)
         return 2
@@ -136,9 +139,9 @@ def add_commands(sub) -> None:
                                                           "--slo, starting at --learners (START or START,HIGHEST)")
     p.add_argument("--slo", help="the objective of --find-max, e.g. 'ttft_p99<2s,failed=0' (ttft/tpot/itl/latency "
                                  "_pNN or _mean in s or ms; failed as a count or a %%)")
-    p.add_argument("--repeats", type=int, default=2, help="--find-max: runs of a level at most, until its interval "
+    p.add_argument("--repeats", type=int, help="--find-max: runs of a level at most, until its interval "
                                                           "is clear (default 2)")
-    p.add_argument("--resolution", type=float, default=0.25,
+    p.add_argument("--resolution", type=float,
                    help="--find-max: stop when the room that missed is within this share of the one that met (0.25)")
     p.add_argument("--bracket", metavar="MET,MISSED", help="--find-max: start from an earlier search's bracket "
                                                            "(30,45: 30 met, 45 missed) and bisect it, running neither "

@@ -185,6 +185,18 @@ def test_find_max_bracket_is_met_then_missed_or_a_room_met_alone(tmp_path, capsy
         err = capsys.readouterr().err
         assert f"--bracket '{bad}': give the room an earlier search met and the one it missed" in err
 
+
+@pytest.mark.parametrize("given, named", [
+    (["--slo", "ttft_p99<2s"], "--slo belongs"), (["--bracket", "30,45"], "--bracket belongs"),
+    (["--repeats", "3", "--resolution", "0.1"], "--repeats, --resolution belong")])
+def test_a_search_option_without_find_max_is_one_sentence_not_ignored(tmp_path, capsys, given, named):
+    """``llmlab room --replay T --bracket 30,45`` without ``--find-max`` would replay 30 learners and ignore the
+    bracket: a sentence instead, before any server is reached."""
+    from llmlab.ops.cli import main
+
+    assert main(["room", "--replay", str(tmp_path), *given]) == 2
+    assert f"llmlab room: {named} to --find-max: add --find-max" in capsys.readouterr().err
+
 def test_the_committed_gpu_replays_are_the_workshop_guides_sizing_table():
     """benchmarks/results/h100x2-llama3.1-8b-room-replay (issue 36): every replayed request answered, and each run's
     TTFT p50 / p99 is the row docs/workshop.md sizes rooms from."""

@@ -18,6 +18,7 @@ Each has one sentence of its own in vLLM's log or in the error the client gets; 
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import math
 import os
@@ -400,9 +401,11 @@ def die_mid_stream(client, model: str, server, after: int = 20, max_tokens: int 
 
 def room() -> Path:
     """A new private folder laid out as a room's share directory (``DIR/keys/``, :mod:`llmlab.serve.share`), for an
-    engine of the lesson's own: ``engines.start(keys=room / "keys")``; its proxy re-reads ``keys/`` as it changes."""
+    engine of the lesson's own: ``engines.start(keys=room / "keys")``; its proxy re-reads ``keys/`` as it changes.
+    It is removed when the Python process (the notebook's kernel) ends: each run of the lesson made one and left it."""
     root = Path(tempfile.mkdtemp(prefix="llmlab-room-"))
     (root / "keys").mkdir(mode=0o700)
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     return root
 
 

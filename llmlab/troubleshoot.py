@@ -370,7 +370,7 @@ def engine_core_pid(server) -> int | None:
 def die_mid_stream(client, model: str, server, after: int = 20, max_tokens: int = 400, settle: float = 30.0) -> dict:
     """Stream a long answer and, once ``after`` pieces have arrived, kill the server's engine core with SIGKILL
     (what the kernel's out-of-memory killer sends): what the client received, how its stream ended, and whether
-    whether any of the server's processes (API server, proxy) still runs ``settle`` s later at most (an API server
+    any of the server's processes (API server, proxy) still runs ``settle`` s later at most (an API server
     without its engine shuts down, and llmlab's proxy with it)."""
     import openai
 
@@ -466,19 +466,13 @@ def ask_until(client, status: int, timeout: float = 15.0, **request) -> Reply:
 # A client that stops reading
 # --------------------------------------------------------------------------------------------------
 
-def _server_counts(client) -> tuple[float, int]:
-    """(requests running, tokens generated so far) from the server's ``/metrics``."""
-    c = metrics.counters(client)
-    return c.running, c.generated
-
-
 def stop_reading(client, model: str, *, read: int = 5, max_tokens: int = 600, close: bool = False,
                  timeout: float = 60.0) -> dict:
     """Stream an answer of ``max_tokens`` (no early end), read ``read`` pieces, then stop reading: keep the stream
     (a loop left with ``break``, the stream still held: ``close=False``) or close it.  Then watch the server's
     ``/metrics`` until no request runs (at most ``timeout`` s): the tokens the engine generated since the request
     was sent, and the seconds it kept running after the client stopped.  ``stream``: close it when done."""
-    _, generated_before = _server_counts(client)
+    before = metrics.counters(client)
     stream = client.with_options(max_retries=0).completions.create(
         model=model, prompt="Once upon a time", max_tokens=max_tokens, temperature=0, stream=True,
         extra_body={"ignore_eos": True})
@@ -490,10 +484,10 @@ def stop_reading(client, model: str, *, read: int = 5, max_tokens: int = 600, cl
     if close:
         stream.close()
     stopped = time.monotonic()
-    while (counts := _server_counts(client))[0] > 0 and time.monotonic() - stopped < timeout:
+    while (now := metrics.counters(client)).running > 0 and time.monotonic() - stopped < timeout:
         time.sleep(0.1)
-    return {"read": pieces, "asked": max_tokens, "generated": round(counts[1] - generated_before),
-            "ran_on_s": time.monotonic() - stopped, "running": counts[0], "stream": stream}
+    return {"read": pieces, "asked": max_tokens, "generated": (now - before).generated,
+            "ran_on_s": time.monotonic() - stopped, "running": now.running, "stream": stream}
 
 
 def never_read(base_url: str, api_key: str, model: str, *, wait: float, max_tokens: int = 600, n: int = 2,

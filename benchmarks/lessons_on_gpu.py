@@ -42,7 +42,6 @@ from llmlab.connection import connect
 from llmlab.ops import rehearsal
 from llmlab.rehearse import parse_memory_log
 from llmlab.replicas import Router
-from llmlab.serve.metrics import fetch_metrics
 
 MODEL = "llama3.1-8b"
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -86,7 +85,7 @@ class Engine:
                 "cuda_graph_gib": mem.cuda_graph_gib or mem.graph_gib, "vllm_version": mem.vllm_version}
 
     def requests_finished(self) -> float:
-        return kvcache.read_counters(fetch_metrics(self.srv.base_url, self.srv.api_key)).finished
+        return kvcache.counters(self.srv).finished
 
     def stop(self) -> None:
         self.srv.stop(grace=30)

@@ -31,7 +31,7 @@ from llmlab import loadtest, prefixcache
 from llmlab.connection import connect
 from llmlab.serve.embedded import EmbeddedServer
 from llmlab.serve.info import ServerError, llmlab_home, new_key_file, read_key
-from llmlab.serve.metrics import Counters, fetch_metrics, read_counters
+from llmlab.serve.metrics import Counters, counters
 from llmlab.serve.paths import RESULTS_DIR
 from llmlab.serve.proxy.command import proxy_command, wait_bound
 from llmlab.serve.proxy.router import BALANCE, PREFIX_CHARS, ROUTES, home_replica, prefix_key
@@ -176,7 +176,7 @@ class Replicas:
 
     def metrics(self) -> list[Counters]:
         """Each replica's :class:`~llmlab.serve.metrics.Counters`, read from the replica itself."""
-        return [read_counters(fetch_metrics(s.base_url, s.api_key)) for s in self.servers]
+        return [counters(s) for s in self.servers]
 
     def stop(self) -> None:
         if self.router is not None:
